@@ -1,0 +1,88 @@
+"""Bookkeeping of KV-cache block ids: which are free, which are held and by how many sequences.
+
+Owns: the fixed set of block ids `0 .. num_blocks-1`, a free list and a reference count per block.
+Does not own: the K/V tensors (the model runner allocates those, indexed by these ids), nor the
+policy of who gets blocks (the scheduler).
+
+Prefix-reuse seam: each block carries an optional `content_hash`. The next step (blocks shared by a
+hash chained over token ids AND image identifiers) will keep a `hash -> block_id` map, bump the
+reference count of a hit with `share`, and leave freed hashed blocks on the free list, still findable,
+until `allocate` evicts them from the head (the free list is already in least-recently-freed order).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+class OutOfBlocksError(RuntimeError):
+    """`allocate` was asked for more blocks than are free; callers check `can_allocate` first."""
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0  # sequences holding this block (count); 0 = on the free list
+    content_hash: int | None = None  # seam for prefix reuse: hash of the tokens + images it holds
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self._blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # NOTE: allocate from the head, free to the tail
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks, each with reference count 1; raise OutOfBlocksError if too few."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise OutOfBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
+        ids = [self._free.popleft() for _ in range(n)]
+        for block_id in ids:
+            block = self._blocks[block_id]
+            block.ref_count = 1
+            block.content_hash = None  # NOTE: with prefix reuse, evicting drops the hash from the map here
+        return ids
+
+    def share(self, block_ids: list[int]) -> None:
+        """Add one holder to blocks already held (the prefix-reuse path)."""
+        for block_id in block_ids:
+            block = self._held(block_id)
+            block.ref_count += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one holder from each block; a block whose count reaches 0 goes back to the free list.
+
+        Blocks are returned last-first so that the tail of a sequence, the least likely to be shared
+        later, is the first to be reused.
+        """
+        for block_id in reversed(block_ids):
+            block = self._held(block_id)
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free.append(block_id)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def _held(self, block_id: int) -> KVBlock:
+        if not 0 <= block_id < len(self._blocks):
+            raise ValueError(f"block id {block_id} out of range [0, {len(self._blocks)})")
+        block = self._blocks[block_id]
+        if block.ref_count <= 0:
+            raise ValueError(f"block {block_id} is not held (double free?)")
+        return block

@@ -1,0 +1,151 @@
+"""The decoder stage: continuous batching over a paged KV cache, one batched forward per step.
+
+Owns: the step loop body (schedule -> forward -> sample -> update -> detokenise) and the
+per-request output state (RNG, detokeniser, stop strings). Does not own: the policy (scheduler),
+memory (block pool, KV cache), the model, or how requests arrive (engine / Ray deployment).
+Not thread-safe: one caller drives `add`, `abort` and `step` (the engine's step loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.config import KVCacheConfig, SchedulerConfig
+from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.detokenizer import IncrementalDetokenizer
+from mmserve.decoder.kv_cache import KVCache
+from mmserve.decoder.model_runner import ModelRunner
+from mmserve.decoder.sampler import Sampler, make_generator
+from mmserve.decoder.scheduler import Scheduler
+from mmserve.decoder.sequence import Sequence
+from mmserve.messages import DecodeRequest, RequestOutput
+from mmserve.models.base import ModelSpec, TextDecoder
+
+# Called with the request ids and their (n, vocab) logits of every step; tests use it for parity.
+LogitsObserver = Callable[[list[str], torch.Tensor], None]
+
+
+@dataclass
+class _OutputState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class DecoderStats:
+    running: int  # sequences holding KV blocks (requests)
+    waiting: int  # sequences queued or preempted (requests)
+    free_blocks: int  # KV blocks in the pool (blocks)
+    total_blocks: int  # KV blocks overall (blocks)
+    steps: int  # forwards run since start (steps)
+    kv_cache_bytes: int  # bytes of KV tensors (bytes)
+
+
+class Decoder:
+    def __init__(
+        self,
+        model: TextDecoder,
+        spec: ModelSpec,
+        tokenizer,
+        scheduler: SchedulerConfig,
+        kv_cache: KVCacheConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        on_logits: LogitsObserver | None = None,
+    ):
+        device = torch.device(device)
+        self.spec, self.tokenizer, self.on_logits = spec, tokenizer, on_logits
+        self.pool = BlockPool(kv_cache.num_blocks)
+        self.scheduler = Scheduler(
+            scheduler, kv_cache, self.pool, max_model_len=spec.max_model_len, eos_token_ids=spec.eos_token_ids
+        )
+        self.kv = KVCache(spec, kv_cache, dtype=dtype, device=device)
+        self.runner = ModelRunner(model, spec, self.kv, dtype=dtype, device=device)
+        self.sampler = Sampler()
+        self._states: dict[str, _OutputState] = {}
+        self.steps = 0
+
+    def add(self, request: DecodeRequest) -> None:
+        """Queue a request; raises CapacityError if it can never be scheduled."""
+        seq = Sequence(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=request.sampling,
+            features=list(request.features),
+            embeddings=list(request.embeddings),
+        )
+        self.scheduler.add(seq)
+        self._states[seq.request_id] = _OutputState(
+            seq=seq,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, stop=request.sampling.stop),
+            generator=make_generator(request.sampling.seed),
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; None if it is unknown or already finished."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(state, [], "", finish_reason="abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def request_ids(self) -> list[str]:
+        """Requests added and not yet finished or aborted."""
+        return list(self._states)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward over everything scheduled; one output per request that sampled."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        result = self.runner.execute([(s.seq, s.num_new_tokens) for s in plan.scheduled])
+        self.steps += 1
+        ids = [seq.request_id for seq in result.seqs]
+        if self.on_logits is not None:
+            self.on_logits(ids, result.logits)
+        tokens = self.sampler.sample(
+            result.logits,
+            [seq.sampling for seq in result.seqs],
+            [self._states[rid].generator for rid in ids],
+        ).tolist()
+        finished = {seq.request_id for seq in self.scheduler.update(plan, dict(zip(ids, tokens, strict=True)))}
+        return [self._emit(rid, tok, rid in finished) for rid, tok in zip(ids, tokens, strict=True)]
+
+    def _emit(self, request_id: str, token: int, finished: bool) -> RequestOutput:
+        state = self._states[request_id]
+        text = state.detokenizer.add(token)
+        if not finished and state.detokenizer.stopped:
+            self.scheduler.finish(request_id, "stop")
+            finished = True
+        if finished:
+            text += state.detokenizer.flush()
+            del self._states[request_id]
+        return self._output(state, [token], text, finish_reason=state.seq.finish_reason if finished else None,
+                            finished=finished)
+
+    def _output(self, state, tokens, text, *, finish_reason, finished: bool = True) -> RequestOutput:
+        seq = state.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            finished=finished,
+            finish_reason=finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+
+    def stats(self) -> DecoderStats:
+        s = self.scheduler.stats()
+        return DecoderStats(
+            running=s.running, waiting=s.waiting, free_blocks=self.pool.num_free,
+            total_blocks=s.total_blocks, steps=self.steps, kv_cache_bytes=self.kv.nbytes,
+        )

@@ -1,0 +1,129 @@
+"""Batched next-token sampling: greedy, temperature, top-k, top-p, with per-request seeded RNGs.
+
+Owns: turning one step's last-position logits into token ids, and the per-request generator helper.
+Does not own: computing the logits (the model runner), nor stop conditions (the scheduler).
+
+Filtering is vectorised over the batch (one `topk`, masks built from per-row parameter tensors). The
+draw is inverse-CDF sampling with one uniform number per row taken from that row's own CPU generator,
+so a seeded row gets the same token whether it is batched with other rows or alone, on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.messages import SamplingParams
+
+CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort only if its nucleus is wider
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A CPU generator for one request's whole life; None (global RNG) when the request has no seed."""
+    if seed is None:
+        return None
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """(n, vocab) logits -> (n, vocab) float32 log-probabilities."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+        """(n, vocab) logits, one params and generator per row -> (n,) int64 token ids."""
+        if not len(params) == len(generators) == logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators")
+        logits = logits.float()  # (n, V); NOTE: filter in float32 whatever the model dtype
+        tokens = logits.argmax(dim=-1)  # (n,)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row
+        vocab = logits.shape[-1]
+        full = [j for j, i in enumerate(rows) if not _truncates(params[i], vocab)]
+        cut = [j for j, i in enumerate(rows) if _truncates(params[i], vocab)]
+        for group, draw in ((full, _draw_full), (cut, _draw_truncated)):
+            if group:
+                index = torch.tensor([rows[j] for j in group], device=logits.device)  # (g,)
+                scaled = logits[index] / _temperatures([params[rows[j]] for j in group], logits.device)
+                tokens[index] = draw(scaled, [params[rows[j]] for j in group], u[group])
+        return tokens
+
+
+def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
+                    candidates: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, V) temperature-scaled logits -> ((g, K) probabilities after top-k then top-p, (g, K) ids).
+
+    The probabilities are renormalised over the kept tokens.
+
+    Both are in decreasing-logit order over the K most likely tokens, so every kept set is a prefix of
+    its row and the first token is always kept. Top-p applies to the distribution renormalised after
+    top-k. NOTE: a full-vocabulary sort is ~30x slower than `topk` on CPU, so K is the largest top_k
+    or CANDIDATES, widened to the whole vocabulary only when some row's nucleus is wider than that.
+    """
+    vocab, device = scaled.shape[-1], scaled.device
+    top_k = torch.tensor([_top_k(p, vocab) or vocab for p in params], device=device)  # (g,)
+    top_p = torch.tensor([p.top_p for p in params], device=device)  # (g,)
+    k = min(vocab, max(candidates, *(_top_k(p, vocab) for p in params)))
+    if k < vocab:
+        values, order = scaled.topk(k, dim=-1)  # (g, K) each, sorted
+    else:
+        values, order = scaled.sort(dim=-1, descending=True)  # (g, V) each
+    in_k = torch.arange(k, device=device)[None, :] < top_k[:, None]  # (g, K)
+    lse = values.masked_fill(~in_k, float("-inf")).logsumexp(dim=-1)  # (g,): top-k rows' normaliser
+    if bool((top_k == vocab).any()):  # top-p-only rows normalise over the whole vocabulary
+        lse = torch.where(top_k == vocab, scaled.logsumexp(dim=-1), lse)
+    probs = (values - lse[:, None]).exp().masked_fill(~in_k, 0.0)  # (g, K)
+    if k < vocab and bool((probs.sum(dim=-1) < top_p).any()):
+        return truncated_probs(scaled, params, candidates=vocab)
+    mass_before = probs.cumsum(dim=-1) - probs  # (g, K): mass of the strictly more likely tokens
+    # NOTE: the nucleus is the smallest prefix whose mass reaches top_p; rows at 1.0 skip the mask so
+    # that float rounding of the cumsum never drops tail tokens.
+    drop = (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None])  # (g, K)
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True), order
+
+
+def _draw_full(scaled: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """(g, V) scaled logits, (g,) uniforms -> (g,) ids drawn from the whole softmax, no sort needed."""
+    return _inverse_cdf(scaled.softmax(dim=-1), u)
+
+
+def _draw_truncated(scaled: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    probs, order = truncated_probs(scaled, params)  # (g, K) each
+    return order.gather(-1, _inverse_cdf(probs, u)[:, None]).squeeze(-1)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(g, K) unnormalised probs, (g,) uniforms in [0, 1) -> (g,) positions, never a zero-prob one.
+
+    NOTE: a float32 cumsum is monotone over non-negative terms, and its rounding moves each token's
+    probability by ~1e-7, far below sampling noise; float64 would triple the cost on a 262k vocabulary.
+    """
+    cdf = probs.cumsum(dim=-1)  # (g, K)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]  # (g, 1)
+    pos = torch.searchsorted(cdf, target, right=True)  # (g, 1): first position whose cdf exceeds target
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())  # (g, 1): where the cdf first reaches its total
+    return torch.minimum(pos, last).squeeze(-1)
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    """The row's effective top_k; 0 when off or not below the vocabulary size."""
+    return p.top_k if 0 < p.top_k < vocab else 0
+
+
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    return _top_k(p, vocab) > 0 or p.top_p < 1.0
+
+
+def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    """(g, 1) temperatures; NOTE: greedy rows never get here, the floor only guards tiny values."""
+    return torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)[:, None]
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One U[0, 1) number per row from that row's CPU generator (global RNG when None) -> (m,) float64."""
+    if not generators:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])

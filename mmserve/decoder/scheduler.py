@@ -1,0 +1,262 @@
+"""Continuous-batching FCFS scheduler of the decoder: who computes which tokens in the next step.
+
+Owns: the waiting and running queues, admission, chunked prefill, KV-block allocation per step,
+preemption (recompute policy), and finishing on eos / stop tokens / max_tokens / max_model_len.
+Does not own: the model forward and sampling (the model runner), stop strings (the output processor
+calls `finish`), nor the K/V tensors (only block ids, through `BlockPool`).
+
+One rule covers every case: a sequence computes its `num_tokens - num_computed_tokens` remaining
+tokens, as many per step as the budget allows; when a step reaches `num_tokens` a token is sampled.
+A decode has exactly 1 left; a preempted sequence (blocks freed, `num_computed_tokens` back to 0,
+generated tokens kept) re-prefills prompt + outputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from mmserve.config import KVCacheConfig, SchedulerConfig
+from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.sequence import Sequence, SequenceStatus
+from mmserve.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from mmserve.messages import FinishReason
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from `start` (tokens)
+    start: int = field(init=False)  # seq.num_computed_tokens when scheduled (tokens)
+    samples: bool = field(init=False)  # this chunk reaches num_tokens: a token is sampled for it
+
+    def __post_init__(self) -> None:
+        start = self.seq.num_computed_tokens
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "samples", start + self.num_new_tokens == self.seq.num_tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # running ones (arrival order), then those admitted this step
+    preempted: list[str]  # request ids sent back to the queue this step (their blocks are freed)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    running: int  # sequences holding KV blocks
+    waiting: int  # queued or preempted sequences
+    free_blocks: int  # KV blocks in the pool's free list
+    total_blocks: int  # KV blocks in the pool
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_config: KVCacheConfig,
+                 block_pool: BlockPool, max_model_len: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = scheduler_config
+        self.block_size = kv_cache_config.block_size
+        self.pool = block_pool
+        self.max_model_len = max_model_len  # tokens the model's positions allow
+        # NOTE: a sequence may never hold more tokens than the pool either; capping its length there
+        # means a sequence alone in the pool always fits, so preemption can never livelock. It then
+        # finishes with "length" when it fills the pool.
+        self.max_seq_len = min(max_model_len, block_pool.num_blocks * self.block_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []  # sorted by arrival_order; preempted ones go back in place
+        self.running: list[Sequence] = []  # sorted by arrival_order; the tail is preempted first
+        self._seqs: dict[str, Sequence] = {}  # unfinished sequences by request id
+        self._next_arrival = 0
+
+    # ---- joining and leaving -------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; raise if it could never be scheduled."""
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already scheduled")
+        self._check_schedulable(seq)
+        seq.arrival_order = self._next_arrival
+        self._next_arrival += 1
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Sequence | None:
+        """End a request now (stop string, abort); returns it, or None if unknown or already done."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[request_id]
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        return self.finish(request_id, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.pool.num_free,
+                              self.pool.num_blocks)
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running sequences first (arrival order), then admit waiting ones."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._num_new_tokens(seq, budget)
+            if n > 0 and self._grow_or_preempt(seq, n, preempted):
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+            if seq.status is SequenceStatus.RUNNING:  # else it preempted itself: same index is next
+                i += 1
+        if not preempted:  # NOTE: a pool that just ran dry admits nobody this step
+            scheduled += self._admit(budget)
+        return SchedulerOutput(scheduled, preempted)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Record a finished step: advance progress, append sampled tokens, finish and free.
+
+        `sampled` maps request id -> token for every scheduled sequence whose chunk reached its end.
+        Returns the sequences that finished in this step.
+        """
+        finished: list[Sequence] = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            if not item.samples:
+                continue
+            if seq.request_id not in sampled:
+                raise KeyError(f"no sampled token for {seq.request_id!r}, whose prefill completed")
+            seq.token_ids.append(sampled[seq.request_id])
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self.finish(seq.request_id, reason)
+                finished.append(seq)
+        return finished
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _check_schedulable(self, seq: Sequence) -> None:
+        n = seq.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n > self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {n} tokens; this model accepts at most "
+                                     f"{self.max_model_len}")
+        if n > self.max_seq_len:
+            raise CapacityError(f"the prompt needs {-(-n // self.block_size)} KV blocks; the pool has "
+                                f"{self.pool.num_blocks} ({self.max_seq_len} tokens)")
+        budget = self.config.max_num_batched_tokens
+        for feature in seq.features:
+            if feature.placeholder.length > budget:
+                raise CapacityError(
+                    f"a {feature.modality} spans {feature.placeholder.length} tokens, more than the "
+                    f"{budget} tokens one decoder step computes (max_num_batched_tokens)")
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for `seq` this step: its remainder, cut to `budget` and to image spans."""
+        start = seq.num_computed_tokens
+        end = start + min(seq.num_tokens - start, budget)
+        if end < seq.num_tokens:
+            end = _end_outside_spans(seq, end)
+        return max(end - start, 0)
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+        return max(total - len(seq.block_table), 0)
+
+    def _grow_or_preempt(self, seq: Sequence, num_new: int, preempted: list[str]) -> bool:
+        """Give a running `seq` the blocks for `num_new` tokens, preempting the latest arrivals.
+
+        Returns False when `seq` itself had to be preempted (it was the latest arrival left).
+        """
+        needed = self._blocks_needed(seq, num_new)
+        while not self.pool.can_allocate(needed):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return False
+        seq.block_table += self.pool.allocate(needed)
+        return True
+
+    def _admit(self, budget: int) -> list[ScheduledSeq]:
+        """Move waiting sequences to running, FCFS, while seats, budget and blocks allow."""
+        admitted: list[ScheduledSeq] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._num_new_tokens(seq, budget)
+            needed = self._blocks_needed(seq, n)
+            if n == 0 or not self.pool.can_allocate(needed):
+                break  # NOTE: strict FCFS: nobody overtakes the head of the queue
+            self.waiting.pop(0)
+            seq.block_table += self.pool.allocate(needed)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)
+            admitted.append(ScheduledSeq(seq, n))
+            budget -= n
+        return admitted
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_arrival)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+        token = seq.token_ids[-1]
+        params = seq.sampling
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_seq_len:
+            return "length"
+        return None
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival_order
+
+
+def _end_outside_spans(seq: Sequence, end: int) -> int:
+    """Move a chunk end that falls strictly inside an image placeholder back to the span's start.
+
+    NOTE: Gemma 3 attends bidirectionally within an image, so a chunk must hold a span whole.
+    Spans are disjoint, so one move is enough.
+    """
+    for feature in seq.features:
+        offset, length = feature.placeholder.offset, feature.placeholder.length
+        if offset < end < offset + length:
+            return offset
+    return end

@@ -1,0 +1,94 @@
+"""Runs a model's vision encoder over a batch of processed image items.
+
+Owns: turning `ProcessedItem`s (numpy crops) into one batch on the runner's device and dtype,
+chunking it to `max_batch_items` crops per forward, splitting the output back per item, and the
+counters of what ran. Does not own: the model (it is handed a vision callable, e.g. for Gemma 3
+`lambda px: model.model.get_image_features(px).pooler_output`), caching, or scheduling.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mmserve.messages import ProcessedItem
+from mmserve.models.base import VisionEncoder  # (n_images, 3, H, W) -> (n_images, mm_tokens, hidden)
+
+
+class EncoderRunner:
+    def __init__(
+        self,
+        encode_images: VisionEncoder,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_items: int = 16,
+    ) -> None:
+        if max_batch_items < 1:
+            raise ValueError(f"max_batch_items must be >= 1, got {max_batch_items}")
+        self.encode_images = encode_images
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_batch_items = max_batch_items  # crops per vision forward
+        self.forward_passes = 0  # vision forwards run
+        self.images_encoded = 0  # crops encoded
+        self.items_encoded = 0  # items (images) encoded
+        self.batch_sizes: Counter[int] = Counter()  # crops per forward -> forwards
+
+    def embed_multimodal(self, items: Sequence[ProcessedItem]) -> list[torch.Tensor]:
+        """Encode every crop of every item in as few forwards as allowed.
+
+        Returns one `(n_crops * mm_tokens, hidden)` tensor per item, in order, each with its own
+        storage (so dropping one from a cache really frees it).
+        """
+        if not items:
+            return []
+        crops, n_crops = _flatten_crops(items)
+        with torch.inference_mode():
+            chunks = [
+                self._forward(crops[start : start + self.max_batch_items])
+                for start in range(0, len(crops), self.max_batch_items)
+            ]
+        features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # (total, mm_tokens, hidden)
+        hidden = features.shape[-1]
+        # NOTE: cloned outside inference_mode (under no_grad) so the results are normal tensors:
+        # inference tensors would break a decoder that runs with autograd enabled, and cloning
+        # gives each item its own storage instead of a view that pins the whole batch.
+        with torch.no_grad():
+            per_item = [t.reshape(-1, hidden).clone() for t in features.split(n_crops)]
+        self.items_encoded += len(items)
+        return per_item  # each (n_crops * mm_tokens, hidden)
+
+    def _forward(self, crops: list[np.ndarray]) -> torch.Tensor:
+        # NOTE: np.stack copies into a fresh writable array, so read-only arrays (zero-copy from
+        # the Ray object store) never reach torch.from_numpy, which warns on them.
+        batch = torch.from_numpy(np.stack(crops))  # (n, 3, H, W), host
+        batch = batch.to(device=self.device, dtype=self.dtype)
+        out = self.encode_images(batch)  # (n, mm_tokens, hidden)
+        if out.dim() != 3 or out.shape[0] != len(crops):
+            raise RuntimeError(
+                f"vision callable returned shape {tuple(out.shape)} for {len(crops)} images; "
+                "expected (n_images, mm_tokens, hidden)"
+            )
+        self.forward_passes += 1
+        self.images_encoded += len(crops)
+        self.batch_sizes[len(crops)] += 1
+        return out
+
+
+def _flatten_crops(items: Sequence[ProcessedItem]) -> tuple[list[np.ndarray], list[int]]:
+    """All crops of all items in order (views, no copy) and the crop count of each item."""
+    crops: list[np.ndarray] = []
+    n_crops: list[int] = []
+    for item in items:
+        pv = item.pixel_values  # (n_crops, 3, H, W)
+        if pv.ndim != 4 or pv.shape[0] < 1:
+            raise ValueError(f"pixel_values must be (n_crops >= 1, 3, H, W), got {pv.shape}")
+        if crops and pv.shape[1:] != crops[0].shape:
+            raise ValueError(f"items of one batch must share crop shape: {pv.shape[1:]} vs {crops[0].shape}")
+        crops.extend(pv)
+        n_crops.append(pv.shape[0])
+    return crops, n_crops

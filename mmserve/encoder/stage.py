@@ -1,0 +1,227 @@
+"""The encoder stage: a queue of requests whose images need embeddings, served one step at a time.
+
+Owns: the FIFO of pending requests, one encoder step (cache lookups, allocation under the per-step
+compute budget and the cache capacity, ONE batched `embed_multimodal` for all misses), the tensor
+cache kept in line with the manager's books, and the stage's stats. Does not own: the vision model
+(`EncoderRunner` wraps it), how requests arrive or leave (the engine, or a Ray deployment, calls
+`add_request` / `step` / `release`), nor when a request ends (the decoder reports it: `release`).
+
+Single-threaded by design: the caller serializes calls (one engine loop or one replica's loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmserve.config import EncoderConfig
+from mmserve.encoder.cache import EncoderCache
+from mmserve.encoder.cache_manager import EncoderCacheManager
+from mmserve.encoder.runner import EncoderRunner
+from mmserve.messages import MultiModalFeatureSpec, ProcessedItem
+from mmserve.models.base import VisionEncoder
+
+Resolver = Callable[[Any], ProcessedItem]  # spec.data -> ProcessedItem (ray.get in the Ray app)
+
+
+def _identity(data: Any) -> ProcessedItem:
+    return data
+
+
+@dataclass(frozen=True)
+class EncodedRequest:
+    request_id: str
+    embeddings: list[torch.Tensor]  # per feature, in feature order: (num_embeds, hidden)
+
+
+@dataclass(frozen=True)
+class EncoderStats:
+    queries: int  # item lookups decided (hits + encoded misses)
+    hits: int  # lookups served by the encoder cache
+    forward_passes: int  # vision forwards run
+    items_encoded: int  # items (images) encoded
+    images_encoded: int  # crops encoded
+    cached_tokens: int  # embedding rows booked in the cache, referenced or not
+    capacity_tokens: int  # embedding rows the cache may hold
+    num_cached: int  # entries in the cache
+    num_pending: int  # requests still waiting for embeddings
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # crops per forward -> forwards
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class EncoderStepError(RuntimeError):
+    """An encoder step failed (resolve or vision forward); the requests named were dropped."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"encoder step failed for requests {request_ids}: {cause!r}")
+        self.request_ids = request_ids
+
+
+@dataclass(eq=False)
+class _Pending:
+    request_id: str
+    features: list[MultiModalFeatureSpec]
+    resolve: Resolver
+    next_index: int = 0  # features before it are booked (hit or allocated) for this request
+
+    @property
+    def done(self) -> bool:
+        return self.next_index == len(self.features)
+
+
+class EncoderStage:
+    def __init__(self, runner: EncoderRunner, config: EncoderConfig | None = None) -> None:
+        self.config = config or EncoderConfig()
+        self.runner = runner
+        self.manager = EncoderCacheManager(self.config.cache_capacity_tokens, self.config.compute_budget_tokens)
+        self.cache = EncoderCache()
+        self._pending: dict[str, _Pending] = {}  # FIFO: insertion order is arrival order
+        self._live: set[str] = set()  # pending, or emitted and not yet released
+        self._queries = 0
+        self._hits = 0
+
+    @classmethod
+    def build(
+        cls,
+        encode_images: VisionEncoder,
+        config: EncoderConfig | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> EncoderStage:
+        config = config or EncoderConfig()
+        runner = EncoderRunner(encode_images, device=device, dtype=dtype, max_batch_items=config.max_batch_items)
+        return cls(runner, config)
+
+    # ---- requests in and out ----
+
+    def add_request(
+        self, request_id: str, features: list[MultiModalFeatureSpec], resolve: Resolver = _identity
+    ) -> None:
+        """Queue a request; CapacityError if its items can never fit (nothing is queued then)."""
+        if request_id in self._live:
+            raise ValueError(f"request {request_id} is already in the encoder stage")
+        sizes: dict[str, int] = {}
+        for spec in features:
+            if sizes.setdefault(spec.identifier, spec.num_embeds) != spec.num_embeds:
+                raise ValueError(f"item {spec.identifier} appears with different num_embeds in one request")
+        self.manager.validate_request(sizes)
+        self._pending[request_id] = _Pending(request_id, list(features), resolve)
+        self._live.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was aborted: drop its references (and its queue entry). Idempotent."""
+        self._pending.pop(request_id, None)
+        self._live.discard(request_id)
+        self.manager.free_request(request_id)
+
+    abort = release
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    # ---- one step ----
+
+    def step(self) -> list[EncodedRequest]:
+        """Run one encoder step; return the requests whose embeddings are now all available.
+
+        Raises EncoderStepError (after dropping the requests involved in the misses) if resolving
+        an item or the vision forward fails; the other requests stay queued, the books consistent.
+        """
+        misses = self._schedule()
+        self.cache.drop(self.manager.take_freed())
+        if misses:
+            self._encode(misses)
+        return self._collect_done()
+
+    def _schedule(self) -> list[tuple[_Pending, MultiModalFeatureSpec]]:
+        """Book items FIFO across requests until one miss does not fit; return the misses."""
+        # NOTE: strict FIFO — stopping at the first miss that does not fit (rather than letting
+        # later, smaller items through) keeps a large image from starving; at most one request is
+        # then partially booked, and validation guarantees it fits once earlier ones are released.
+        budget = self.config.compute_budget_tokens  # embedding rows left to encode this step
+        misses: list[tuple[_Pending, MultiModalFeatureSpec]] = []
+        for req in self._pending.values():
+            while not req.done:
+                spec = req.features[req.next_index]
+                if self.manager.check_and_update_cache(req.request_id, spec.identifier):
+                    self._hits += 1
+                elif self.manager.can_allocate(spec.num_embeds, budget):
+                    self.manager.allocate(req.request_id, spec.identifier, spec.num_embeds)
+                    budget -= spec.num_embeds
+                    misses.append((req, spec))
+                else:
+                    return misses
+                self._queries += 1
+                req.next_index += 1
+        return misses
+
+    def _encode(self, misses: list[tuple[_Pending, MultiModalFeatureSpec]]) -> None:
+        try:
+            items = [_resolve(req, spec) for req, spec in misses]
+            embeddings = self.runner.embed_multimodal(items)  # each (n_crops * mm_tokens, hidden)
+            for (_, spec), emb in zip(misses, embeddings, strict=True):
+                if emb.shape[0] != spec.num_embeds:
+                    raise RuntimeError(
+                        f"item {spec.identifier} encoded to {emb.shape[0]} rows, spec says {spec.num_embeds}"
+                    )
+        except Exception as exc:
+            failed = self._roll_back([spec.identifier for _, spec in misses])
+            raise EncoderStepError(failed, exc) from exc
+        for (_, spec), emb in zip(misses, embeddings, strict=True):
+            self.cache.put(spec.identifier, emb)
+
+    def _roll_back(self, new_hashes: list[str]) -> list[str]:
+        """Forget this step's new entries and drop every request that referenced one."""
+        involved = {rid for h in new_hashes for rid in self.manager.referrers(h)}
+        failed = [rid for rid in self._pending if rid in involved]  # arrival order
+        failed += sorted(involved.difference(failed))  # none expected: all are still queued
+        self.manager.discard(new_hashes)
+        self.cache.drop(self.manager.take_freed())
+        for request_id in failed:
+            self.release(request_id)
+        return failed
+
+    def _collect_done(self) -> list[EncodedRequest]:
+        done = [req for req in self._pending.values() if req.done]
+        out = []
+        for req in done:
+            del self._pending[req.request_id]
+            out.append(EncodedRequest(req.request_id, [self._tensor(spec) for spec in req.features]))
+        return out
+
+    def _tensor(self, spec: MultiModalFeatureSpec) -> torch.Tensor:
+        emb = self.cache.get(spec.identifier)
+        if emb is None:  # the books say cached and referenced, so this is a bug, not a miss
+            raise RuntimeError(f"encoder cache lost referenced entry {spec.identifier}")
+        return emb
+
+    # ---- introspection ----
+
+    def stats(self) -> EncoderStats:
+        return EncoderStats(
+            queries=self._queries,
+            hits=self._hits,
+            forward_passes=self.runner.forward_passes,
+            items_encoded=self.runner.items_encoded,
+            images_encoded=self.runner.images_encoded,
+            cached_tokens=self.manager.num_cached_tokens,
+            capacity_tokens=self.manager.capacity_tokens,
+            num_cached=self.manager.num_cached,
+            num_pending=len(self._pending),
+            batch_sizes=dict(sorted(self.runner.batch_sizes.items())),
+        )
+
+
+def _resolve(req: _Pending, spec: MultiModalFeatureSpec) -> ProcessedItem:
+    if spec.data is None:
+        raise RuntimeError(
+            f"request {req.request_id}: item {spec.identifier} missed the encoder cache but carries no data"
+        )
+    return req.resolve(spec.data)

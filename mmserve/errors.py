@@ -1,0 +1,50 @@
+"""Exception types that say *whose* fault a failure is.
+
+Owns: the exception hierarchy. Every error a client caused derives from `InvalidRequestError`,
+which the HTTP edge maps to a 4xx with `code`; anything else is a server error (5xx).
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """The client sent something we cannot serve; maps to HTTP 400."""
+
+    code = "invalid_request"
+    status = 400
+
+
+class MediaError(InvalidRequestError):
+    """An image could not be fetched or decoded (bad base64, non-image bytes, too large)."""
+
+    code = "invalid_image"
+
+
+class UnsupportedURLError(InvalidRequestError):
+    """The image URL's scheme, host or address is not allowed."""
+
+    code = "unsupported_url"
+
+
+class TooManyItemsError(InvalidRequestError):
+    """More multimodal items in one prompt than the configured limit."""
+
+    code = "too_many_images"
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt, once images are expanded, does not fit the model's context."""
+
+    code = "context_length_exceeded"
+
+
+class InvalidSamplingError(InvalidRequestError):
+    """A sampling parameter is out of range."""
+
+    code = "invalid_sampling_params"
+
+
+class CapacityError(InvalidRequestError):
+    """One item or prompt can never fit a configured budget (encoder cache, step budget, KV pool)."""
+
+    code = "exceeds_capacity"

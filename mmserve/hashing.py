@@ -1,0 +1,63 @@
+"""Content hash of one multimodal item: the key of the ProcessorCache and the encoder cache.
+
+Owns: what goes into the key (decoded pixels, mode, size, palette, model id, and the output-changing
+processor kwargs with their defaults resolved) and its canonical byte form. Does not own: which
+kwargs change the output or what their defaults are (the model's prompt rule says so), nor caching.
+
+Hashing decoded pixels, not the request's bytes, makes a PNG and a lossless WebP of one picture
+share a key, while any change to the pixels, the model or the processing gives a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from PIL import Image
+
+DIGEST_BYTES = 32
+
+
+def hash_image(image: Image.Image, *, model_id: str, kwargs: Mapping[str, Any],
+               defaults: Mapping[str, Any] | None = None) -> str:
+    """Hex blake2b-256 of the image's pixels and everything that changes its processed form.
+
+    `kwargs` are the request's output-changing processor kwargs; `defaults` (if given) fills the
+    ones left out, so passing a default explicitly hashes the same as leaving it out.
+    """
+    resolved = {**(defaults or {}), **kwargs}
+    header = {
+        "model_id": model_id,
+        "mode": image.mode,
+        "size": list(image.size),  # (width, height)
+        "kwargs": {k: _canonical(v) for k, v in resolved.items()},
+    }
+    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    digest.update(canonical_json(header).encode())
+    palette = image.getpalette() if image.mode in ("P", "PA") else None
+    if palette is not None:  # NOTE: "P" pixels are palette indices; the palette is part of the picture
+        digest.update(b"\x00palette\x00" + bytes(palette))
+    digest.update(b"\x00pixels\x00")
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, no spaces, no NaN: one string per value."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _canonical(value: Any) -> Any:
+    """Integral floats as ints (2.0 and 2 process alike); numpy scalars as Python numbers."""
+    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict)):
+        value = value.item()
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    return value

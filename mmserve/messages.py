@@ -1,0 +1,124 @@
+"""Every object that crosses a stage boundary (ingress -> preprocess -> encoder -> decoder -> ingress).
+
+Owns: the typed, picklable dataclasses passed between stages, each field commented with its unit.
+Does not own: how they travel (in-process call, Ray handle, object store) nor what any stage does
+with them. Big payloads (`ProcessedItem.pixel_values`, embeddings) are numpy arrays so that the
+Ray object store can share them zero-copy; a field typed `Any` may hold the array itself or a
+reference to it (an ObjectRef in the Ray app).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from mmserve.errors import InvalidSamplingError
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16  # tokens to generate at most
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    seed: int | None = None  # per-request RNG seed; None = nondeterministic
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (model eos added)
+    ignore_eos: bool = False  # keep going past eos / end-of-turn (benchmarks)
+
+    def validate(self) -> None:
+        """Raise InvalidSamplingError naming the first out-of-range field."""
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0.0,
+             f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidSamplingError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    request_id: str  # unique per request, chosen by the ingress
+    messages: list[dict[str, Any]]  # OpenAI chat messages (role, content: str | list of parts)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. do_pan_and_scan
+
+
+@dataclass(frozen=True)
+class ProcessedItem:
+    """The image processor's output for one item; cached by content hash."""
+
+    pixel_values: np.ndarray  # (n_crops, 3, H, W) float32; crop 0 is the whole image
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.pixel_values.nbytes)
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    offset: int  # index of the item's first prompt token (tokens)
+    length: int  # prompt tokens the item spans, image tokens and the text between crops (tokens)
+
+
+@dataclass(frozen=True)
+class MultiModalFeatureSpec:
+    identifier: str  # hex content hash: pixels + mode + size + model id + output-changing kwargs
+    modality: str  # "image"
+    placeholder: PlaceholderRange  # where the item sits in the prompt
+    num_embeds: int  # embedding rows the encoder yields = image-token positions in the range
+    data: Any = None  # ProcessedItem, a reference to one, or None once no stage needs it
+
+
+@dataclass(frozen=True)
+class PreprocessedRequest:
+    request_id: str
+    prompt_token_ids: list[int]  # the whole prompt, placeholders expanded (tokens)
+    features: list[MultiModalFeatureSpec]  # one per item, in prompt order
+    sampling: SamplingParams
+    processor_cache_hits: int = 0  # items of this request served by the ProcessorCache (items)
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: list[int]  # as in PreprocessedRequest (tokens)
+    features: list[MultiModalFeatureSpec]  # specs; `data` no longer needed here
+    embeddings: list[Any]  # per feature: (num_embeds, text_hidden) array, tensor or reference
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one decoder step produced for one request: a delta, not the whole text."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    new_text: str  # newly completed text; never ends inside a UTF-8 character
+    finished: bool
+    finish_reason: FinishReason | None  # set when finished
+    num_prompt_tokens: int  # prompt tokens, image tokens included (tokens)
+    num_output_tokens: int  # tokens generated so far (tokens)
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """A request that a stage could not serve after accepting it; ends the request's stream."""
+
+    request_id: str
+    error: Exception  # an InvalidRequestError subclass for client faults (4xx), else a server fault
+    finished: bool = True  # always True: nothing follows

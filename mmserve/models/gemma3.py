@@ -1,0 +1,108 @@
+"""Gemma 3, as data and parts: what the rest of mmserve may know about it.
+
+Owns: reading a local Gemma 3 checkpoint folder (config, generation config, safetensors through
+transformers), Gemma 3's `ModelSpec` (image token, attention pattern, stop tokens), its vision
+encoder (SigLIP + AvgPool -> RMSNorm -> Linear projector) and its text decoder over our KV cache.
+Does not own: prompt placeholder expansion (`gemma3_prompt.py`), batching or caching.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from mmserve.config import ModelConfig
+from mmserve.models.base import FULL, SLIDING, AttentionPattern, ModelSpec, VisionEncoder
+from mmserve.models.gemma3_prompt import Gemma3PromptRule
+from mmserve.models.gemma3_text import Gemma3PagedText
+
+
+def _eos_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    text_eos = config.text_config.eos_token_id
+    ids += text_eos if isinstance(text_eos, list) else [text_eos] if text_eos is not None else []
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def gemma3_spec(model_dir: Path, config: Any, model: ModelConfig) -> ModelSpec:
+    text = config.text_config
+    kinds = tuple(text.layer_types)
+    assert set(kinds) <= {FULL, SLIDING}, f"unknown Gemma 3 layer types {set(kinds)}"
+    return ModelSpec(
+        family="gemma3",
+        model_id=model.served_name or model_dir.name,
+        image_token_id=int(config.image_token_id),
+        mm_tokens_per_image=int(config.mm_tokens_per_image),
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size),
+        num_layers=int(text.num_hidden_layers),
+        num_kv_heads=int(text.num_key_value_heads),
+        head_dim=int(text.head_dim),
+        max_model_len=int(model.max_model_len or text.max_position_embeddings),
+        eos_token_ids=_eos_ids(model_dir, config),
+        attention=AttentionPattern(
+            layer_kinds=kinds,
+            sliding_window=int(text.sliding_window) if SLIDING in kinds else None,
+            bidirectional_images=True,  # Gemma 3 prefill: an image's tokens see each other both ways
+            scaling=float(text.query_pre_attn_scalar) ** -0.5,
+            softcap=text.attn_logit_softcapping,
+        ),
+    )
+
+
+class Gemma3Family:
+    """A Gemma 3 checkpoint folder: its spec, prompt rule and loadable parts."""
+
+    def __init__(self, model: ModelConfig):
+        self.model_config = model
+        self.model_dir = Path(model.model_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.spec = gemma3_spec(self.model_dir, self.hf_config, model)
+        self.prompt_rule = Gemma3PromptRule.from_checkpoint(self.model_dir, self.spec.mm_tokens_per_image)
+        self._hf_model: Any = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.model_config.dtype)
+
+    def _load(self) -> Any:
+        # NOTE: the whole checkpoint is read once (transformers maps every checkpoint layout,
+        # e.g. the original google/gemma-3-* key names); each stage then keeps only its parts.
+        if self._hf_model is None:
+            from transformers import Gemma3ForConditionalGeneration
+
+            self._hf_model = Gemma3ForConditionalGeneration.from_pretrained(
+                self.model_dir, dtype=self.dtype
+            ).eval()
+        return self._hf_model
+
+    def load_vision(self) -> VisionEncoder:
+        inner = self._load().model
+        device = torch.device(self.model_config.device)
+        tower = inner.vision_tower.to(device)
+        projector = inner.multi_modal_projector.to(device)
+
+        def encode(pixel_values: torch.Tensor) -> torch.Tensor:
+            # (n_images, 3, H, W) -> (n_images, mm_tokens, text_hidden)
+            hidden = tower(pixel_values=pixel_values).last_hidden_state  # (n_images, patches, vision_hidden)
+            return projector(hidden)
+
+        return encode
+
+    def load_text(self) -> Gemma3PagedText:
+        hf = self._load()
+        device = torch.device(self.model_config.device)
+        text = Gemma3PagedText(hf.model.language_model, hf.lm_head, self.spec.attention)
+        return text.to(device).eval()
+
+    def release_unused(self) -> None:
+        """Drop the reference to the whole HF model; parts handed out stay alive."""
+        self._hf_model = None

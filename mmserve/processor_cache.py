@@ -1,0 +1,160 @@
+"""ProcessorCache: a byte-bounded LRU from content hash to the image processor's output.
+
+Owns: the LRU index (key -> storage handle + size), the byte bound, eviction order and statistics.
+Does not own: where the values live. A `CacheStorage` keeps them: `InMemoryStorage` here; the Ray
+app supplies one backed by the object store, so only handles (ObjectRefs) sit in this index.
+Not owned either: hashing (hashing.py) or running the processor (processing.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mmserve.config import ProcessorCacheConfig
+from mmserve.messages import ProcessedItem
+
+
+class CacheStorage(Protocol):
+    """Where cached items live; a handle is whatever `get` and `free` need."""
+
+    def put(self, key: str, item: ProcessedItem) -> Any: ...
+
+    def get(self, handle: Any) -> ProcessedItem: ...
+
+    def free(self, handle: Any) -> None: ...
+
+
+class InMemoryStorage:
+    """The handle is the item itself; freeing drops nothing but the index's reference."""
+
+    def put(self, key: str, item: ProcessedItem) -> ProcessedItem:
+        return item
+
+    def get(self, handle: ProcessedItem) -> ProcessedItem:
+        return handle
+
+    def free(self, handle: ProcessedItem) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class ProcessorCacheStats:
+    capacity_bytes: int  # the bound (bytes)
+    queries: int  # lookups (count)
+    hits: int  # lookups that found the key (count)
+    evictions: int  # entries dropped to make room (count)
+    refused: int  # items not stored because they alone exceed the capacity (count)
+    bytes_held: int  # bytes of items currently held (bytes)
+    peak_bytes_held: int  # the most bytes ever held at once (bytes)
+    entries: int  # items currently held (count)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class _Entry:
+    handle: Any
+    nbytes: int
+
+
+class ProcessorCache:
+    """Thread-safe LRU; `capacity_bytes == 0` disables it (every lookup misses, nothing is stored)."""
+
+    def __init__(self, capacity_bytes: int, storage: CacheStorage | None = None) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._storage: CacheStorage = storage if storage is not None else InMemoryStorage()
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self._queries = self._hits = self._evictions = self._refused = 0
+        self._bytes = self._peak = 0
+
+    @classmethod
+    def from_config(cls, config: ProcessorCacheConfig, storage: CacheStorage | None = None) -> ProcessorCache:
+        return cls(config.capacity_bytes, storage)
+
+    def get_handle(self, key: str) -> Any | None:
+        """The storage handle for `key` (marking it most recently used), or None on a miss."""
+        with self._lock:
+            self._queries += 1
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            self._hits += 1
+            self._index.move_to_end(key)
+            return entry.handle
+
+    def get(self, key: str) -> ProcessedItem | None:
+        handle = self.get_handle(key)
+        return None if handle is None else self._storage.get(handle)
+
+    def put(self, key: str, item: ProcessedItem) -> bool:
+        """Store `item`, evicting LRU entries until it fits; False if it can never fit."""
+        nbytes = item.nbytes
+        with self._lock:
+            if self.capacity_bytes == 0:
+                return False
+            if nbytes > self.capacity_bytes:
+                self._refused += 1
+                return False
+            if key in self._index:
+                self._index.move_to_end(key)
+                return True
+        handle = self._storage.put(key, item)  # NOTE: outside the lock; a store may be slow
+        with self._lock:
+            to_free = self._insert(key, _Entry(handle, nbytes))
+        for old in to_free:
+            self._storage.free(old)
+        return True
+
+    def _insert(self, key: str, entry: _Entry) -> list[Any]:
+        """Under the lock: add `entry` after evicting; returns handles to free outside the lock."""
+        if key in self._index:  # another thread stored it meanwhile; keep theirs
+            self._index.move_to_end(key)
+            return [entry.handle]
+        to_free = []
+        while self._bytes + entry.nbytes > self.capacity_bytes:
+            _, old = self._index.popitem(last=False)
+            self._bytes -= old.nbytes
+            self._evictions += 1
+            to_free.append(old.handle)
+        self._index[key] = entry
+        self._bytes += entry.nbytes
+        self._peak = max(self._peak, self._bytes)
+        return to_free
+
+    def __contains__(self, key: str) -> bool:
+        """Membership without counting a query or touching recency."""
+        with self._lock:
+            return key in self._index
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def keys(self) -> list[str]:
+        """Keys from least to most recently used."""
+        with self._lock:
+            return list(self._index)
+
+    def clear(self) -> None:
+        with self._lock:
+            handles = [e.handle for e in self._index.values()]
+            self._index.clear()
+            self._bytes = 0
+        for handle in handles:
+            self._storage.free(handle)
+
+    def stats(self) -> ProcessorCacheStats:
+        with self._lock:
+            return ProcessorCacheStats(
+                capacity_bytes=self.capacity_bytes, queries=self._queries, hits=self._hits,
+                evictions=self._evictions, refused=self._refused, bytes_held=self._bytes,
+                peak_bytes_held=self._peak, entries=len(self._index),
+            )

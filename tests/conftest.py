@@ -1,0 +1,33 @@
+"""Shared pytest fixtures: tiny random-weight Gemma 3 checkpoints built offline once per session.
+
+Owns: the session-scoped `tiny_ckpt` (896 px / patch 14 / 256 image tokens, the real model's data
+shapes) and `tiny_ckpt_224` (224 px / patch 14 / 16 tokens) folders, built into pytest temp dirs,
+never into the user cache. Does not own: how the checkpoints are made (mmserve.models.tiny_checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# NOTE: set before anything imports transformers / huggingface_hub, which read these at import time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmserve.models.tiny_checkpoint import build_tiny_gemma3
+
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_896"))
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_224(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mmserve.models.tiny_checkpoint import build_tiny_gemma3
+
+    return build_tiny_gemma3(
+        tmp_path_factory.mktemp("tiny_gemma3_224"), image_size=224, patch_size=14, mm_tokens=16
+    )

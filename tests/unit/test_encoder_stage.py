@@ -1,0 +1,264 @@
+"""EncoderStage + EncoderRunner: batching, cache hits, budget, release, eviction, failure rollback."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from mmserve.config import EncoderConfig
+from mmserve.encoder.runner import EncoderRunner
+from mmserve.encoder.stage import EncoderStage, EncoderStepError
+from mmserve.errors import CapacityError
+from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, ProcessedItem
+
+MM_TOKENS = 4  # rows per crop of the fake vision model
+HIDDEN = 6
+
+
+class FakeVision(torch.nn.Module):
+    """(n, 3, 8, 8) -> (n, 4, 6): 4x4 average pooling then a fixed linear map; per-image, deterministic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.proj = torch.nn.Linear(3, HIDDEN)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(HIDDEN, 3, generator=gen))
+            self.proj.bias.copy_(torch.randn(HIDDEN, generator=gen))
+
+    def forward(self, px: torch.Tensor) -> torch.Tensor:
+        pooled = torch.nn.functional.avg_pool2d(px, 4)  # (n, 3, 2, 2)
+        return self.proj(pooled.flatten(2).transpose(1, 2))  # (n, 4, HIDDEN)
+
+
+class Store:
+    """Stands in for the object store: spec.data is a key, `resolve` counts its calls."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, ProcessedItem] = {}
+        self.calls: list[str] = []
+
+    def resolve(self, key: Any) -> ProcessedItem:
+        self.calls.append(key)
+        return self.items[key]
+
+
+def _item(seed: int, n_crops: int = 1, size: int = 8) -> ProcessedItem:
+    rng = np.random.default_rng(seed)
+    return ProcessedItem(rng.standard_normal((n_crops, 3, size, size), dtype=np.float32))
+
+
+def _spec(mm_hash: str, data: Any, num_embeds: int = MM_TOKENS) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(mm_hash, "image", PlaceholderRange(0, num_embeds), num_embeds, data)
+
+
+def _stage(vision: Callable[[torch.Tensor], torch.Tensor] | None = None, **config: int) -> EncoderStage:
+    cfg = EncoderConfig(**{"cache_capacity_tokens": 64, "compute_budget_tokens": 32, **config})
+    return EncoderStage.build(vision or FakeVision(), cfg)
+
+
+def _alone(vision: Callable[[torch.Tensor], torch.Tensor], item: ProcessedItem) -> torch.Tensor:
+    with torch.no_grad():
+        return vision(torch.from_numpy(item.pixel_values.copy())).reshape(-1, HIDDEN)
+
+
+def test_two_requests_batch_into_one_forward_equal_to_alone() -> None:
+    vision = FakeVision()
+    stage = _stage(vision)
+    a, b = _item(1), _item(2)
+    stage.add_request("r1", [_spec("ha", a)])
+    stage.add_request("r2", [_spec("hb", b)])
+    out = {r.request_id: r.embeddings for r in stage.step()}
+    s = stage.stats()
+    assert s.forward_passes == 1 and s.batch_sizes == {2: 1} and s.items_encoded == 2
+    assert out["r1"][0].shape == (MM_TOKENS, HIDDEN)
+    torch.testing.assert_close(out["r1"][0], _alone(vision, a), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["r2"][0], _alone(vision, b), atol=1e-5, rtol=0)
+    assert not stage.has_pending() and stage.step() == []
+
+
+def test_same_image_again_is_a_hit_without_forward_or_resolve() -> None:
+    stage, store = _stage(), Store()
+    store.items["k"] = _item(1)
+    stage.add_request("r1", [_spec("h", "k")], store.resolve)
+    (first,) = stage.step()
+    stage.add_request("r2", [_spec("h", "k")], store.resolve)
+    (second,) = stage.step()
+    assert store.calls == ["k"]
+    assert stage.stats().forward_passes == 1
+    assert stage.stats().queries == 2 and stage.stats().hits == 1
+    assert torch.equal(first.embeddings[0], second.embeddings[0])
+    assert stage.manager.refcount("h") == 2
+
+
+def test_duplicates_within_a_step_and_a_request_encode_once() -> None:
+    stage, store = _stage(), Store()
+    store.items.update(k=_item(1), j=_item(2))
+    stage.add_request("r1", [_spec("h", "k"), _spec("g", "j"), _spec("h", "k")], store.resolve)
+    stage.add_request("r2", [_spec("h", "k")], store.resolve)
+    done = stage.step()
+    assert [r.request_id for r in done] == ["r1", "r2"]
+    assert sorted(store.calls) == ["j", "k"]
+    assert stage.stats().images_encoded == 2 and stage.stats().hits == 2
+    assert len(done[0].embeddings) == 3 and torch.equal(done[0].embeddings[0], done[0].embeddings[2])
+
+
+def test_pan_and_scan_items_keep_all_their_crops() -> None:
+    vision = FakeVision()
+    stage = _stage(vision)
+    multi, single = _item(1, n_crops=3), _item(2)
+    stage.add_request("r1", [_spec("m", multi, 3 * MM_TOKENS), _spec("s", single)])
+    (r,) = stage.step()
+    assert stage.stats().batch_sizes == {4: 1}
+    torch.testing.assert_close(r.embeddings[0], _alone(vision, multi), atol=1e-5, rtol=0)
+    torch.testing.assert_close(r.embeddings[1], _alone(vision, single), atol=1e-5, rtol=0)
+
+
+def test_budget_limits_items_per_step_rest_follow() -> None:
+    stage = _stage(compute_budget_tokens=2 * MM_TOKENS)
+    for i in range(3):
+        stage.add_request(f"r{i}", [_spec(f"h{i}", _item(i))])
+    assert [r.request_id for r in stage.step()] == ["r0", "r1"]
+    assert stage.has_pending() and stage.stats().num_pending == 1
+    assert [r.request_id for r in stage.step()] == ["r2"]
+    assert stage.stats().forward_passes == 2 and stage.stats().batch_sizes == {2: 1, 1: 1}
+
+
+def test_one_call_is_chunked_by_max_batch_items() -> None:
+    stage = _stage(max_batch_items=2)
+    stage.add_request("r", [_spec(f"h{i}", _item(i)) for i in range(3)])
+    (r,) = stage.step()
+    assert stage.stats().batch_sizes == {2: 1, 1: 1} and len(r.embeddings) == 3
+
+
+def test_release_frees_references_and_abort_drops_pending() -> None:
+    stage = _stage(compute_budget_tokens=MM_TOKENS)
+    stage.add_request("r1", [_spec("a", _item(1)), _spec("b", _item(2))])
+    assert stage.step() == []  # budget: only "a" this step; r1 holds it, still pending
+    assert stage.manager.refcount("a") == 1
+    stage.abort("r1")
+    assert not stage.has_pending() and stage.manager.refcount("a") == 0
+    assert stage.step() == [] and stage.stats().forward_passes == 1
+
+    stage.add_request("r2", [_spec("c", _item(3))])
+    stage.step()
+    assert stage.manager.refcount("c") == 1
+    stage.release("r2")
+    stage.release("r2")  # idempotent
+    assert stage.manager.refcount("c") == 0 and stage.manager.num_cached == 2  # still cached
+
+
+def test_evicted_entry_misses_again() -> None:
+    stage, store = _stage(cache_capacity_tokens=2 * MM_TOKENS), Store()
+    store.items.update(a=_item(1), b=_item(2), c=_item(3))
+    for rid, key in [("r1", "a"), ("r2", "b"), ("r3", "c"), ("r4", "a")]:
+        stage.add_request(rid, [_spec(key, key)], store.resolve)
+        assert len(stage.step()) == 1
+        stage.release(rid)
+    assert store.calls == ["a", "b", "c", "a"]  # c evicted a (the oldest unreferenced)
+    assert "a" in stage.cache and "b" not in stage.cache and "c" in stage.cache
+    assert stage.stats().hits == 0 and stage.stats().forward_passes == 4
+
+
+def test_referenced_entries_block_instead_of_being_evicted() -> None:
+    stage = _stage(cache_capacity_tokens=2 * MM_TOKENS)
+    stage.add_request("r1", [_spec("a", _item(1)), _spec("b", _item(2))])
+    stage.step()
+    stage.add_request("r2", [_spec("c", _item(3))])
+    assert stage.step() == [] and stage.has_pending()  # r1 holds the whole cache
+    stage.release("r1")
+    assert [r.request_id for r in stage.step()] == ["r2"]
+
+
+def test_capacity_errors_at_add_request() -> None:
+    stage = _stage(cache_capacity_tokens=3 * MM_TOKENS, compute_budget_tokens=2 * MM_TOKENS)
+    with pytest.raises(CapacityError, match="compute_budget_tokens"):
+        stage.add_request("r", [_spec("a", _item(1), 3 * MM_TOKENS)])
+    with pytest.raises(CapacityError, match="cache_capacity_tokens"):
+        stage.add_request("r", [_spec(h, _item(1), 2 * MM_TOKENS) for h in "ab"])
+    stage.add_request("r", [_spec("a", _item(1), 2 * MM_TOKENS)] * 3)  # one distinct item fits
+    with pytest.raises(ValueError, match="already"):
+        stage.add_request("r", [])
+    assert stage.stats().num_pending == 1
+
+
+def test_request_without_images_completes_at_next_step() -> None:
+    stage = _stage()
+    stage.add_request("r", [])
+    assert [(r.request_id, r.embeddings) for r in stage.step()] == [("r", [])]
+
+
+def test_missing_data_on_a_miss_fails_that_request_only() -> None:
+    stage = _stage(compute_budget_tokens=MM_TOKENS)
+    stage.add_request("bad", [_spec("x", None)])
+    stage.add_request("ok", [_spec("y", _item(1))])
+    with pytest.raises(EncoderStepError, match="carries no data") as err:
+        stage.step()
+    assert isinstance(err.value, RuntimeError) and err.value.request_ids == ["bad"]
+    assert "x" not in stage.manager and stage.manager.num_cached == 0
+    assert [r.request_id for r in stage.step()] == ["ok"]
+
+
+def test_failed_forward_rolls_back_the_books() -> None:
+    def broken(px: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("boom")
+
+    stage = _stage(broken)
+    stage.add_request("r1", [_spec("a", _item(1))])
+    stage.add_request("r2", [_spec("a", _item(1))])  # hits the entry r1 allocates in the same step
+    with pytest.raises(EncoderStepError) as err:
+        stage.step()
+    assert err.value.request_ids == ["r1", "r2"]
+    assert stage.manager.num_cached == 0 and len(stage.cache) == 0 and not stage.has_pending()
+
+
+def test_read_only_arrays_encode_without_warnings() -> None:
+    vision = FakeVision()
+    item = _item(1, n_crops=2)
+    item.pixel_values.flags.writeable = False  # as numpy arrays from the Ray object store
+    runner = EncoderRunner(vision, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (emb,) = runner.embed_multimodal([item])
+    torch.testing.assert_close(emb, _alone(vision, item), atol=1e-5, rtol=0)
+    assert not emb.is_inference() and emb.untyped_storage().nbytes() == emb.numel() * 4
+
+
+def test_runner_casts_to_its_dtype() -> None:
+    runner = EncoderRunner(FakeVision().to(torch.bfloat16), dtype=torch.bfloat16)
+    (emb,) = runner.embed_multimodal([_item(1)])
+    assert emb.dtype == torch.bfloat16 and emb.shape == (MM_TOKENS, HIDDEN)
+
+
+def test_real_gemma3_vision_batches_like_alone(tiny_ckpt_224: Any) -> None:
+    from transformers import Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(tiny_ckpt_224).eval()
+
+    def vision(px: torch.Tensor) -> torch.Tensor:
+        return model.model.get_image_features(pixel_values=px).pooler_output  # (n, 16, text_hidden)
+
+    hidden = model.config.text_config.hidden_size
+    a, b = _item(1, size=224), _item(2, size=224)
+    stage, store = _stage(vision, cache_capacity_tokens=64, compute_budget_tokens=32), Store()
+    store.items.update(a=a, b=b)
+    stage.add_request("r1", [_spec("a", "a", 16)], store.resolve)
+    stage.add_request("r2", [_spec("b", "b", 16)], store.resolve)
+    out = {r.request_id: r.embeddings[0] for r in stage.step()}
+    assert stage.stats().forward_passes == 1 and stage.stats().batch_sizes == {2: 1}
+    with torch.no_grad():
+        alone = [vision(torch.from_numpy(x.pixel_values.copy())).reshape(-1, hidden) for x in (a, b)]
+    assert out["r1"].shape == (16, hidden)
+    assert alone[0].abs().max() > 0 and not torch.allclose(alone[0], alone[1])  # images matter
+    torch.testing.assert_close(out["r1"], alone[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["r2"], alone[1], atol=1e-5, rtol=0)
+
+    stage.add_request("r3", [_spec("a", "a", 16)], store.resolve)
+    (r3,) = stage.step()
+    assert store.calls == ["a", "b"] and stage.stats().forward_passes == 1
+    assert torch.equal(r3.embeddings[0], out["r1"])

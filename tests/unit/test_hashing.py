@@ -1,0 +1,78 @@
+"""hashing.py: the key follows the decoded pixels, the model and the output-changing kwargs."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmserve.hashing import hash_image
+from mmserve.media import decode_image
+from mmserve.models.gemma3_prompt import PROCESSOR_DEFAULTS
+
+RNG = np.random.default_rng(0)
+PIXELS = Image.fromarray(RNG.integers(0, 256, (24, 32, 3), dtype=np.uint8))
+
+
+def roundtrip(fmt: str, **save: object) -> Image.Image:
+    buf = io.BytesIO()
+    PIXELS.save(buf, fmt, **save)
+    return decode_image(buf.getvalue(), max_pixels=10_000)
+
+
+def key(image: Image.Image, model_id: str = "m", **kwargs: object) -> str:
+    return hash_image(image, model_id=model_id, kwargs=kwargs, defaults=PROCESSOR_DEFAULTS)
+
+
+def test_shape_of_the_key() -> None:
+    digest = key(PIXELS)
+    assert len(digest) == 64 and int(digest, 16) >= 0
+
+
+def test_byte_different_encodings_of_the_same_pixels_share_a_key() -> None:
+    encodings = [roundtrip("PNG", compress_level=0), roundtrip("PNG", compress_level=9, optimize=True),
+                 roundtrip("WEBP", lossless=True), roundtrip("BMP"), roundtrip("TIFF")]
+    assert {key(image) for image in encodings} == {key(PIXELS)}
+
+
+def test_lossy_encoding_changes_the_key() -> None:
+    assert key(roundtrip("JPEG", quality=90)) != key(PIXELS)
+
+
+def test_explicit_defaults_hash_like_omitted_ones() -> None:
+    explicit = dict(PROCESSOR_DEFAULTS)
+    assert key(PIXELS, **explicit) == key(PIXELS) == key(PIXELS, do_pan_and_scan=False)
+    assert key(PIXELS, pan_and_scan_min_ratio_to_activate=2) == key(
+        PIXELS, pan_and_scan_min_ratio_to_activate=2.0)  # 2 and 2.0 process alike
+    # without defaults, the caller's resolved kwargs are hashed as given
+    assert hash_image(PIXELS, model_id="m", kwargs=explicit) == key(PIXELS)
+
+
+@pytest.mark.parametrize("change", [
+    {"do_pan_and_scan": True}, {"pan_and_scan_max_num_crops": 3}, {"pan_and_scan_min_crop_size": 128},
+    {"pan_and_scan_min_ratio_to_activate": 1.5},
+])
+def test_output_changing_kwargs_change_the_key(change: dict[str, object]) -> None:
+    assert key(PIXELS, **change) != key(PIXELS)
+
+
+def test_model_pixels_mode_and_size_change_the_key() -> None:
+    base = key(PIXELS)
+    assert key(PIXELS, model_id="other") != base
+    edited = PIXELS.copy()
+    edited.putpixel((0, 0), (0, 0, 0) if PIXELS.getpixel((0, 0)) != (0, 0, 0) else (1, 1, 1))
+    assert key(edited) != base
+    # same bytes, other layout: 32x24 vs 24x32 share tobytes() but not the key
+    assert key(Image.frombytes("RGB", (24, 32), PIXELS.tobytes())) != base
+    gray = Image.new("L", (3, 2))
+    assert key(gray) != key(Image.frombytes("P", (3, 2), gray.tobytes()))
+
+
+def test_palette_is_part_of_a_paletted_image() -> None:
+    a = Image.new("P", (2, 2), 1)
+    b = a.copy()
+    a.putpalette([0, 0, 0, 255, 0, 0])
+    b.putpalette([0, 0, 0, 0, 255, 0])
+    assert a.tobytes() == b.tobytes() and key(a) != key(b)

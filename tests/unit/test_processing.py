@@ -1,0 +1,336 @@
+"""processing.py against transformers' own Gemma3Processor, plus the cache and every refusal.
+
+Uses the session fixtures `tiny_ckpt` (896 px / 256 tokens) and `tiny_ckpt_224` (224 px / 16 tokens).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmserve.config import EngineConfig, MediaConfig, ModelConfig
+from mmserve.errors import (
+    InvalidRequestError,
+    InvalidSamplingError,
+    MediaError,
+    PromptTooLongError,
+    TooManyItemsError,
+    UnsupportedURLError,
+)
+from mmserve.media import MediaLoader
+from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.processing import Preprocessor, image_token_runs
+from mmserve.processor_cache import ProcessorCache
+
+GiB = 1 << 30
+
+
+def random_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def url_of(image: Image.Image, fmt: str = "PNG", **save: Any) -> str:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **save)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+CAT, DOG, WIDE = random_image(640, 480, 1), random_image(300, 500, 2), random_image(1024, 400, 3)
+
+
+def img(image: Image.Image) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url_of(image)}}
+
+
+def txt(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+class SpyLoader(MediaLoader):
+    def __init__(self, config: MediaConfig) -> None:
+        super().__init__(config)
+        self.loads = 0
+
+    def load(self, url: str, *, index: int = 1) -> Image.Image:
+        self.loads += 1
+        return super().load(url, index=index)
+
+
+def make(ckpt: Path, *, capacity: int = GiB, max_model_len: int = 8192, **media: Any) -> Preprocessor:
+    config = MediaConfig(**media)
+    return Preprocessor(ckpt, media=config, cache=ProcessorCache(capacity), model_id="tiny",
+                        max_model_len=max_model_len, loader=SpyLoader(config))
+
+
+@pytest.fixture(scope="module")
+def pre(tiny_ckpt: Path) -> Preprocessor:
+    return make(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def pre224(tiny_ckpt_224: Path) -> Preprocessor:
+    return make(tiny_ckpt_224)
+
+
+def request(messages: list[dict[str, Any]], **kw: Any) -> ChatRequest:
+    return ChatRequest(request_id="r", messages=messages, **kw)
+
+
+# --- parity with transformers ---------------------------------------------------------------
+
+# (OpenAI messages, the same conversation in HF's template form, images in order, do_pan_and_scan)
+CASES = {
+    "text_only": ([{"role": "user", "content": "Hello there"}],
+                  [{"role": "user", "content": "Hello there"}], [], False),
+    "one_image": ([{"role": "user", "content": [img(CAT), txt("What is this?")]}],
+                  [{"role": "user", "content": [{"type": "image"}, txt("What is this?")]}], [CAT], False),
+    "two_images": ([{"role": "user", "content": [txt("Compare"), img(CAT), txt("with"), img(DOG)]}],
+                   [{"role": "user", "content": [txt("Compare"), {"type": "image"}, txt("with"),
+                                                 {"type": "image"}]}], [CAT, DOG], False),
+    "system": ([{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": [img(DOG), txt("Describe.")]}],
+               [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": [{"type": "image"}, txt("Describe.")]}], [DOG], False),
+    "multi_turn": ([{"role": "user", "content": [img(CAT), txt("What is it?")]},
+                    {"role": "assistant", "content": "A cat."},
+                    {"role": "user", "content": [txt("And this?"), img(DOG)]}],
+                   [{"role": "user", "content": [{"type": "image"}, txt("What is it?")]},
+                    {"role": "assistant", "content": "A cat."},
+                    {"role": "user", "content": [txt("And this?"), {"type": "image"}]}], [CAT, DOG], False),
+    "pan_and_scan_wide": ([{"role": "user", "content": [img(WIDE), txt("Read it."), img(CAT)]}],
+                          [{"role": "user", "content": [{"type": "image"}, txt("Read it."), {"type": "image"}]}],
+                          [WIDE, CAT], True),
+}
+
+
+def check_parity(pp: Preprocessor, case: str) -> None:
+    messages, hf_messages, images, pas = CASES[case]
+    kwargs = {"do_pan_and_scan": True} if pas else {}
+    ours = pp.process(request(messages, mm_processor_kwargs=kwargs))
+    rendered = pp.processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
+    ref = pp.processor(text=rendered, images=images or None, add_special_tokens=False,
+                       do_pan_and_scan=pas, return_tensors="np")
+    ref_ids = ref["input_ids"][0].tolist()
+    assert ours.prompt_token_ids == ref_ids
+    assert len(ours.features) == len(images)
+    if not images:
+        return
+    ours_pixels = np.concatenate([f.data.pixel_values for f in ours.features])  # (sum tiles, 3, H, W)
+    assert ours_pixels.dtype == np.float32
+    assert np.array_equal(ours_pixels, ref["pixel_values"])
+    # placeholders: item i spans its (crops + 1) runs of image tokens, text between crops included
+    runs = image_token_runs(ref_ids, pp.image_token_id)
+    k = 0
+    for feature in ours.features:
+        tiles = feature.data.pixel_values.shape[0]
+        mine = runs[k : k + tiles]
+        k += tiles
+        assert feature.placeholder.offset == mine[0][0]
+        assert feature.placeholder.offset + feature.placeholder.length == mine[-1][1]
+        assert feature.num_embeds == tiles * pp.rule.mm_tokens == sum(e - s for s, e in mine)
+        span = ref_ids[feature.placeholder.offset : mine[-1][1]]
+        assert span.count(pp.image_token_id) == feature.num_embeds
+        assert feature.modality == "image" and len(feature.identifier) == 64
+    assert k == len(runs)
+    assert sum(f.num_embeds for f in ours.features) == int(ref["token_type_ids"].sum())
+    if pas:
+        assert ours.features[0].data.pixel_values.shape[0] > 1  # the wide image was cropped
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_transformers(pre: Preprocessor, case: str) -> None:
+    check_parity(pre, case)
+
+
+@pytest.mark.parametrize("case", ["one_image", "pan_and_scan_wide"])
+def test_parity_with_transformers_224(pre224: Preprocessor, case: str) -> None:
+    check_parity(pre224, case)
+    assert pre224.rule.mm_tokens == 16
+
+
+def test_prompt_starts_with_a_single_bos(pre: Preprocessor) -> None:
+    ids = pre.process(request(CASES["one_image"][0])).prompt_token_ids
+    assert ids[0] == pre.tokenizer.bos_token_id and ids[1] != pre.tokenizer.bos_token_id
+
+
+# --- the ProcessorCache in the stage -----------------------------------------------------------
+
+
+def one_image(image: Image.Image, fmt: str = "PNG", **kw: Any) -> ChatRequest:
+    part = {"type": "image_url", "image_url": {"url": url_of(image, fmt, **({"lossless": True} if fmt == "WEBP"
+                                                                           else {}))}}
+    return request([{"role": "user", "content": [part, txt("?")]}], **kw)
+
+
+def test_repeated_image_makes_no_new_processor_call(tiny_ckpt_224: Path) -> None:
+    pp = make(tiny_ckpt_224)
+    first = pp.process(one_image(DOG))
+    assert pp.image_processor_calls == 1 and first.processor_cache_hits == 0
+    again = pp.process(one_image(DOG, "WEBP"))  # other bytes, same pixels
+    assert pp.image_processor_calls == 1 and again.processor_cache_hits == 1
+    assert again.features[0].identifier == first.features[0].identifier
+    assert again.prompt_token_ids == first.prompt_token_ids
+    explicit_default = pp.process(one_image(DOG, mm_processor_kwargs={"do_pan_and_scan": False}))
+    assert pp.image_processor_calls == 1 and explicit_default.processor_cache_hits == 1
+    other_kwarg = pp.process(one_image(DOG, mm_processor_kwargs={"do_pan_and_scan": True}))
+    assert pp.image_processor_calls == 2 and other_kwarg.processor_cache_hits == 0
+    assert other_kwarg.features[0].identifier != first.features[0].identifier
+    stats = pp.cache.stats()
+    assert (stats.queries, stats.hits, stats.entries) == (4, 2, 2)
+
+
+def test_cached_pixels_are_read_only(pre224: Preprocessor) -> None:
+    pixels = pre224.process(one_image(CAT)).features[0].data.pixel_values
+    with pytest.raises(ValueError, match="read-only"):
+        pixels[0, 0, 0, 0] = 1.0
+
+
+def test_byte_bound_evicts_in_lru_order(tiny_ckpt_224: Path) -> None:
+    tile_bytes = 3 * 224 * 224 * 4
+    pp = make(tiny_ckpt_224, capacity=2 * tile_bytes)
+    keys = [pp.process(one_image(im)).features[0].identifier for im in (CAT, DOG)]
+    pp.process(one_image(CAT))  # CAT becomes most recent
+    keys.append(pp.process(one_image(WIDE)).features[0].identifier)  # evicts DOG, not CAT
+    assert pp.cache.keys() == [keys[0], keys[2]]
+    stats = pp.cache.stats()
+    assert stats.evictions == 1 and stats.peak_bytes_held <= 2 * tile_bytes
+    calls = pp.image_processor_calls
+    assert pp.process(one_image(CAT)).processor_cache_hits == 1
+    assert pp.process(one_image(DOG)).processor_cache_hits == 0
+    assert pp.image_processor_calls == calls + 1
+
+
+def test_duplicate_image_in_one_request(tiny_ckpt_224: Path) -> None:
+    for capacity, hits in ((GiB, 1), (0, 0)):  # with the cache off, a request-local memo still helps
+        pp = make(tiny_ckpt_224, capacity=capacity)
+        out = pp.process(request([{"role": "user", "content": [img(CAT), img(CAT)]}]))
+        assert pp.image_processor_calls == 1 and out.processor_cache_hits == hits
+        assert out.features[0].identifier == out.features[1].identifier
+        assert out.features[1].placeholder.offset > out.features[0].placeholder.offset
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+def user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def data(payload: bytes, media_type: str = "image/png") -> dict[str, Any]:
+    url = f"data:{media_type};base64,{base64.b64encode(payload).decode()}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+BAD = {
+    "undecodable": (user(data(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)), MediaError, "not a decodable image"),
+    "non_image": (user(txt("x"), img(CAT), data(b"just some text")), MediaError, "image 2: "),
+    "bad_base64": (user({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}),
+                   MediaError, "not valid base64"),
+    "ftp": (user({"type": "image_url", "image_url": {"url": "ftp://example.com/a.png"}}),
+            UnsupportedURLError, "scheme 'ftp'"),
+    "bad_role": ([{"role": "tool", "content": "x"}], InvalidRequestError, "role"),
+    "bad_part": (user({"type": "input_audio", "input_audio": {}}), InvalidRequestError, "'input_audio'"),
+    "no_url": (user({"type": "image_url", "image_url": {}}), InvalidRequestError, "image_url.url"),
+    "null_content": ([{"role": "user", "content": None}], InvalidRequestError, "content"),
+    "empty": ([], InvalidRequestError, "non-empty"),
+    "reserved_token": (user(txt("hi <image_soft_token>")), InvalidRequestError, "reserved"),
+    "system_image": ([{"role": "system", "content": [img(CAT)]}, {"role": "user", "content": "hi"}],
+                     InvalidRequestError, "system"),
+    "not_alternating": ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                        InvalidRequestError, "alternate"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs(pre224: Preprocessor, case: str) -> None:
+    messages, error, message = BAD[case]
+    with pytest.raises(error, match=message):
+        pre224.process(request(messages))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"do_resize": False}, "unknown mm_processor_kwargs"),
+    ({"do_pan_and_scan": "yes"}, "boolean"),
+    ({"pan_and_scan_max_num_crops": 1000}, "integer in"),
+    ({"pan_and_scan_min_ratio_to_activate": float("nan")}, "finite"),
+])
+def test_bad_mm_kwargs(pre224: Preprocessor, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        pre224.process(one_image(CAT, mm_processor_kwargs=kwargs))
+
+
+def test_too_many_images_is_refused_before_fetching(tiny_ckpt_224: Path) -> None:
+    pp = make(tiny_ckpt_224, max_images_per_prompt=2)
+    with pytest.raises(TooManyItemsError, match=r"3 images.*limit is 2"):
+        pp.process(request(user(img(CAT), img(DOG), img(WIDE))))
+    assert pp.loader.loads == 0  # type: ignore[attr-defined]
+
+
+def test_prompt_too_long(tiny_ckpt_224: Path) -> None:
+    fits = make(tiny_ckpt_224).process(one_image(CAT))
+    n = len(fits.prompt_token_ids)
+    assert make(tiny_ckpt_224, max_model_len=n + 1).process(one_image(CAT)).prompt_token_ids == fits.prompt_token_ids
+    pp = make(tiny_ckpt_224, max_model_len=n)
+    with pytest.raises(PromptTooLongError, match=rf"{n} tokens.*max_model_len {n}"):
+        pp.process(one_image(CAT))
+    assert pp.loader.loads == 0  # type: ignore[attr-defined]  # refused before fetching
+
+
+def test_prompt_too_long_only_with_crops(tiny_ckpt_224: Path) -> None:
+    plain = make(tiny_ckpt_224).process(one_image(WIDE))
+    pp = make(tiny_ckpt_224, max_model_len=len(plain.prompt_token_ids) + 1)
+    pp.process(one_image(WIDE))
+    with pytest.raises(PromptTooLongError):
+        pp.process(one_image(WIDE, mm_processor_kwargs={"do_pan_and_scan": True}))
+
+
+def test_sampling_is_validated(pre224: Preprocessor) -> None:
+    with pytest.raises(InvalidSamplingError, match="top_p"):
+        pre224.process(request(user(txt("hi")), sampling=SamplingParams(top_p=0.0)))
+
+
+def test_from_config(tiny_ckpt_224: Path) -> None:
+    pp = Preprocessor.from_config(EngineConfig(model=ModelConfig(model_dir=str(tiny_ckpt_224))))
+    assert pp.model_id == tiny_ckpt_224.name and pp.max_model_len > 1000
+    assert pp.process(request(user(txt("hi")))).prompt_token_ids[0] == pp.tokenizer.bos_token_id
+
+
+# --- the Gemma 3 rule ----------------------------------------------------------------------------
+
+
+def test_rule_expansion_is_transformers_replacement(pre: Preprocessor) -> None:
+    text = "a<start_of_image>b<start_of_image>c"
+    expected = text.split("<start_of_image>")
+    replacements = [pre.processor.replace_image_token({"num_crops": [c]}, 0) for c in (0, 2)]
+    assert pre.rule.expand(text, [0, 2]) == (expected[0] + replacements[0] + expected[1]
+                                             + replacements[1] + expected[2])
+    with pytest.raises(ValueError, match="2 <start_of_image> placeholders for 1 items"):
+        pre.rule.expand(text, [0])
+
+
+def test_rule_from_checkpoint_matches_processor_and_reads_saved_defaults(tiny_ckpt_224: Path,
+                                                                         tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from mmserve.models.gemma3_prompt import Gemma3PromptRule
+
+    pp = make(tiny_ckpt_224)
+    assert Gemma3PromptRule.from_checkpoint(tiny_ckpt_224) == pp.rule
+    assert pp.rule.output_kwargs_defaults["do_pan_and_scan"] is False  # null in the saved config
+    ckpt = Path(shutil.copytree(tiny_ckpt_224, tmp_path / "pas"))
+    config_path = ckpt / "preprocessor_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(do_pan_and_scan=True, pan_and_scan_max_num_crops=2)
+    config_path.write_text(json.dumps(config))
+    saved = make(ckpt)
+    assert Gemma3PromptRule.from_checkpoint(ckpt) == saved.rule
+    assert saved.rule.output_kwargs_defaults["pan_and_scan_max_num_crops"] == 2
+    assert saved.process(one_image(WIDE)).features[0].data.pixel_values.shape[0] == 3  # 2 crops + whole

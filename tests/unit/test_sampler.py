@@ -1,0 +1,126 @@
+"""Sampler: greedy, top-k, top-p, seeds, batch independence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve.decoder.sampler import CANDIDATES, Sampler, log_softmax, make_generator, truncated_probs
+from mmserve.messages import SamplingParams
+
+VOCAB = 50
+
+
+def logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3  # (n, V)
+
+
+def draw(x: torch.Tensor, params: SamplingParams, seed: int | None, steps: int) -> list[int]:
+    """`steps` draws for one (1, V) row with one generator, as a request's life would."""
+    gen, sampler = make_generator(seed), Sampler()
+    return [int(sampler.sample(x, [params], [gen])[0]) for _ in range(steps)]
+
+
+def test_greedy_is_argmax() -> None:
+    x = logits(6)
+    params = [SamplingParams(temperature=0.0)] * 6
+    assert torch.equal(Sampler().sample(x, params, [None] * 6), x.argmax(-1))
+
+
+def test_top_k_1_at_temperature_1_equals_greedy() -> None:
+    x = logits(6)
+    params = [SamplingParams(temperature=1.0, top_k=1)] * 6
+    gens = [make_generator(i) for i in range(6)]
+    assert torch.equal(Sampler().sample(x, params, gens), x.argmax(-1))
+    probs, order = truncated_probs(x, params)  # the filter alone also keeps only the argmax
+    assert torch.equal(order[:, 0], x.argmax(-1)) and torch.all(probs[:, 0] == 1.0)
+
+
+def test_tiny_top_p_keeps_only_the_argmax() -> None:
+    x = logits(4, seed=3)
+    params = [SamplingParams(temperature=1.5, top_p=1e-6)] * 4
+    for seed in range(20):
+        out = Sampler().sample(x, params, [make_generator(seed + i) for i in range(4)])
+        assert torch.equal(out, x.argmax(-1))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    probs, order = truncated_probs(x, [SamplingParams(top_p=0.45)])
+    assert order[0, 0] == 0 and torch.allclose(probs[0], torch.tensor([1.0, 0.0, 0.0]))
+    probs, _ = truncated_probs(x, [SamplingParams(top_p=0.6)])
+    assert torch.allclose(probs[0], torch.tensor([0.625, 0.375, 0.0]))
+    probs, _ = truncated_probs(x, [SamplingParams(top_p=0.85)])
+    assert torch.allclose(probs[0], torch.tensor([0.5, 0.3, 0.2]))
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01])  # peaked: nucleus in the candidates; flat: a full sort
+def test_candidate_shortcut_equals_a_full_sort(scale: float) -> None:
+    vocab = 3 * CANDIDATES
+    x = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5)) * scale
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=1500, top_p=0.8), SamplingParams(top_k=7)]
+    fast, fast_ids = truncated_probs(x, params)
+    slow, slow_ids = truncated_probs(x, params, candidates=vocab)
+    k = fast.shape[1]
+    assert (k == vocab) == (scale < 1.0)
+    assert torch.equal(fast_ids, slow_ids[:, :k]) and torch.allclose(fast, slow[:, :k], atol=1e-6)
+    assert torch.all(slow[:, k:] == 0)
+    kept = (slow > 0).sum(-1)
+    assert kept[2] == 7 and kept[1] <= 1500
+
+
+def test_same_seed_same_tokens_different_seeds_differ() -> None:
+    x = logits(1)
+    params = SamplingParams(temperature=2.0)
+    a, b = draw(x, params, 1234, 40), draw(x, params, 1234, 40)
+    c = draw(x, params, 99, 40)
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 3, "a flat distribution draws many tokens"
+
+
+def test_seeded_row_is_the_same_alone_or_batched() -> None:
+    x = logits(5, seed=7)
+    params = [SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=s) for s in range(5)]
+    sampler = Sampler()
+    gens = [make_generator(i) for i in range(5)]
+    batched = [sampler.sample(x, params, gens) for _ in range(10)]  # (5,) per step
+    for row in range(5):
+        gen = make_generator(row)
+        alone = [int(sampler.sample(x[row : row + 1], [params[row]], [gen])[0]) for _ in range(10)]
+        assert alone == [int(b[row]) for b in batched]
+    # a greedy neighbour and an unseeded neighbour do not disturb the seeded row either
+    mixed = [SamplingParams(temperature=0.0), params[2], SamplingParams(temperature=1.0)]
+    got = sampler.sample(x[[0, 2, 4]], mixed, [None, make_generator(2), None])
+    assert int(got[1]) == int(sampler.sample(x[2:3], [params[2]], [make_generator(2)])[0])
+    assert int(got[0]) == int(x[0].argmax())
+
+
+def test_top_k_never_leaves_the_top_k() -> None:
+    x = logits(8, seed=11)
+    k = 5
+    top = x.topk(k, dim=-1).indices  # (8, k)
+    params = [SamplingParams(temperature=5.0, top_k=k)] * 8
+    sampler, gens = Sampler(), [make_generator(i) for i in range(8)]
+    seen: set[int] = set()
+    for _ in range(200):
+        out = sampler.sample(x, params, gens)
+        assert bool((top == out[:, None]).any(-1).all())
+        seen.add(int(out[0]))
+    assert len(seen) == k, "every one of the top k is reachable at high temperature"
+
+
+def test_sampling_follows_the_distribution() -> None:
+    x = torch.log(torch.tensor([[0.7, 0.2, 0.1, 0.0]]))
+    gen = make_generator(0)
+    counts = torch.zeros(4)
+    for _ in range(2000):
+        counts[int(Sampler().sample(x, [SamplingParams()], [gen])[0])] += 1
+    assert torch.allclose(counts / 2000, torch.tensor([0.7, 0.2, 0.1, 0.0]), atol=0.04)
+
+
+def test_helpers() -> None:
+    assert make_generator(None) is None
+    x = logits(2).to(torch.bfloat16)
+    lp = log_softmax(x)
+    assert lp.dtype == torch.float32 and torch.allclose(lp.exp().sum(-1), torch.ones(2))
