@@ -7,6 +7,7 @@ the library API (`generate`, `stream`). Does not own: any stage's logic.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -159,31 +160,30 @@ class Engine:
 
     # ---- library API ------------------------------------------------------------------------
     def generate(self, requests: list[ChatRequest]) -> list[Completion]:
-        """Run requests together through the batching pipeline, synchronously (no step thread)."""
+        """Run requests together through the batching pipeline; for callers without an event loop."""
         pres = [self.preprocess(r) for r in requests]
+        return asyncio.run(self._complete_all(pres))
+
+    async def _complete_all(self, pres: list[PreprocessedRequest]) -> list[Completion]:
         for pre in pres:
-            self.submit(pre)
-        texts: dict[str, list[str]] = {p.request_id: [] for p in pres}
-        tokens: dict[str, list[int]] = {p.request_id: [] for p in pres}
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(pres):
-            for out in self.step():
-                if isinstance(out, RequestFailed):
-                    raise out.error
-                texts[out.request_id].append(out.new_text)
-                tokens[out.request_id] += out.new_token_ids
-                if out.finished:
-                    done[out.request_id] = out
-        return [
-            Completion(p.request_id, "".join(texts[p.request_id]), tokens[p.request_id],
-                       done[p.request_id].finish_reason, len(p.prompt_token_ids))
-            for p in pres
-        ]
+            self._loop.open(pre.request_id)
+        with self._lock:  # one hand-off, so the first step sees them all
+            self._inbox.extend(pres)
+        self._loop.notify()
+        return list(await asyncio.gather(*(self._complete(pre) for pre in pres)))
+
+    async def _complete(self, pre: PreprocessedRequest) -> Completion:
+        texts: list[str] = []
+        tokens: list[int] = []
+        reason = None
+        async for out in self._loop.outputs(pre.request_id):
+            texts.append(out.new_text)
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+        return Completion(pre.request_id, "".join(texts), tokens, reason, len(pre.prompt_token_ids))
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; closing the iterator early aborts the request."""
-        import asyncio
-
         pre = await asyncio.to_thread(self.preprocess, request)
         self._loop.open(pre.request_id)
         self.submit(pre)

@@ -26,15 +26,14 @@ class Steppable(Protocol):
 class StepLoop:
     def __init__(self, stage: Steppable):
         self.stage = stage
-        self._queues: dict[str, asyncio.Queue] = {}
+        # request id -> (the event loop its consumer runs on, its queue)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
 
     def start(self) -> None:
         if self._thread is None:
-            self._loop = asyncio.get_running_loop()
             self._thread = threading.Thread(target=self._run, name="mmserve-step-loop", daemon=True)
             self._thread.start()
 
@@ -45,7 +44,7 @@ class StepLoop:
     def open(self, request_id: str) -> None:
         """Register interest in a request's outputs before it is submitted."""
         self.start()
-        self._queues[request_id] = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
 
     def notify(self) -> None:
         """New work was handed to the stage: make sure the loop runs."""
@@ -53,7 +52,7 @@ class StepLoop:
 
     async def outputs(self, request_id: str) -> AsyncIterator[Any]:
         """Outputs of one request until (and including) its finished one; exceptions are raised."""
-        queue = self._queues[request_id]
+        _, queue = self._queues[request_id]
         try:
             while True:
                 item = await queue.get()
@@ -82,9 +81,14 @@ class StepLoop:
                     self._deliver(out.request_id, out)
 
     def _deliver(self, request_id: str, item: Any) -> None:
-        queue = self._queues.get(request_id)
-        if queue is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(queue.put_nowait, item)
+        entry = self._queues.get(request_id)
+        if entry is None:
+            return  # nobody listens (any more)
+        loop, queue = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop closed; it is gone
+            self._queues.pop(request_id, None)
 
     def _broadcast(self, exc: BaseException) -> None:
         for request_id in list(self._queues):

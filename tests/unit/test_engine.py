@@ -1,0 +1,148 @@
+"""The in-process engine end to end: caching tiers, streaming, aborts, errors, sampling options."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mmserve.config import EngineConfig, MediaConfig, ModelConfig
+from mmserve.engine import Engine
+from mmserve.errors import (
+    InvalidRequestError,
+    InvalidSamplingError,
+    MediaError,
+    PromptTooLongError,
+    TooManyItemsError,
+    UnsupportedURLError,
+)
+from mmserve.messages import ChatRequest, SamplingParams
+from tests.unit.test_parity import data_url, make_image
+
+IMAGE = data_url(make_image(640, 480, seed=11))
+WIDE = data_url(make_image(1024, 300, seed=12))
+
+
+def chat(request_id: str, *urls: str, text: str = "What is this?", **sampling) -> ChatRequest:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    sampling.setdefault("max_tokens", 8)
+    sampling.setdefault("temperature", 0.0)
+    return ChatRequest(request_id, [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+                       SamplingParams(**sampling))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt_224):
+    config = EngineConfig(model=ModelConfig(model_dir=str(tiny_ckpt_224), max_model_len=2048),
+                          media=MediaConfig(max_images_per_prompt=2))
+    eng = Engine(config)
+    yield eng
+    eng.shutdown()
+
+
+def test_repeated_image_skips_processor_and_encoder(engine):
+    before = engine.stats()
+    engine.generate([chat("c1", IMAGE)])
+    first = engine.stats()
+    assert first.image_processor_calls == before.image_processor_calls + 1
+    assert first.encoder.forward_passes == before.encoder.forward_passes + 1
+    engine.generate([chat("c2", IMAGE, text="And now?")])
+    second = engine.stats()
+    assert second.image_processor_calls == first.image_processor_calls  # ProcessorCache hit
+    assert second.encoder.forward_passes == first.encoder.forward_passes  # encoder cache hit
+    assert second.processor_cache.hits == first.processor_cache.hits + 1
+    assert second.encoder.hits == first.encoder.hits + 1
+
+
+def test_other_pan_and_scan_setting_misses(engine):
+    engine.generate([chat("p1", WIDE)])
+    calls = engine.stats().image_processor_calls
+    req = chat("p2", WIDE)
+    req = ChatRequest(req.request_id, req.messages, req.sampling, {"do_pan_and_scan": True})
+    [out] = engine.generate([req])
+    assert engine.stats().image_processor_calls == calls + 1
+    [plain] = engine.generate([chat("p3", WIDE)])
+    assert out.num_prompt_tokens > plain.num_prompt_tokens  # crops add placeholders
+
+
+def test_stream_matches_generate_and_runs_concurrently(engine):
+    [ref_a] = engine.generate([chat("g1", IMAGE, max_tokens=12)])
+    [ref_b] = engine.generate([chat("g2", text="Hello there", max_tokens=12)])
+
+    async def collect(req):
+        return [out async for out in engine.stream(req)]
+
+    async def both():
+        return await asyncio.gather(collect(chat("s1", IMAGE, max_tokens=12)),
+                                    collect(chat("s2", text="Hello there", max_tokens=12)))
+
+    outs_a, outs_b = asyncio.run(both())
+    for outs, ref in ((outs_a, ref_a), (outs_b, ref_b)):
+        assert "".join(o.new_text for o in outs) == ref.text
+        assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+        assert outs[-1].finished and outs[-1].finish_reason == ref.finish_reason
+        assert outs[-1].num_output_tokens == len(ref.token_ids)
+
+
+def test_abort_mid_stream_frees_blocks_and_references(engine):
+    async def start_then_leave():
+        got = 0
+        stream = engine.stream(chat("ab1", IMAGE, max_tokens=200, ignore_eos=True))
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.aclose()
+        for _ in range(200):  # the abort is applied by the step loop
+            if not engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        return got
+
+    assert asyncio.run(start_then_leave()) == 3
+    pool = engine.decoder.pool
+    assert pool.num_free == pool.num_blocks
+    assert engine.decoder.stats().running == 0
+    manager = engine.encoder.manager
+    assert all(manager.refcount(h) == 0 for h in manager.freeable_order())
+    assert "ab1" not in engine.decoder.request_ids()
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        (chat("e1", "data:image/png;base64,bm90IGFuIGltYWdl"), MediaError),  # "not an image"
+        (chat("e2", "data:image/png;base64,%%%"), MediaError),
+        (chat("e3", "ftp://example.com/cat.png"), UnsupportedURLError),
+        (chat("e4", IMAGE, IMAGE, IMAGE), TooManyItemsError),
+        (chat("e5", text="word " * 3000), PromptTooLongError),
+        (chat("e6", temperature=-1.0), InvalidSamplingError),
+    ],
+)
+def test_bad_input_raises_client_error_and_engine_keeps_serving(engine, request_, error):
+    async def run():
+        return [o async for o in engine.stream(request_)]
+
+    with pytest.raises(error) as info:
+        asyncio.run(run())
+    assert isinstance(info.value, InvalidRequestError) and info.value.status == 400
+    [ok] = engine.generate([chat("after-" + request_.request_id, IMAGE)])
+    assert ok.finish_reason in ("stop", "length")
+
+
+def test_stop_string_cuts_text(engine):
+    [full] = engine.generate([chat("st1", IMAGE, max_tokens=16, ignore_eos=True)])
+    stop = full.text[len(full.text) // 2 :][:3]
+    assert stop.strip(), f"need visible text to stop on, got {full.text!r}"
+    [cut] = engine.generate([chat("st2", IMAGE, max_tokens=16, ignore_eos=True, stop=(stop,))])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    kw = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_tokens": 12, "ignore_eos": True}
+    [alone] = engine.generate([chat("r1", IMAGE, **kw)])
+    batch = engine.generate([chat("r2", IMAGE, **kw), chat("r3", text="other", **{**kw, "seed": 7})])
+    assert batch[0].token_ids == alone.token_ids
+    [other_seed] = engine.generate([chat("r4", IMAGE, **{**kw, "seed": 99})])
+    assert other_seed.token_ids != alone.token_ids
