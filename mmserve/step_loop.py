@@ -1,63 +1,78 @@
-"""Drives a step function in a worker thread and fans its outputs out to asyncio consumers.
+"""Drives one stage's `step()` in a worker thread and fans its outputs out to asyncio consumers.
 
-Owns: the bridge between a synchronous, single-threaded stage (`step() -> outputs`) and many
-concurrent async callers, each waiting on the outputs of its own request id. Does not own: what a
-step does. Used by the in-process Engine and, unchanged, by the Ray decoder deployment.
+Owns: the bridge between a synchronous, single-threaded stage and many concurrent async callers:
+actions that touch the stage (add, abort, release) are queued and run by the loop thread between
+steps, so the stage itself needs no locks; each output goes to the asyncio queue of its request id.
+An optional batch window lets requests arriving together share the first step. Does not own what a
+step does. Used alike by the in-process Engine and by the Ray deployments.
+
+Failure contract: an action's exception fails its request only. A step's exception with a
+`request_ids` attribute fails those requests only (the stage has already dropped them); any other
+step exception fails every waiting request and calls `abort_all`, and the loop carries on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from mmserve.messages import RequestFailed
 
-
-class Steppable(Protocol):
-    def step(self) -> list[Any]: ...  # outputs carrying `.request_id` and `.finished`
-
-    def has_unfinished(self) -> bool: ...
-
-    def abort_all(self) -> None: ...  # after a failed step: drop every request, free everything
+log = logging.getLogger(__name__)
 
 
 class StepLoop:
-    def __init__(self, stage: Steppable):
-        self.stage = stage
+    def __init__(
+        self,
+        step: Callable[[], list[Any]],  # returns outputs carrying `.request_id` and `.finished`
+        has_work: Callable[[], bool],
+        abort_all: Callable[[], None],
+        *,
+        batch_wait_s: float = 0.0,  # seconds to wait for company after waking up idle
+        name: str = "mmserve-step-loop",
+    ):
+        self._step, self._has_work, self._abort_all = step, has_work, abort_all
+        self.batch_wait_s = batch_wait_s
+        self.name = name
         # request id -> (the event loop its consumer runs on, its queue)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._actions: list[tuple[str | None, Callable[[], Any]]] = []
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mmserve-step-loop", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
-
+    # ---- called from any thread / event loop ---------------------------------------------------
     def open(self, request_id: str) -> None:
-        """Register interest in a request's outputs before it is submitted."""
-        self.start()
+        """Register interest in a request's outputs (from its consumer's event loop), before submitting."""
         self._queues[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
 
-    def notify(self) -> None:
-        """New work was handed to the stage: make sure the loop runs."""
+    def submit(self, request_id: str | None, action: Callable[[], Any]) -> None:
+        """Run `action` in the loop thread before the next step; its exception fails `request_id`."""
+        with self._lock:
+            self._actions.append((request_id, action))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
         self._wake.set()
 
+    def busy(self) -> bool:
+        """Actions queued or work in the stage (racy by nature; for tests and draining)."""
+        with self._lock:
+            if self._actions:
+                return True
+        return self._has_work()
+
     async def outputs(self, request_id: str) -> AsyncIterator[Any]:
-        """Outputs of one request until (and including) its finished one; exceptions are raised."""
+        """Outputs of one request until (and including) its finished one; failures are raised."""
         _, queue = self._queues[request_id]
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
                 if isinstance(item, RequestFailed):
                     raise item.error
                 yield item
@@ -66,19 +81,55 @@ class StepLoop:
         finally:
             self._queues.pop(request_id, None)
 
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    # ---- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped:
             self._wake.wait()
             self._wake.clear()
-            while not self._stopped and self.stage.has_unfinished():
-                try:
-                    outputs = self.stage.step()
-                except Exception as exc:  # a broken step fails every waiting request, not the loop
-                    self._broadcast(exc)
-                    self.stage.abort_all()
-                    continue
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+            if self.batch_wait_s > 0:
+                time.sleep(self.batch_wait_s)
+            while not self._stopped and (self._run_actions() or self._has_work()):
+                self._one_step()
+
+    def _run_actions(self) -> bool:
+        with self._lock:
+            actions, self._actions = self._actions, []
+        for request_id, action in actions:
+            try:
+                action()
+            except Exception as exc:
+                if request_id is None:
+                    log.exception("%s: action failed", self.name)
+                else:
+                    self._deliver(request_id, RequestFailed(request_id, exc))
+        return bool(actions)
+
+    def _one_step(self) -> None:
+        if not self._has_work():
+            return
+        started = time.perf_counter()
+        try:
+            outputs = self._step()
+        except Exception as exc:
+            named = getattr(exc, "request_ids", None)
+            if named is None:
+                log.exception("%s: step failed; aborting every request", self.name)
+                named = list(self._queues)
+                self._abort_all()
+            for request_id in named:
+                self._deliver(request_id, RequestFailed(request_id, exc))
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        if not outputs and time.perf_counter() - started < 1e-3:
+            # NOTE: the stage has work but could do nothing now (e.g. waiting for cache space that a
+            # release will free): yield the core instead of spinning; an action wakes us at once.
+            self._wake.wait(0.002)
+            self._wake.clear()
 
     def _deliver(self, request_id: str, item: Any) -> None:
         entry = self._queues.get(request_id)
@@ -87,9 +138,5 @@ class StepLoop:
         loop, queue = entry
         try:
             loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop closed; it is gone
+        except RuntimeError:  # the consumer's event loop has closed; it is gone
             self._queues.pop(request_id, None)
-
-    def _broadcast(self, exc: BaseException) -> None:
-        for request_id in list(self._queues):
-            self._deliver(request_id, exc)

@@ -97,6 +97,11 @@ class Decoder:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_all(self) -> None:
+        """Abort every request (after a failed step)."""
+        for request_id in list(self._states):
+            self.abort(request_id)
+
     def request_ids(self) -> list[str]:
         """Requests added and not yet finished or aborted."""
         return list(self._states)

@@ -36,6 +36,11 @@ class EncodedRequest:
     request_id: str
     embeddings: list[torch.Tensor]  # per feature, in feature order: (num_embeds, hidden)
 
+    @property
+    def finished(self) -> bool:
+        """Always True: this is the only output a request gets from the encoder stage."""
+        return True
+
 
 @dataclass(frozen=True)
 class EncoderStats:
@@ -122,6 +127,11 @@ class EncoderStage:
         self.manager.free_request(request_id)
 
     abort = release
+
+    def abort_all(self) -> None:
+        """Release every request (after a failure the caller could not attribute)."""
+        for request_id in list(self._live):
+            self.release(request_id)
 
     def has_pending(self) -> bool:
         return bool(self._pending)

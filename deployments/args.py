@@ -1,0 +1,144 @@
+"""The application's arguments: what `serve run deployments.app:build_app k=v` or a Serve config's
+`args:` may set, validated at the edge (pydantic) and turned into mmserve's frozen config.
+
+Owns: argument names, defaults, validation, and the mapping to `EngineConfig` and to each stage's
+Serve deployment options. Does not own: building deployments (app.py). No Ray import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mmserve.config import (
+    EncoderConfig,
+    EngineConfig,
+    KVCacheConfig,
+    MediaConfig,
+    ModelConfig,
+    ProcessorCacheConfig,
+    SchedulerConfig,
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Autoscaling(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+
+
+class StageArgs(_Strict):
+    """Placement and scale of one deployment."""
+
+    num_replicas: int | None = Field(None, ge=1)  # fixed count; ignored when autoscaling is set
+    autoscaling: Autoscaling | None = None
+    num_cpus: float = Field(0.0, ge=0)  # NOTE: 0 by default so that a 2-core machine starts every stage
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. {"encoder_node": 0.01}
+    max_ongoing_requests: int = Field(64, ge=1)
+
+    def deployment_options(self) -> dict[str, Any]:
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            actor["num_gpus"] = self.num_gpus
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.model_dump()
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
+
+
+class EncoderArgs(StageArgs):
+    batch_wait_ms: float = Field(5.0, ge=0)  # how long the first request of a batch waits for company
+    cache_capacity_tokens: int = Field(EncoderConfig.cache_capacity_tokens, ge=1)
+    compute_budget_tokens: int = Field(EncoderConfig.compute_budget_tokens, ge=1)
+    max_batch_items: int = Field(EncoderConfig.max_batch_items, ge=1)
+
+
+class DecoderArgs(StageArgs):
+    max_num_seqs: int = Field(SchedulerConfig.max_num_seqs, ge=1)
+    max_num_batched_tokens: int = Field(SchedulerConfig.max_num_batched_tokens, ge=1)
+    block_size: int = Field(KVCacheConfig.block_size, ge=1)
+    num_blocks: int = Field(KVCacheConfig.num_blocks, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1)
+
+
+class PreprocessArgs(StageArgs):
+    autoscaling: Autoscaling | None = Field(default_factory=lambda: Autoscaling(min_replicas=1, max_replicas=2))
+
+
+class MediaArgs(_Strict):
+    max_images_per_prompt: int = Field(MediaConfig.max_images_per_prompt, ge=0)
+    max_image_bytes: int = Field(MediaConfig.max_image_bytes, ge=1)
+    fetch_timeout_s: float = Field(MediaConfig.fetch_timeout_s, gt=0)
+    allowed_domains: list[str] | None = None
+    allow_private_addresses: bool = False
+    allowed_local_media_path: str | None = None
+
+
+class AppArgs(_Strict):
+    model: str | None = None  # local checkpoint folder; None = the built-in tiny Gemma 3
+    served_name: str | None = None
+    dtype: str = "float32"
+    device: str | None = None  # None = "cuda" when the stage has GPUs, else "cpu"
+    max_model_len: int | None = Field(None, ge=1)
+    processor_cache_bytes: int = Field(ProcessorCacheConfig.capacity_bytes, ge=0)
+    media: MediaArgs = Field(default_factory=MediaArgs)
+    ingress: StageArgs = Field(default_factory=StageArgs)
+    preprocess: PreprocessArgs = Field(default_factory=PreprocessArgs)
+    encoder: EncoderArgs = Field(default_factory=EncoderArgs)
+    decoder: DecoderArgs = Field(default_factory=DecoderArgs)
+
+    def engine_config(self, model_dir: str, *, stage: StageArgs | None = None) -> EngineConfig:
+        """The engine config a stage runs with; `device` follows the stage's GPUs unless set."""
+        device = self.device or ("cuda" if stage is not None and stage.num_gpus > 0 else "cpu")
+        return EngineConfig(
+            model=ModelConfig(model_dir=model_dir, served_name=self.served_name, dtype=self.dtype,
+                              device=device, max_model_len=self.max_model_len),
+            media=MediaConfig(
+                max_images_per_prompt=self.media.max_images_per_prompt,
+                max_image_bytes=self.media.max_image_bytes,
+                fetch_timeout_s=self.media.fetch_timeout_s,
+                allowed_domains=tuple(self.media.allowed_domains) if self.media.allowed_domains is not None else None,
+                allow_private_addresses=self.media.allow_private_addresses,
+                allowed_local_media_path=self.media.allowed_local_media_path,
+            ),
+            processor_cache=ProcessorCacheConfig(capacity_bytes=self.processor_cache_bytes),
+            encoder=EncoderConfig(
+                cache_capacity_tokens=self.encoder.cache_capacity_tokens,
+                compute_budget_tokens=self.encoder.compute_budget_tokens,
+                max_batch_items=self.encoder.max_batch_items,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=self.decoder.max_num_seqs,
+                                      max_num_batched_tokens=self.decoder.max_num_batched_tokens),
+            kv_cache=KVCacheConfig(block_size=self.decoder.block_size, num_blocks=self.decoder.num_blocks),
+        )
+
+
+def parse_args(raw: dict[str, Any]) -> AppArgs:
+    """From `serve run ... k=v` (flat strings, dotted keys for nesting, JSON values) or a YAML dict."""
+    import json
+
+    nested: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass  # a plain string, e.g. a path
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return AppArgs.model_validate(nested)

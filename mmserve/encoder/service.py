@@ -1,0 +1,59 @@
+"""The encoder stage behind an async API: many concurrent callers, one stepping thread.
+
+Owns: turning `encode(request)` calls into queued stage actions, batching arrivals within a short
+window, and handing back each request's embeddings. Does not own: caching or encoding (EncoderStage)
+nor transport (the in-process Engine calls it directly; the Ray Encoder deployment via a handle).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmserve.encoder.stage import EncoderStage, Resolver, _identity
+from mmserve.messages import MultiModalFeatureSpec
+from mmserve.step_loop import StepLoop
+
+
+def to_numpy(embedding: torch.Tensor) -> np.ndarray:
+    """A CPU numpy copy of one (num_embeds, hidden) embedding, for the object store.
+
+    NOTE: numpy has no bfloat16; those travel as float32 (twice the bytes) and are cast back by the
+    decoder when it merges them.
+    """
+    if embedding.dtype == torch.bfloat16:
+        embedding = embedding.float()
+    return embedding.detach().cpu().numpy()
+
+
+class EncoderService:
+    def __init__(self, stage: EncoderStage, *, batch_wait_s: float = 0.0, resolve: Resolver = _identity):
+        self.stage = stage
+        self.resolve = resolve
+        self.loop = StepLoop(stage.step, stage.has_pending, stage.abort_all, batch_wait_s=batch_wait_s,
+                             name="mmserve-encoder")
+
+    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> list[Any]:
+        """Embeddings of each feature, in order: (num_embeds, hidden) tensors. Raises if refused.
+
+        The request holds its encoder-cache entries until `release(request_id)`.
+        """
+        if not features:
+            return []
+        self.loop.open(request_id)
+        self.loop.submit(request_id, lambda: self.stage.add_request(request_id, features, self.resolve))
+        async for out in self.loop.outputs(request_id):
+            return list(out.embeddings)
+        raise RuntimeError(f"encoder stage ended request {request_id} without embeddings")
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was aborted downstream: drop its references (idempotent)."""
+        self.loop.submit(None, lambda: self.stage.release(request_id))
+
+    def busy(self) -> bool:
+        return self.loop.busy()
+
+    def stop(self) -> None:
+        self.loop.stop()

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP schemas of `/v1/chat/completions` and `/v1/models`, and error bodies.
+
+Owns: the pydantic models at the HTTP edge (nothing past `ChatCompletionRequest.to_chat_request` sees
+pydantic), OpenAI's defaults and aliases, the rejection of OpenAI features we do not serve, and the
+mapping of any exception to an OpenAI error body. Does not own: deep message checks (reserved tokens,
+image count, chat template: `mmserve.processing`), assembling responses from engine outputs
+(`protocol_stream.py`), nor the HTTP server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+)
+
+from mmserve.errors import InvalidRequestError, InvalidSamplingError
+from mmserve.messages import ChatRequest, SamplingParams
+
+_SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI documents; torch rejects seeds past uint64
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """An OpenAI parameter we accept only at its default (n > 1, logprobs, tools, ...)."""
+
+    code = "unsupported_parameter"
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve."""
+
+    code = "model_not_found"
+    status = 404
+
+
+E = TypeVar("E", bound=InvalidRequestError)
+
+
+def with_param(exc: E, param: str | None) -> E:
+    """Attach the offending request field; `error_body` reports it as OpenAI's `param`."""
+    exc.param = param  # type: ignore[attr-defined]
+    return exc
+
+
+# --- request ------------------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # NOTE: unknown fields are ignored, as most OpenAI servers do
+
+
+class ImageURL(_Lenient):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, ignored: Gemma 3 has one resolution
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value  # NOTE: as mmserve.processing accepts
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"text": "text_part", "image_url": "image_part"}.get(kind) if isinstance(kind, str) else None
+
+
+def _content_tag(value: Any) -> str | None:
+    return "string" if isinstance(value, str) else "parts" if isinstance(value, list) else None
+
+
+# NOTE: callable discriminators so that a bad value yields one error under its own name, not one per
+# union member; the tags are dropped again from error locations (`_UNION_TAGS`).
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text_part")] | Annotated[ImagePart, Tag("image_part")],
+    Discriminator(_part_tag, custom_error_type="invalid_content_part",
+                  custom_error_message="a content part must have type 'text' or 'image_url'"),
+]
+Content = Annotated[
+    Annotated[str, Tag("string")] | Annotated[list[ContentPart], Tag("parts")],
+    Discriminator(_content_tag, custom_error_type="invalid_content",
+                  custom_error_message="content must be a string or a list of content parts"),
+]
+_UNION_TAGS = frozenset({"text_part", "image_part", "string", "parts"})
+
+
+class Message(_Lenient):
+    role: Literal["system", "user", "assistant", "developer"]  # NOTE: "developer" is served as "system"
+    content: Content
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+def _one_or_many(value: Any) -> Any:
+    if value is not None and not isinstance(value, str | list):
+        raise ValueError("must be a string or a list of strings")
+    return [value] if isinstance(value, str) else value
+
+
+def _is_off(value: Any) -> bool:
+    return not value
+
+
+# field -> (is the value one we can serve, why not). Checked by `to_chat_request`.
+_DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v in (None, 1), "only n=1 is supported"),
+    "logprobs": (_is_off, "logprobs are not supported"),
+    "top_logprobs": (_is_off, "top_logprobs are not supported"),
+    "presence_penalty": (_is_off, "presence_penalty is not supported (only 0)"),
+    "frequency_penalty": (_is_off, "frequency_penalty is not supported (only 0)"),
+    "logit_bias": (_is_off, "logit_bias is not supported"),
+    "tools": (_is_off, "tool calling is not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
+    "functions": (_is_off, "function calling is not supported"),
+    "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
+    "response_format": (lambda v: v is None or v.get("type") == "text",
+                        "only response_format {'type': 'text'} is supported"),
+    "modalities": (lambda v: v is None or set(v) <= {"text"}, "only the 'text' output modality is supported"),
+}
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None  # wins over max_tokens when both are set
+    temperature: float | None = None  # None = 1.0, OpenAI's default
+    top_p: float | None = None
+    top_k: int | None = None  # extension; 0 or -1 = off
+    seed: int | None = None
+    stop: Annotated[list[str] | None, BeforeValidator(_one_or_many)] = None  # a string or a list
+    ignore_eos: bool = False  # extension
+    mm_processor_kwargs: dict[str, Any] | None = None  # extension, e.g. {"do_pan_and_scan": true}
+    # Accepted only at their default (see _DEFAULT_ONLY); declared so their types are checked.
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def to_chat_request(self, request_id: str, default_max_tokens: int) -> ChatRequest:
+        """The engine's request; raises InvalidRequestError subclasses whose `param` names the field."""
+        self._check_supported()
+        sampling = self._sampling(default_max_tokens)
+        messages = [_message_dict(m) for m in self.messages]
+        return ChatRequest(request_id, messages, sampling, dict(self.mm_processor_kwargs or {}))
+
+    def _check_supported(self) -> None:
+        for name, (ok, why) in _DEFAULT_ONLY.items():
+            if not ok(getattr(self, name)):
+                raise with_param(UnsupportedParameterError(f"{name}: {why}"), name)
+        if self.stream_options is not None and not self.stream:
+            raise with_param(InvalidRequestError("stream_options is only allowed when stream is true"),
+                             "stream_options")
+
+    def _sampling(self, default_max_tokens: int) -> SamplingParams:
+        max_param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
+                          default_max_tokens)
+        if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
+            raise with_param(InvalidSamplingError(f"seed must be a 64-bit signed integer, got {self.seed}"), "seed")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,  # NOTE: -1 is vLLM's "off"
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+        )
+        try:
+            params.validate()
+        except InvalidSamplingError as exc:
+            field = str(exc).split(" ", 1)[0]  # NOTE: SamplingParams' messages start with the field name
+            raise with_param(exc, max_param if field == "max_tokens" else field) from None
+        return params
+
+
+def _message_dict(message: Message) -> dict[str, Any]:
+    """Plain OpenAI-shaped dict for `ChatRequest.messages`; unknown keys and `detail: null` dropped."""
+    data = message.model_dump(exclude_none=True)
+    if data["role"] == "developer":
+        data["role"] = "system"
+    return data
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int  # image tokens included
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None  # "stop" | "length" | "abort"; NOTE: "abort" is vLLM's, not OpenAI's
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mmserve"
+    max_model_len: int | None = None  # extension, as vLLM reports it
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str  # "invalid_request_error" (4xx) or "internal_error" (5xx)
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI error body). Client faults keep their message; server faults never leak one."""
+    if isinstance(exc, ValidationError):  # NOTE: before InvalidRequestError; both are ValueErrors
+        return validation_error_body(exc.errors())
+    if isinstance(exc, InvalidRequestError):
+        info = ErrorInfo(message=str(exc), type="invalid_request_error", code=exc.code,
+                         param=getattr(exc, "param", None))
+        return exc.status, ErrorResponse(error=info).model_dump()
+    info = ErrorInfo(message="internal server error", type="internal_error", code="internal_error")
+    return 500, ErrorResponse(error=info).model_dump()
+
+
+def validation_error_body(errors: Sequence[Any]) -> tuple[int, dict[str, Any]]:
+    """400 body for pydantic's `ValidationError.errors()` (or FastAPI's RequestValidationError.errors())."""
+    if not errors:
+        return 400, ErrorResponse(error=ErrorInfo(message="invalid request", type="invalid_request_error",
+                                                  code="invalid_request")).model_dump()
+    first = errors[0]
+    param = _loc(first.get("loc", ()))
+    message = f"{param}: {_error_message(first)}" if param else _error_message(first)
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    info = ErrorInfo(message=message, type="invalid_request_error", code="invalid_request", param=param or None)
+    return 400, ErrorResponse(error=info).model_dump()
+
+
+def _loc(loc: Sequence[Any]) -> str:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'; union tags dropped."""
+    out = ""
+    for i, part in enumerate(loc):
+        if (i == 0 and part == "body") or part in _UNION_TAGS:
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _error_message(error: Any) -> str:
+    ctx = error.get("ctx") or {}
+    if error.get("type") == "value_error" and "error" in ctx:
+        return str(ctx["error"])  # drop pydantic's "Value error, " prefix
+    return str(error.get("msg", "invalid value"))
