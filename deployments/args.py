@@ -7,6 +7,8 @@ Serve deployment options. Does not own: building deployments (app.py). No Ray im
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,15 +129,11 @@ class AppArgs(_Strict):
 
 def parse_args(raw: dict[str, Any]) -> AppArgs:
     """From `serve run ... k=v` (flat strings, dotted keys for nesting, JSON values) or a YAML dict."""
-    import json
-
     nested: dict[str, Any] = {}
     for key, value in raw.items():
         if isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):  # else a plain string, e.g. a path
                 value = json.loads(value)
-            except ValueError:
-                pass  # a plain string, e.g. a path
         node = nested
         *parents, leaf = key.split(".")
         for part in parents:

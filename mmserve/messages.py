@@ -62,11 +62,24 @@ class ChatRequest:
 class ProcessedItem:
     """The image processor's output for one item; cached by content hash."""
 
-    pixel_values: np.ndarray  # (n_crops, 3, H, W) float32; crop 0 is the whole image
+    pixel_values: np.ndarray  # (n_tiles, 3, H, W) float32; tile 0 is the whole image, then its crops
 
     @property
     def nbytes(self) -> int:
         return int(self.pixel_values.nbytes)
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """A ProcessedItem kept in a shared store (the Ray object store); `ref` resolves to it."""
+
+    ref: Any  # a reference (e.g. ObjectRef) to a ProcessedItem
+    num_tiles: int  # images the item encodes: the whole image plus its crops (images)
+    nbytes: int  # bytes of its pixel values (bytes)
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ class MultiModalFeatureSpec:
     modality: str  # "image"
     placeholder: PlaceholderRange  # where the item sits in the prompt
     num_embeds: int  # embedding rows the encoder yields = image-token positions in the range
-    data: Any = None  # ProcessedItem, a reference to one, or None once no stage needs it
+    data: Any = None  # ProcessedItem, StoredItem, or None once no stage needs it
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from mmserve.messages import (
     ProcessedItem,
 )
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
-from mmserve.processor_cache import ProcessorCache
+from mmserve.processor_cache import CachedItem, ItemCache, ProcessorCache
 
 ROLES = ("system", "user", "assistant")
 
@@ -45,7 +45,7 @@ class ParsedMessages:
 class Preprocessor:
     """Turns requests into token ids and processed items; thread-safe."""
 
-    def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ProcessorCache, model_id: str,
+    def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, model_id: str,
                  max_model_len: int, rule: Gemma3PromptRule | None = None,
                  loader: MediaLoader | None = None) -> None:
         from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes ~2 s
@@ -93,7 +93,7 @@ class Preprocessor:
         ids = self._tokenize(self.rule.expand(text, [0] * n_items))
         self._check_length(ids)
         items, hits = self._load_items(parsed.image_urls, kwargs)
-        crops = [item.pixel_values.shape[0] - 1 for _, item in items]
+        crops = [item.num_tiles - 1 for _, item in items]
         if any(crops):
             ids = self._tokenize(self.rule.expand(text, crops))
             self._check_length(ids)
@@ -124,10 +124,10 @@ class Preprocessor:
             raise PromptTooLongError(f"the prompt is {len(ids)} tokens (images expanded); with at least "
                                      f"one output token it exceeds max_model_len {self.max_model_len}")
 
-    def _load_items(self, urls: list[str], kwargs: dict[str, Any]) -> tuple[list[tuple[str, ProcessedItem]], int]:
+    def _load_items(self, urls: list[str], kwargs: dict[str, Any]) -> tuple[list[tuple[str, CachedItem]], int]:
         """(hash, item) per image in prompt order, and how many the ProcessorCache served."""
-        items: list[tuple[str, ProcessedItem]] = []
-        local: dict[str, ProcessedItem] = {}  # repeats inside one request, even with the cache off
+        items: list[tuple[str, CachedItem]] = []
+        local: dict[str, CachedItem] = {}  # repeats inside one request, even with the cache off
         hits = 0
         for index, url in enumerate(urls, start=1):
             image = self.loader.load(url, index=index)
@@ -135,9 +135,10 @@ class Preprocessor:
             item = self.cache.get(key)
             if item is not None:
                 hits += 1
+            elif key in local:
+                item = local[key]
             else:
-                item = local[key] if key in local else self._run_image_processor(image, kwargs)
-                self.cache.put(key, item)
+                item = self.cache.store(key, self._run_image_processor(image, kwargs))
             local[key] = item
             items.append((key, item))
         return items, hits
@@ -155,7 +156,7 @@ class Preprocessor:
         pixels.flags.writeable = False  # NOTE: shared through the cache; nobody may edit it in place
         return ProcessedItem(pixel_values=pixels)
 
-    def _features(self, ids: list[int], items: list[tuple[str, ProcessedItem]],
+    def _features(self, ids: list[int], items: list[tuple[str, CachedItem]],
                   crops: list[int]) -> list[MultiModalFeatureSpec]:
         runs = image_token_runs(ids, self.image_token_id)  # one run per image or crop
         if len(runs) != sum(c + 1 for c in crops) or any(e - s != self.rule.mm_tokens for s, e in runs):

@@ -14,15 +14,26 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mmserve.config import ProcessorCacheConfig
-from mmserve.messages import ProcessedItem
+from mmserve.messages import ProcessedItem, StoredItem
+
+CachedItem = ProcessedItem | StoredItem  # what a FeatureSpec carries: the pixels, or a reference to them
+
+
+class ItemCache(Protocol):
+    """What the Preprocessor needs of a cache: this module's ProcessorCache in one process, a client
+    of the shared store in the Ray app."""
+
+    def get(self, key: str) -> CachedItem | None: ...
+
+    def store(self, key: str, item: ProcessedItem) -> CachedItem: ...
 
 
 class CacheStorage(Protocol):
     """Where cached items live; a handle is whatever `get` and `free` need."""
 
-    def put(self, key: str, item: ProcessedItem) -> Any: ...
+    def put(self, key: str, item: CachedItem) -> Any: ...
 
-    def get(self, handle: Any) -> ProcessedItem: ...
+    def get(self, handle: Any) -> CachedItem: ...
 
     def free(self, handle: Any) -> None: ...
 
@@ -30,13 +41,13 @@ class CacheStorage(Protocol):
 class InMemoryStorage:
     """The handle is the item itself; freeing drops nothing but the index's reference."""
 
-    def put(self, key: str, item: ProcessedItem) -> ProcessedItem:
+    def put(self, key: str, item: CachedItem) -> CachedItem:
         return item
 
-    def get(self, handle: ProcessedItem) -> ProcessedItem:
+    def get(self, handle: CachedItem) -> CachedItem:
         return handle
 
-    def free(self, handle: ProcessedItem) -> None:
+    def free(self, handle: CachedItem) -> None:
         return None
 
 
@@ -90,11 +101,16 @@ class ProcessorCache:
             self._index.move_to_end(key)
             return entry.handle
 
-    def get(self, key: str) -> ProcessedItem | None:
+    def get(self, key: str) -> CachedItem | None:
         handle = self.get_handle(key)
         return None if handle is None else self._storage.get(handle)
 
-    def put(self, key: str, item: ProcessedItem) -> bool:
+    def store(self, key: str, item: ProcessedItem) -> ProcessedItem:
+        """Cache `item` if it fits; return what a FeatureSpec should carry (here: the item itself)."""
+        self.put(key, item)
+        return item
+
+    def put(self, key: str, item: CachedItem) -> bool:
         """Store `item`, evicting LRU entries until it fits; False if it can never fit."""
         nbytes = item.nbytes
         with self._lock:

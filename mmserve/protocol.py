@@ -109,7 +109,7 @@ class Message(_Lenient):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 def _one_or_many(value: Any) -> Any:
@@ -143,7 +143,7 @@ _DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
 class ChatCompletionRequest(_Lenient):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
-    stream: bool = False
+    stream: bool | None = False  # OpenAI allows null
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None  # wins over max_tokens when both are set
@@ -170,7 +170,7 @@ class ChatCompletionRequest(_Lenient):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def to_chat_request(self, request_id: str, default_max_tokens: int) -> ChatRequest:
         """The engine's request; raises InvalidRequestError subclasses whose `param` names the field."""

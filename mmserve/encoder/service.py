@@ -7,6 +7,7 @@ nor transport (the in-process Engine calls it directly; the Ray Encoder deployme
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -44,8 +45,12 @@ class EncoderService:
             return []
         self.loop.open(request_id)
         self.loop.submit(request_id, lambda: self.stage.add_request(request_id, features, self.resolve))
-        async for out in self.loop.outputs(request_id):
-            return list(out.embeddings)
+        try:
+            async for out in self.loop.outputs(request_id):
+                return list(out.embeddings)
+        except asyncio.CancelledError:  # the caller left before its embeddings came: nobody will release
+            self.release(request_id)
+            raise
         raise RuntimeError(f"encoder stage ended request {request_id} without embeddings")
 
     def release(self, request_id: str) -> None:

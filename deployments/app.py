@@ -1,0 +1,44 @@
+"""The application builder: `serve run deployments.app:build_app [model=DIR] [stage.option=value ...]`.
+
+Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, with the shared
+ProcessorCacheStore and the MetricsHub) and applying each stage's placement from the arguments.
+Does not own argument names or defaults (args.py) nor any stage's logic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deployments.args import AppArgs, parse_args
+from deployments.cache_store import ProcessorCacheStore
+from deployments.decoder import Decoder
+from deployments.encoder import Encoder
+from deployments.encoder_router import EncoderRouter
+from deployments.ingress import Ingress
+from deployments.metrics_hub import MetricsHub
+from deployments.preprocess import Preprocess
+from mmserve.models.tiny_checkpoint import default_tiny_checkpoint
+
+
+def model_dir_of(app_args: AppArgs) -> str:
+    """The checkpoint folder: the user's, or the built-in tiny one (built on first use)."""
+    # NOTE: the tiny checkpoint is deterministic, so each node builds the same one into its own cache.
+    return app_args.model or str(default_tiny_checkpoint())
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    app_args = parse_args(args or {})
+    model_dir = model_dir_of(app_args)
+    hub = MetricsHub.bind()
+    store = ProcessorCacheStore.bind(app_args.processor_cache_bytes, hub)
+    preprocess = Preprocess.options(**app_args.preprocess.deployment_options()).bind(app_args, model_dir, store, hub)
+    encoder = Encoder.options(
+        **app_args.encoder.deployment_options(),
+        request_router_config=RequestRouterConfig(request_router_class=EncoderRouter),
+    ).bind(app_args, model_dir, hub)
+    decoder = Decoder.options(**app_args.decoder.deployment_options()).bind(app_args, model_dir, encoder, hub)
+    ingress = Ingress.options(**app_args.ingress.deployment_options())
+    return ingress.bind(app_args, model_dir, preprocess, decoder, hub)

@@ -1,0 +1,59 @@
+"""Decoder deployment (GPU where there is one): mmserve's DecoderService behind a streaming handle.
+
+Owns the translation only: it asks the Encoder deployment for a request's embeddings (they travel
+encoder -> decoder through the object store, never through the ingress), streams RequestOutputs
+back, and tells the encoder replica that served the request when it is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import torch
+from ray import serve
+from transformers import AutoTokenizer
+
+from deployments.args import AppArgs
+from deployments.metrics_hub import MetricsReporter
+from mmserve.decoder.decoder import Decoder as DecoderEngine
+from mmserve.decoder.service import DecoderService
+from mmserve.messages import PreprocessedRequest, RequestOutput
+from mmserve.metrics import MetricsSnapshot, decoder_snapshot
+from mmserve.models.registry import load_family
+
+
+@serve.deployment
+class Decoder:
+    def __init__(self, app_args: AppArgs, model_dir: str, encoder: Any, hub: Any):
+        config = app_args.engine_config(model_dir, stage=app_args.decoder)
+        family = load_family(config.model)
+        self.engine = DecoderEngine(
+            family.load_text(), family.spec, AutoTokenizer.from_pretrained(model_dir), config.scheduler,
+            config.kv_cache, dtype=getattr(torch, config.model.dtype), device=config.model.device,
+        )
+        family.release_unused()
+        self.service = DecoderService(self.engine)
+        self.encoder = encoder
+        self._encoded_on: dict[str, str] = {}  # request id -> encoder replica holding its references
+        self.reporter = MetricsReporter(hub, "Decoder", self.metrics)
+
+    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[RequestOutput]:
+        self.reporter.ensure_started()
+        async for out in self.service.generate(request, encode=self._encode, release=self._release):
+            yield out
+
+    async def _encode(self, request: PreprocessedRequest) -> list[torch.Tensor]:
+        replica_id, arrays = await self.encoder.encode.remote(request.request_id, request.features)
+        self._encoded_on[request.request_id] = replica_id
+        # NOTE: arrays from the object store are read-only views; torch needs its own (small) copy.
+        return [torch.from_numpy(np.array(a)) for a in arrays]
+
+    async def _release(self, request_id: str) -> None:
+        replica_id = self._encoded_on.pop(request_id, None)
+        if replica_id is not None:
+            await self.encoder.release.remote(request_id, replica_id=replica_id)
+
+    def metrics(self) -> MetricsSnapshot:
+        return decoder_snapshot(self.engine.stats())

@@ -1,0 +1,52 @@
+"""Encoder deployment (GPU where there is one): mmserve's EncoderService behind a handle.
+
+Owns the translation only: pixels are resolved from the object store on a cache miss, embeddings
+leave as numpy (zero-copy through the object store), and `encode` answers with this replica's id
+so that `release` can be routed back here (see encoder_router.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from ray import serve
+
+from deployments.args import AppArgs
+from deployments.cache_store import resolve_item
+from deployments.metrics_hub import MetricsReporter
+from mmserve.encoder.runner import EncoderRunner
+from mmserve.encoder.service import EncoderService, to_numpy
+from mmserve.encoder.stage import EncoderStage
+from mmserve.messages import MultiModalFeatureSpec
+from mmserve.metrics import MetricsSnapshot, encoder_snapshot
+from mmserve.models.registry import load_family
+
+
+@serve.deployment
+class Encoder:
+    def __init__(self, app_args: AppArgs, model_dir: str, hub: Any):
+        config = app_args.engine_config(model_dir, stage=app_args.encoder)
+        family = load_family(config.model)
+        runner = EncoderRunner(family.load_vision(), max_batch_items=config.encoder.max_batch_items,
+                               device=torch.device(config.model.device), dtype=getattr(torch, config.model.dtype))
+        family.release_unused()
+        self.stage = EncoderStage(runner, config.encoder)
+        self.service = EncoderService(self.stage, batch_wait_s=app_args.encoder.batch_wait_ms / 1000,
+                                      resolve=resolve_item)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.reporter = MetricsReporter(hub, "Encoder", self.metrics)
+
+    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> tuple[str, list[np.ndarray]]:
+        """(this replica's id, one (num_embeds, hidden) array per feature)."""
+        self.reporter.ensure_started()
+        embeddings = await self.service.encode(request_id, features)
+        return self.replica_id, [to_numpy(e) for e in embeddings]
+
+    def release(self, request_id: str, replica_id: str | None = None) -> None:
+        """The decoder is done with the request; `replica_id` only steers routing."""
+        self.service.release(request_id)
+
+    def metrics(self) -> MetricsSnapshot:
+        return encoder_snapshot(self.stage.stats())

@@ -1,0 +1,130 @@
+"""Ingress deployment: the OpenAI-compatible HTTP API (FastAPI on Serve).
+
+Owns the HTTP edge only: parse and validate the body (mmserve.protocol), ask Preprocess for token
+ids and FeatureSpecs, stream the Decoder's outputs back as JSON or server-sent events, map errors to
+OpenAI-shaped 4xx/5xx, time each request, and serve the metrics of every stage. No tensor passes
+through here: the ingress holds only small specs with ObjectRefs.
+"""
+
+# NOTE: no `from __future__ import annotations` here: FastAPI reads handler annotations at runtime.
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayTaskError
+
+from deployments.args import AppArgs
+from deployments.metrics_hub import MetricsReporter
+from mmserve.messages import RequestOutput
+from mmserve.metrics import CONTENT_TYPE, IngressMetrics, RequestStatus, render_prometheus
+from mmserve.models.registry import load_family
+from mmserve.protocol import ChatCompletionRequest, ModelCard, ModelList, ModelNotFoundError, error_body
+from mmserve.protocol_stream import ChunkBuilder, CompletionBuilder, sse_error
+
+api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The replica's own exception, without Ray's wrapper (whose text carries a traceback)."""
+    while isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    return exc
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    status, body = error_body(_unwrap(exc))
+    return JSONResponse(body, status_code=status)
+
+
+@serve.deployment
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, app_args: AppArgs, model_dir: str, preprocess: Any, decoder: Any, hub: Any):
+        family = load_family(app_args.engine_config(model_dir).model)
+        self.model_name = family.spec.model_id
+        self.default_max_tokens = family.spec.max_model_len
+        self.preprocess, self.decoder, self.hub = preprocess, decoder, hub
+        self.stats = IngressMetrics()
+        self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot)
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return ModelList(data=[ModelCard(id=self.model_name)]).model_dump()
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        await self.reporter.push()
+        merged = await self.hub.collect.remote()
+        return Response(render_prometheus(merged), media_type=CONTENT_TYPE)
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        started = time.perf_counter()
+        self.reporter.ensure_started()
+        try:
+            body = ChatCompletionRequest.model_validate(await request.json())
+            if body.model not in (None, self.model_name):
+                raise ModelNotFoundError(f"model {body.model!r} is not served here; try {self.model_name!r}")
+            chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", self.default_max_tokens)
+            pre = await self.preprocess.process.remote(chat)
+            outputs = self.decoder.options(stream=True).generate.remote(pre)
+            first = await outputs.__anext__()  # errors before the first token still get a 4xx/5xx status
+        except Exception as exc:
+            status, body_json = error_body(_unwrap(exc))
+            self._done("client_error" if status < 500 else "server_error", started)
+            return JSONResponse(body_json, status_code=status)
+        self.stats.observe_ttft(time.perf_counter() - started)
+        if body.stream:
+            stream = self._sse(chat.request_id, body.include_usage, first, outputs, started)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await self._complete(chat.request_id, first, outputs, started)
+
+    async def _complete(self, request_id: str, first: Any, outputs: Any, started: float) -> Response:
+        builder = CompletionBuilder(request_id, self.model_name)
+        last = first
+        try:
+            builder.add(first)
+            async for last in outputs:
+                builder.add(last)
+        except Exception as exc:
+            self._done("server_error", started)
+            return _error(exc)
+        finally:
+            outputs.cancel()  # no-op when finished; aborts the request if this handler was cancelled
+        self._done("ok", started, last)
+        return JSONResponse(builder.build().model_dump())
+
+    async def _sse(self, request_id: str, include_usage: bool, first: Any, outputs: Any,
+                   started: float) -> AsyncIterator[str]:
+        chunks = ChunkBuilder(request_id, self.model_name, include_usage=include_usage)
+        status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
+        last = first
+        try:
+            for event in chunks.events(first):
+                yield event
+            if not first.finished:
+                async for last in outputs:
+                    for event in chunks.events(last):
+                        yield event
+            status = "ok"
+        except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+            status = "server_error"
+            yield sse_error(_unwrap(exc))
+        finally:
+            outputs.cancel()  # the client disconnected: abort in the decoder, free KV and encoder refs
+            self._done(status, started, last)
+
+    def _done(self, status: RequestStatus, started: float, last: Any = None) -> None:
+        tokens = (last.num_prompt_tokens, last.num_output_tokens) if isinstance(last, RequestOutput) else (0, 0)
+        self.stats.observe_request(status, time.perf_counter() - started, *tokens)
+
+

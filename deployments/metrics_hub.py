@@ -1,0 +1,122 @@
+"""Metrics of every replica, summed: a hub deployment and the reporter each replica runs.
+
+Owns the Ray side of metrics: each replica pushes its `MetricsSnapshot` to the one `MetricsHub`
+replica every second (and the ingress right before it answers `GET /metrics`); the hub merges the
+latest snapshot of every replica. Each push also mirrors the values into `ray.util.metrics`, so a
+Ray cluster's Prometheus/Grafana sees them too. Does not own what is measured (mmserve/metrics.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ray import serve
+from ray.util import metrics as ray_metrics
+
+from mmserve.metrics import HistogramValue, Metric, MetricsSnapshot, merge
+
+log = logging.getLogger(__name__)
+PUSH_INTERVAL_S = 1.0
+STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges stop counting, its counters stay
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+class MetricsHub:
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[float, MetricsSnapshot]] = {}  # source -> (time, snapshot)
+
+    def report(self, source: str, snapshot: MetricsSnapshot) -> None:
+        self._latest[source] = (time.monotonic(), snapshot)
+
+    def collect(self) -> MetricsSnapshot:
+        now = time.monotonic()
+        snapshots = [s if now - t < STALE_AFTER_S else _without_gauges(s) for t, s in self._latest.values()]
+        return merge(snapshots)
+
+
+def _without_gauges(snapshot: MetricsSnapshot) -> MetricsSnapshot:
+    return MetricsSnapshot({n: m for n, m in snapshot.metrics.items() if m.kind != "gauge"})
+
+
+class MetricsReporter:
+    """Runs in a replica: pushes `snapshot()` to the hub periodically and mirrors it into Ray."""
+
+    def __init__(self, hub: Any, deployment: str, snapshot: Callable[[], MetricsSnapshot]):
+        context = serve.get_replica_context()
+        self.source = f"{deployment}#{context.replica_id.unique_id}"
+        self.hub, self.snapshot = hub, snapshot
+        self.mirror = _RayMirror(deployment)
+        self._task: asyncio.Task | None = None
+
+    def ensure_started(self) -> None:
+        """Start the push loop (call from the replica's event loop, e.g. in a request handler)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def push(self) -> None:
+        snapshot = self.snapshot()
+        await self.hub.report.remote(self.source, snapshot)
+        self.mirror.update(snapshot)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.push()
+            except Exception:  # metrics must never take a replica down
+                log.warning("pushing metrics from %s failed", self.source, exc_info=True)
+            await asyncio.sleep(PUSH_INTERVAL_S)
+
+
+class _RayMirror:
+    """Keeps `ray.util.metrics` objects in step with successive snapshots of one replica."""
+
+    def __init__(self, deployment: str):
+        self.tags = {"stage": deployment}
+        self._objects: dict[str, Any] = {}
+        self._last: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def update(self, snapshot: MetricsSnapshot) -> None:
+        for metric in snapshot.metrics.values():
+            for labels, value in metric.values.items():
+                tags = {**self.tags, **dict(zip(metric.labels, labels, strict=True))}
+                self._apply(metric, labels, value, tags)
+
+    def _apply(self, metric: Metric, labels: tuple[str, ...], value: Any, tags: dict[str, str]) -> None:
+        obj = self._object(metric)
+        key = (metric.name, labels)
+        last = self._last.get(key)
+        if metric.kind == "gauge":
+            obj.set(value, tags=tags)
+        elif metric.kind == "counter":
+            delta = value - (last or 0.0)
+            if delta > 0:
+                obj.inc(delta, tags=tags)
+        else:  # histogram: replay the new observations bucket by bucket at the bucket's bound
+            previous = last or replace(value, counts=(0,) * len(value.counts), sum=0.0)
+            for bound, new in zip((*value.bounds, value.bounds[-1] * 2), _diff(value, previous), strict=True):
+                for _ in range(min(new, 1000)):
+                    obj.observe(bound, tags=tags)
+        self._last[key] = value
+
+    def _object(self, metric: Metric) -> Any:
+        if metric.name not in self._objects:
+            keys = ("stage", *metric.labels)
+            if metric.kind == "counter":
+                # NOTE: Ray appends "_total" to counters itself.
+                obj: Any = ray_metrics.Counter(metric.name.removesuffix("_total"), metric.help, tag_keys=keys)
+            elif metric.kind == "gauge":
+                obj = ray_metrics.Gauge(metric.name, metric.help, tag_keys=keys)
+            else:
+                bounds = list(next(iter(metric.values.values())).bounds) if metric.values else [1.0]
+                obj = ray_metrics.Histogram(metric.name, metric.help, boundaries=bounds, tag_keys=keys)
+            self._objects[metric.name] = obj
+        return self._objects[metric.name]
+
+
+def _diff(a: HistogramValue, b: HistogramValue) -> list[int]:
+    return [x - y for x, y in zip(a.counts, b.counts, strict=True)]

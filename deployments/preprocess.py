@@ -1,0 +1,37 @@
+"""Preprocess deployment (CPU, autoscaled): ChatRequest -> PreprocessedRequest through mmserve's
+Preprocessor, with the cluster-wide ProcessorCache. Owns nothing but the translation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray import serve
+
+from deployments.args import AppArgs
+from deployments.cache_store import SharedProcessorCache
+from deployments.metrics_hub import MetricsReporter
+from mmserve.messages import ChatRequest, PreprocessedRequest
+from mmserve.metrics import MetricsSnapshot, preprocess_snapshot
+from mmserve.models.registry import load_family
+from mmserve.processing import Preprocessor
+
+
+@serve.deployment
+class Preprocess:
+    def __init__(self, app_args: AppArgs, model_dir: str, cache_store: Any, hub: Any):
+        config = app_args.engine_config(model_dir)
+        family = load_family(config.model)  # config files only; no weights are read here
+        self.preprocessor = Preprocessor(
+            model_dir, media=config.media, cache=SharedProcessorCache(cache_store), rule=family.prompt_rule,
+            model_id=family.spec.model_id, max_model_len=family.spec.max_model_len,
+        )
+        self.reporter = MetricsReporter(hub, "Preprocess", self.metrics)
+
+    async def process(self, request: ChatRequest) -> PreprocessedRequest:
+        self.reporter.ensure_started()
+        # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
+        return await asyncio.to_thread(self.preprocessor.process, request)
+
+    def metrics(self) -> MetricsSnapshot:
+        return preprocess_snapshot(self.preprocessor.image_processor_calls)

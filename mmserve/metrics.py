@@ -1,0 +1,304 @@
+"""The metrics every stage reports, as plain data that sums over replicas, and their Prometheus text.
+
+Owns: metric names, help texts, kinds and the fixed histogram bucket bounds; turning each stage's
+stats into a picklable `MetricsSnapshot` (no registry, no global state, so a Ray replica can return
+one from a method call); `Histogram` and `IngressMetrics` for what the ingress observes itself
+(time to first token, latency, request outcomes); `merge` over replicas; the text exposition.
+Does not own: gathering snapshots from replicas (deployments/), nor the stats (each stage keeps its own).
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:  # NOTE: type-only, so the ingress can import this module without torch
+    from prometheus_client.metrics_core import Metric as PromFamily
+
+    from mmserve.decoder.decoder import DecoderStats
+    from mmserve.encoder.stage import EncoderStats
+    from mmserve.engine import EngineStats
+    from mmserve.processor_cache import ProcessorCacheStats
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+RequestStatus = Literal["ok", "client_error", "server_error", "aborted"]
+LabelValues = tuple[str, ...]
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what `render_prometheus` produces
+# Fixed bounds shared by every replica, so histograms merge bucket by bucket.
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # crops (images) per vision forward
+REQUEST_STATUSES: tuple[RequestStatus, ...] = ("ok", "client_error", "server_error", "aborted")
+
+
+@dataclass(frozen=True)
+class HistogramValue:
+    bounds: tuple[float, ...]  # finite upper bounds, increasing; +Inf is implied
+    counts: tuple[int, ...]  # observations per bucket, NOT cumulative; len(bounds) + 1, last = above all
+    sum: float  # sum of the observed values
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"{len(self.bounds)} bounds need {len(self.bounds) + 1} counts, got {len(self.counts)}")
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(le, observations <= le) per bucket, ending with (inf, count), as Prometheus exposes them."""
+        out, total = [], 0
+        for le, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((le, total))
+        return out
+
+    def __add__(self, other: HistogramValue) -> HistogramValue:
+        if other.bounds != self.bounds:
+            raise ValueError(f"cannot add histograms with bounds {self.bounds} and {other.bounds}")
+        counts = tuple(a + b for a, b in zip(self.counts, other.counts, strict=True))
+        return HistogramValue(self.bounds, counts, self.sum + other.sum)
+
+    @classmethod
+    def from_counts(cls, bounds: tuple[float, ...], observed: Iterable[tuple[float, int]]) -> HistogramValue:
+        """From (observed value, times) pairs, e.g. `EncoderStats.batch_sizes.items()`."""
+        counts, total = [0] * (len(bounds) + 1), 0.0
+        for value, times in observed:
+            counts[bisect_left(bounds, value)] += times
+            total += value * times
+        return cls(bounds, tuple(counts), total)
+
+
+Value = float | HistogramValue
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # the exposed name; a counter's ends in "_total"
+    kind: MetricKind
+    help: str
+    labels: tuple[str, ...] = ()  # label names
+    values: Mapping[LabelValues, Value] = field(default_factory=dict)  # label values -> value
+
+    def __post_init__(self) -> None:
+        if self.kind == "counter" and not self.name.endswith("_total"):
+            raise ValueError(f"counter {self.name} must end in _total")
+        for key, value in self.values.items():
+            if len(key) != len(self.labels):
+                raise ValueError(f"{self.name}: label values {key} do not match labels {self.labels}")
+            if isinstance(value, HistogramValue) != (self.kind == "histogram"):
+                raise ValueError(f"{self.name}: a {self.kind} cannot hold {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    metrics: Mapping[str, Metric] = field(default_factory=dict)  # name -> metric
+
+    def value(self, name: str, *label_values: str) -> Value | None:
+        metric = self.metrics.get(name)
+        return None if metric is None else metric.values.get(tuple(label_values))
+
+
+def snapshot_of(*metrics: Metric) -> MetricsSnapshot:
+    names = [m.name for m in metrics]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate metric names in {names}")
+    return MetricsSnapshot({m.name: m for m in metrics})
+
+
+def _counter(name: str, help: str, value: float) -> Metric:
+    return Metric(name, "counter", help, (), {(): float(value)})
+
+
+def _gauge(name: str, help: str, value: float) -> Metric:
+    return Metric(name, "gauge", help, (), {(): float(value)})
+
+
+def _histogram(name: str, help: str, value: HistogramValue) -> Metric:
+    return Metric(name, "histogram", help, (), {(): value})
+
+
+# --- per stage ----------------------------------------------------------------------------------
+
+
+def preprocess_snapshot(image_processor_calls: int, cache: ProcessorCacheStats | None = None) -> MetricsSnapshot:
+    """One preprocess replica; `cache` only if the replica owns its cache index (see below)."""
+    calls = _counter("mmserve_image_processor_calls_total", "HF image processor invocations.", image_processor_calls)
+    return merge([snapshot_of(calls)] + ([processor_cache_snapshot(cache)] if cache is not None else []))
+
+
+def processor_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
+    """One ProcessorCache index. NOTE: report each index once: where replicas share one (a store
+    actor), the store reports it, not every replica, or `merge` counts it once per replica."""
+    return snapshot_of(
+        _counter("mmserve_processor_cache_queries_total", "Processor cache lookups.", cache.queries),
+        _counter("mmserve_processor_cache_hits_total", "Processor cache lookups that hit.", cache.hits),
+        _counter("mmserve_processor_cache_evictions_total", "Processor cache entries evicted.", cache.evictions),
+        _counter("mmserve_processor_cache_refused_total", "Items larger than the processor cache.", cache.refused),
+        _gauge("mmserve_processor_cache_bytes", "Bytes held by the processor cache.", cache.bytes_held),
+        _gauge("mmserve_processor_cache_capacity_bytes", "Processor cache capacity in bytes.", cache.capacity_bytes),
+        _gauge("mmserve_processor_cache_entries", "Items held by the processor cache.", cache.entries),
+    )
+
+
+def encoder_snapshot(stats: EncoderStats) -> MetricsSnapshot:
+    return snapshot_of(
+        _counter("mmserve_encoder_cache_queries_total", "Encoder cache lookups (hits + encoded misses).",
+                 stats.queries),
+        _counter("mmserve_encoder_cache_hits_total", "Encoder cache lookups that hit.", stats.hits),
+        _counter("mmserve_encoder_forward_passes_total", "Vision encoder forward passes.", stats.forward_passes),
+        _counter("mmserve_encoder_items_encoded_total", "Multimodal items (images) encoded.", stats.items_encoded),
+        _counter("mmserve_encoder_crops_encoded_total", "Image crops encoded.", stats.images_encoded),
+        _gauge("mmserve_encoder_cache_tokens", "Embedding rows booked in the encoder cache.", stats.cached_tokens),
+        _gauge("mmserve_encoder_cache_capacity_tokens", "Encoder cache capacity in embedding rows.",
+               stats.capacity_tokens),
+        _gauge("mmserve_encoder_cache_entries", "Items in the encoder cache.", stats.num_cached),
+        _gauge("mmserve_encoder_pending_requests", "Requests waiting for embeddings.", stats.num_pending),
+        _histogram("mmserve_encoder_batch_size", "Crops (images) per vision encoder forward pass.",
+                   HistogramValue.from_counts(BATCH_SIZE_BUCKETS, stats.batch_sizes.items())),
+    )
+
+
+def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
+    return snapshot_of(
+        _gauge("mmserve_decoder_running_requests", "Sequences holding KV blocks.", stats.running),
+        _gauge("mmserve_decoder_waiting_requests", "Sequences queued or preempted.", stats.waiting),
+        _gauge("mmserve_decoder_kv_blocks_free", "Free KV cache blocks.", stats.free_blocks),
+        _gauge("mmserve_decoder_kv_blocks_total", "KV cache blocks overall.", stats.total_blocks),
+        _gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
+        _counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
+    )
+
+
+def engine_snapshot(stats: EngineStats) -> MetricsSnapshot:
+    """The in-process engine: every stage, one replica each."""
+    return merge([preprocess_snapshot(stats.image_processor_calls, stats.processor_cache),
+                  encoder_snapshot(stats.encoder), decoder_snapshot(stats.decoder)])
+
+
+# --- what the ingress observes ------------------------------------------------------------------
+
+
+class Histogram:
+    """A mutable histogram over fixed bounds; thread-safe."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        if list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"bounds must be strictly increasing, got {bounds}")
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect_left(self.bounds, value)] += 1
+            self._sum += value
+
+    def value(self) -> HistogramValue:
+        with self._lock:
+            return HistogramValue(self.bounds, tuple(self._counts), self._sum)
+
+
+class IngressMetrics:
+    """Request outcomes and latencies seen at the HTTP edge; one per ingress replica, thread-safe."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.latency = Histogram(LATENCY_BUCKETS_S)
+        self._requests = dict.fromkeys(REQUEST_STATUSES, 0)
+        self._prompt_tokens = self._generated_tokens = 0
+        self._lock = threading.Lock()
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Request arrival to its first content token."""
+        self.ttft.observe(seconds)
+
+    def observe_request(self, status: RequestStatus, seconds: float, prompt_tokens: int = 0,
+                        generated_tokens: int = 0) -> None:
+        """A request ended: its outcome, arrival-to-end latency and token counts."""
+        self.latency.observe(seconds)
+        with self._lock:
+            self._requests[status] += 1
+            self._prompt_tokens += prompt_tokens
+            self._generated_tokens += generated_tokens
+
+    def snapshot(self) -> MetricsSnapshot:
+        with self._lock:
+            requests: dict[LabelValues, Value] = {(status,): float(n) for status, n in self._requests.items()}
+            prompt, generated = self._prompt_tokens, self._generated_tokens
+        return snapshot_of(
+            Metric("mmserve_requests_total", "counter", "Requests ended, by outcome.", ("status",), requests),
+            _counter("mmserve_prompt_tokens_total", "Prompt tokens of ended requests, image tokens included.",
+                     prompt),
+            _counter("mmserve_generated_tokens_total", "Tokens generated for ended requests.", generated),
+            _histogram("mmserve_time_to_first_token_seconds", "Request arrival to first content token.",
+                       self.ttft.value()),
+            _histogram("mmserve_e2e_request_latency_seconds", "Request arrival to its end.", self.latency.value()),
+        )
+
+
+# --- merge and render ---------------------------------------------------------------------------
+
+
+def merge(snapshots: Iterable[MetricsSnapshot]) -> MetricsSnapshot:
+    """Sum over replicas: counters, gauges (running, waiting and bytes add up) and histogram buckets."""
+    merged: dict[str, Metric] = {}
+    for snap in snapshots:
+        for name, metric in snap.metrics.items():
+            seen = merged.get(name)
+            merged[name] = metric if seen is None else _add(seen, metric)
+    return MetricsSnapshot(merged)
+
+
+def _add(a: Metric, b: Metric) -> Metric:
+    if (a.kind, a.labels) != (b.kind, b.labels):
+        raise ValueError(f"{a.name}: cannot merge {a.kind}{a.labels} with {b.kind}{b.labels}")
+    values = dict(a.values)
+    for key, value in b.values.items():
+        old = values.get(key)
+        values[key] = value if old is None else old + value  # type: ignore[operator]
+    return Metric(a.name, a.kind, a.help, a.labels, values)
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: MetricsSnapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[PromFamily]:
+        for name in sorted(self._snapshot.metrics):
+            yield _family(self._snapshot.metrics[name])
+
+
+def _family(metric: Metric) -> PromFamily:
+    if metric.kind == "histogram":
+        hist = HistogramMetricFamily(metric.name, metric.help, labels=metric.labels)
+        for key, value in metric.values.items():
+            assert isinstance(value, HistogramValue)
+            buckets = [(floatToGoString(le), float(n)) for le, n in value.cumulative()]
+            hist.add_metric(list(key), buckets, value.sum)
+        return hist
+    # NOTE: CounterMetricFamily strips "_total" from the name and the exposition adds it back.
+    family_type = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+    family = family_type(metric.name, metric.help, labels=metric.labels)
+    for key, value in metric.values.items():
+        assert isinstance(value, float | int)
+        family.add_metric(list(key), value)
+    return family
+
+
+def render_prometheus(snapshot: MetricsSnapshot) -> str:
+    """Prometheus text exposition format 0.0.4 (serve it with `CONTENT_TYPE`), metrics sorted by name."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snapshot))
+    return generate_latest(registry).decode("utf-8")

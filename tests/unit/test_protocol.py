@@ -1,0 +1,339 @@
+"""protocol.py / protocol_stream.py: the official `openai` client's requests parse, our responses and
+stream chunks parse back in it, aliases and defaults, every validation error, error bodies."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from mmserve.errors import InvalidRequestError, InvalidSamplingError, MediaError
+from mmserve.messages import RequestFailed, RequestOutput
+from mmserve.protocol import (
+    ChatCompletionRequest,
+    ModelCard,
+    ModelList,
+    ModelNotFoundError,
+    UnsupportedParameterError,
+    error_body,
+    validation_error_body,
+)
+from mmserve.protocol_stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
+
+openai = pytest.importorskip("openai")
+# NOTE: the HTTP library the installed client is built on (httpx, or httpx2 in recent releases).
+http = importlib.import_module(openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0])
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def outputs(texts: list[str], reason: str = "stop", prompt: int = 7) -> list[RequestOutput]:
+    n = len(texts)
+    return [RequestOutput("r", [i], t, i == n - 1, reason if i == n - 1 else None, prompt, i + 1)  # type: ignore[arg-type]
+            for i, t in enumerate(texts)]
+
+
+def fake_client(respond: Callable[[dict[str, Any]], Any], seen: dict[str, Any]) -> Any:
+    """An `openai.OpenAI` whose HTTP calls go to `respond(request body)` in process."""
+
+    def handler(request: Any) -> Any:
+        seen["path"] = request.url.path
+        seen["body"] = json.loads(request.content) if request.content else None
+        return respond(seen["body"])
+
+    client = http.Client(transport=http.MockTransport(handler))
+    return openai.OpenAI(api_key="test", base_url="http://mmserve.test/v1", http_client=client)
+
+
+def parse(body: dict[str, Any]) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(body)
+
+
+# --- the official client end to end -------------------------------------------------------------
+
+
+def test_official_client_request_parses_and_response_is_accepted() -> None:
+    seen: dict[str, Any] = {}
+
+    def respond(body: dict[str, Any]) -> Any:
+        req = parse(body).to_chat_request("req-1", default_max_tokens=16)
+        builder = CompletionBuilder("chatcmpl-1", body["model"])
+        for out in outputs(["Hel", "", "lo ", "wörld"]):
+            builder.add(out)
+        seen["request"] = req
+        return http.Response(200, json=builder.build().model_dump())
+
+    client = fake_client(respond, seen)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}}
+    resp = client.chat.completions.create(
+        model="gemma-3", max_completion_tokens=5, temperature=0, top_p=0.9, seed=3, stop=["\n\n"], user="u1",
+        messages=[{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}],
+        extra_body={"top_k": 5, "mm_processor_kwargs": {"do_pan_and_scan": True}, "ignore_eos": True},
+    )
+    assert seen["path"] == "/v1/chat/completions"
+    req = seen["request"]
+    assert req.request_id == "req-1"
+    assert req.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]},
+    ]
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.ignore_eos) == (
+        5, 0.0, 0.9, 5, 3, ("\n\n",), True)
+    assert req.mm_processor_kwargs == {"do_pan_and_scan": True}
+    assert resp.choices[0].message.content == "Hello wörld"
+    assert resp.choices[0].finish_reason == "stop" and resp.choices[0].message.role == "assistant"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (7, 4, 11)
+    assert resp.id == "chatcmpl-1" and resp.model == "gemma-3"
+
+
+def test_official_client_streams_chunks_and_usage() -> None:
+    seen: dict[str, Any] = {}
+
+    def respond(body: dict[str, Any]) -> Any:
+        req = parse(body)
+        assert req.stream and req.include_usage
+        builder = ChunkBuilder("chatcmpl-2", "gemma-3", include_usage=req.include_usage)
+        events = [e for out in outputs(["A", "", "B", "C"], reason="length") for e in builder.events(out)]
+        assert events[-1] == SSE_DONE
+        return http.Response(200, headers={"content-type": "text/event-stream"}, content="".join(events).encode())
+
+    client = fake_client(respond, seen)
+    chunks = list(client.chat.completions.create(model="gemma-3", messages=USER, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert seen["body"]["stream"] is True
+    assert [c.choices[0].delta.content for c in chunks[:-1]] == ["A", "B", "C"]  # the empty step sent nothing
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[1].choices[0].delta.role is None
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None, None, "length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (7, 4)
+    assert all(c.usage is None for c in chunks[:-1]) and {c.id for c in chunks} == {"chatcmpl-2"}
+
+
+def test_official_client_raises_on_stream_error_event() -> None:
+    def respond(body: dict[str, Any]) -> Any:
+        builder = ChunkBuilder("c", "m")
+        events = builder.events(outputs(["x", "y"])[0])
+        try:
+            builder.events(RequestFailed("r", MediaError("image could not be decoded")))
+        except MediaError as exc:
+            events.append(sse_error(exc))
+        return http.Response(200, headers={"content-type": "text/event-stream"}, content="".join(events).encode())
+
+    stream = fake_client(respond, {}).chat.completions.create(model="m", messages=USER, stream=True)
+    with pytest.raises(openai.APIError, match="could not be decoded"):
+        list(stream)
+
+
+def test_official_client_lists_models_and_accepts_error_bodies() -> None:
+    def respond(body: Any) -> Any:
+        return http.Response(200, json=ModelList(data=[ModelCard(id="gemma-3", max_model_len=8192)]).model_dump())
+
+    models = list(fake_client(respond, {}).models.list())
+    assert [m.id for m in models] == ["gemma-3"] and models[0].owned_by == "mmserve"
+
+    def reject(body: Any) -> Any:
+        status, err = error_body(with_n(2))
+        return http.Response(status, json=err)
+
+    with pytest.raises(openai.BadRequestError) as info:
+        fake_client(reject, {}).chat.completions.create(model="m", messages=USER)
+    assert info.value.code == "unsupported_parameter" and info.value.param == "n"
+
+
+def with_n(n: int) -> Exception:
+    try:
+        parse({"messages": USER, "n": n}).to_chat_request("r", 16)
+    except InvalidRequestError as exc:
+        return exc
+    raise AssertionError("n was accepted")
+
+
+# --- response models against the client's own types --------------------------------------------
+
+
+def test_response_and_chunks_validate_as_openai_types() -> None:
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    builder = CompletionBuilder("id", "m", created=5)
+    for out in outputs(["a", "b"], reason="length"):
+        builder.add(out)
+    full = ChatCompletion.model_validate(json.loads(builder.build().model_dump_json()))
+    assert full.choices[0].message.content == "ab" and full.created == 5 and full.object == "chat.completion"
+
+    stream = ChunkBuilder("id", "m", include_usage=True, created=5)
+    raw = [c for out in outputs(["a", "b"]) for c in stream.chunks(out)]
+    parsed = [ChatCompletionChunk.model_validate(json.loads(c.model_dump_json())) for c in raw]
+    assert [p.object for p in parsed] == ["chat.completion.chunk"] * 3
+    assert json.loads(raw[0].model_dump_json())["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert json.loads(raw[-1].model_dump_json())["choices"] == []
+
+
+# --- request parsing: defaults, aliases, extensions --------------------------------------------
+
+
+def test_defaults() -> None:
+    req = parse({"messages": USER}).to_chat_request("r", default_max_tokens=64)
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.ignore_eos) == (
+        64, 1.0, 1.0, 0, None, (), False)
+    assert req.mm_processor_kwargs == {} and req.messages == USER
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"max_tokens": 7}, 7),
+    ({"max_completion_tokens": 9}, 9),
+    ({"max_tokens": 7, "max_completion_tokens": 9}, 9),
+])
+def test_max_tokens_alias(fields: dict[str, int], expected: int) -> None:
+    assert parse({"messages": USER, **fields}).to_chat_request("r", 16).sampling.max_tokens == expected
+
+
+def test_stop_string_top_k_off_developer_role_and_bare_image_url() -> None:
+    body = {"messages": [{"role": "developer", "content": "sys", "name": "dev"},
+                         {"role": "user", "content": [{"type": "image_url", "image_url": "https://x/a.png"}]}],
+            "stop": "END", "top_k": -1}
+    req = parse(body).to_chat_request("r", 16)
+    assert req.sampling.stop == ("END",) and req.sampling.top_k == 0
+    assert req.messages == [{"role": "system", "content": "sys"},
+                            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}]
+
+
+def test_unknown_fields_and_default_valued_unsupported_fields_are_tolerated() -> None:
+    body = {"messages": USER, "user": "u", "store": False, "metadata": {"a": "b"}, "n": 1, "logprobs": False,
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "modalities": ["text"], "parallel_tool_calls": False,
+            "some_future_field": {"x": 1}}
+    assert parse(body).to_chat_request("r", 16).sampling.max_tokens == 16
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("n", 2), ("n", 0), ("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5),
+    ("frequency_penalty", -1.0), ("logit_bias", {"42": 10}), ("tool_choice", "auto"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]),
+])
+def test_unsupported_values_are_rejected_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(UnsupportedParameterError, match=field) as info:
+        parse({"messages": USER, field: value}).to_chat_request("r", 16)
+    status, body = error_body(info.value)
+    assert status == 400
+    assert body["error"]["param"] == field and body["error"]["code"] == "unsupported_parameter"
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_stream_options_need_stream() -> None:
+    with pytest.raises(InvalidRequestError, match="stream_options") as info:
+        parse({"messages": USER, "stream_options": {"include_usage": True}}).to_chat_request("r", 16)
+    assert error_body(info.value)[1]["error"]["param"] == "stream_options"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"seed": 2**64}, "seed"),
+])
+def test_sampling_errors_name_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidSamplingError) as info:
+        parse({"messages": USER, **fields}).to_chat_request("r", 16)
+    status, body = error_body(info.value)
+    assert status == 400 and body["error"]["code"] == "invalid_sampling_params"
+    assert body["error"]["param"] == param and param.split("_")[0] in body["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({}, "messages", "Field required"),
+    ({"messages": []}, "messages", "at least 1"),
+    ({"messages": "hi"}, "messages", "valid list"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'system'"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "Field required"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", "string or a list"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0]",
+     "'text' or 'image_url'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text", "required"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}]},
+     "messages[0].content[0].image_url.url", "required"),
+    ({"messages": USER, "stop": 3}, "stop", "string or a list of strings"),
+    ({"messages": USER, "max_tokens": "many"}, "max_tokens", "valid integer"),
+    ({"messages": USER, "stream": "sometimes"}, "stream", "valid boolean"),
+    ({"messages": USER, "mm_processor_kwargs": [1]}, "mm_processor_kwargs", "valid dictionary"),
+])
+def test_validation_errors_are_readable_400s(body: dict[str, Any], param: str, says: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        parse(body)
+    status, err = error_body(info.value)
+    assert status == 400 and err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"].startswith(f"{param}: ") and says in err["error"]["message"]
+
+
+def test_invalid_json_and_several_errors() -> None:
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate_json("{not json")
+    status, err = error_body(info.value)
+    assert status == 400 and "JSON" in err["error"]["message"]
+    with pytest.raises(ValidationError) as info:
+        parse({"messages": USER, "temperature": "hot", "top_p": "x"})
+    assert "(and 1 more error)" in error_body(info.value)[1]["error"]["message"]
+
+
+# --- error bodies ---------------------------------------------------------------------------------
+
+
+def test_error_body_statuses_and_no_leak() -> None:
+    assert error_body(MediaError("bad image"))[0] == 400
+    assert error_body(MediaError("bad image"))[1] == {"error": {
+        "message": "bad image", "type": "invalid_request_error", "code": "invalid_image", "param": None}}
+    assert error_body(ModelNotFoundError("no model 'x'"))[0] == 404
+    status, body = error_body(RuntimeError("CUDA OOM at /secret/path.py line 3"))
+    assert status == 500 and "secret" not in json.dumps(body)
+    assert body["error"]["type"] == "internal_error"
+
+
+def test_fastapi_style_locations() -> None:
+    errors = [{"loc": ("body", "messages", 0, "role"), "msg": "Input should be 'user'", "type": "literal_error"}]
+    status, body = validation_error_body(errors)
+    assert status == 400 and body["error"]["param"] == "messages[0].role"
+    assert body["error"]["message"] == "messages[0].role: Input should be 'user'"
+
+
+# --- builders and framing -------------------------------------------------------------------------
+
+
+def test_first_chunk_carries_role_even_without_text() -> None:
+    builder = ChunkBuilder("c", "m")
+    first = builder.chunks(RequestOutput("r", [1], "", False, None, 3, 1))
+    assert json.loads(first[0].model_dump_json())["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert builder.chunks(RequestOutput("r", [2], "", False, None, 3, 2)) == []
+    last = builder.chunks(RequestOutput("r", [3], "", True, "stop", 3, 3))
+    assert json.loads(last[0].model_dump_json())["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "stop"}
+    assert len(last) == 1  # no usage chunk unless asked
+    assert builder.chunks(RequestOutput("r", [], "", True, "stop", 3, 3)) == []  # nothing after the end
+
+
+def test_failures_are_reraised() -> None:
+    with pytest.raises(MediaError):
+        CompletionBuilder("c", "m").add(RequestFailed("r", MediaError("x")))
+    with pytest.raises(RuntimeError, match="before its request finished"):
+        builder = CompletionBuilder("c", "m")
+        builder.add(outputs(["a", "b"])[0])
+        builder.build()
+
+
+def test_sse_framing() -> None:
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    chunk = ChunkBuilder("c", "m").chunks(outputs(["line1\nline2"])[0])[0]
+    event = sse(chunk)
+    assert event.startswith("data: {") and event.endswith("}\n\n") and event.count("\n") == 2
+    assert SSE_DONE == "data: [DONE]\n\n"
