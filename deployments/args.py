@@ -34,6 +34,9 @@ class Autoscaling(_Strict):
     target_ongoing_requests: float = Field(2.0, gt=0)
     upscale_delay_s: float = Field(5.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
+    # Optional: None leaves Serve's own default. Small values make scaling react in seconds (tests).
+    metrics_interval_s: float | None = Field(None, gt=0)  # how often handles/replicas report load
+    look_back_period_s: float | None = Field(None, gt=0)  # window the load is averaged over
 
 
 class StageArgs(_Strict):
@@ -54,7 +57,7 @@ class StageArgs(_Strict):
             actor["resources"] = dict(self.resources)
         options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
         if self.autoscaling is not None:
-            options["autoscaling_config"] = self.autoscaling.model_dump()
+            options["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
         else:
             options["num_replicas"] = self.num_replicas or 1
         return options

@@ -20,27 +20,15 @@ from ray import serve
 from deployments.metrics_hub import MetricsReporter
 from mmserve.messages import ProcessedItem, StoredItem
 from mmserve.metrics import MetricsSnapshot, processor_cache_snapshot
-from mmserve.processor_cache import CachedItem, ProcessorCache
-
-
-class _RefStorage:
-    """Storage handles are the StoredItems themselves; freeing drops the index's ObjectRef, and Ray
-    frees the object once no in-flight FeatureSpec borrows it either."""
-
-    def put(self, key: str, item: CachedItem) -> CachedItem:
-        return item
-
-    def get(self, handle: CachedItem) -> CachedItem:
-        return handle
-
-    def free(self, handle: CachedItem) -> None:
-        return None
+from mmserve.processor_cache import CachedItem, InMemoryStorage, ProcessorCache
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 class ProcessorCacheStore:
     def __init__(self, capacity_bytes: int, hub: Any):
-        self.cache = ProcessorCache(capacity_bytes, _RefStorage())
+        # NOTE: the index's values are StoredItems (ObjectRefs), so the plain in-memory storage fits: an
+        # evicted entry drops the index's ref, and Ray frees the object once no in-flight spec borrows it.
+        self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())
         self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics)
 
     async def lookup(self, key: str) -> CachedItem | None:

@@ -50,3 +50,14 @@ class Encoder:
 
     def metrics(self) -> MetricsSnapshot:
         return encoder_snapshot(self.stage.stats())
+
+    def referenced_requests(self) -> tuple[str, list[str]]:
+        """Read-only introspection (tests, debugging): (this replica's id, ids of the requests that
+        hold encoder-cache references here)."""
+        # NOTE: the books belong to the step thread; a copy taken while it mutates them may need a retry.
+        for _ in range(100):
+            try:
+                return self.replica_id, sorted(self.stage.manager._by_request)
+            except RuntimeError:  # dictionary changed size during iteration
+                continue
+        raise RuntimeError("encoder-cache books kept changing; try again")

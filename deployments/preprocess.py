@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import ray
 from ray import serve
 
 from deployments.args import AppArgs
@@ -35,3 +36,9 @@ class Preprocess:
 
     def metrics(self) -> MetricsSnapshot:
         return preprocess_snapshot(self.preprocessor.image_processor_calls)
+
+    def replica_info(self) -> dict[str, Any]:
+        """Read-only introspection (tests, debugging): who answered, where, and its processor calls."""
+        return {"replica_id": serve.get_replica_context().replica_id.unique_id,
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "image_processor_calls": self.preprocessor.image_processor_calls}

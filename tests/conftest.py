@@ -15,6 +15,8 @@ import pytest
 # NOTE: set before anything imports transformers / huggingface_hub, which read these at import time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray in tests: no usage stats,
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file written under $HOME
 
 
 @pytest.fixture(scope="session")
