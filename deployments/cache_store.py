@@ -30,6 +30,7 @@ class ProcessorCacheStore:
         # evicted entry drops the index's ref, and Ray frees the object once no in-flight spec borrows it.
         self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())
         self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics)
+        self.reporter.ensure_started()
 
     async def lookup(self, key: str) -> CachedItem | None:
         self.reporter.ensure_started()
@@ -49,6 +50,11 @@ class SharedProcessorCache:
     """mmserve's `ItemCache` for a preprocess replica; call from a worker thread (it blocks)."""
 
     def __init__(self, store: Any):  # a DeploymentHandle to ProcessorCacheStore
+        # NOTE: build the handle's router now, once. Left to first use, the worker threads of the first
+        # concurrent requests each ran Serve's unlocked lazy init and built a router of their own
+        # (seen: 5 per replica), leaking all but one. `_init()` is what that first use calls.
+        if not store.is_initialized:
+            store._init()
         self._handle = store
 
     def get(self, key: str) -> CachedItem | None:

@@ -19,7 +19,7 @@ from deployments.args import AppArgs
 from deployments.metrics_hub import MetricsReporter
 from mmserve.decoder.decoder import Decoder as DecoderEngine
 from mmserve.decoder.service import DecoderService
-from mmserve.messages import PreprocessedRequest, RequestOutput
+from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestOutput
 from mmserve.metrics import MetricsSnapshot, decoder_snapshot
 from mmserve.models.registry import load_family
 
@@ -38,6 +38,7 @@ class Decoder:
         self.encoder = encoder
         self._encoded_on: dict[str, str] = {}  # request id -> encoder replica holding its references
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics)
+        self.reporter.ensure_started()
 
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[RequestOutput]:
         self.reporter.ensure_started()
@@ -45,10 +46,11 @@ class Decoder:
             yield out
 
     async def _encode(self, request: PreprocessedRequest) -> list[torch.Tensor]:
-        replica_id, arrays = await self.encoder.encode.remote(request.request_id, request.features)
-        self._encoded_on[request.request_id] = replica_id
+        out: EncoderOutput = await self.encoder.encode.remote(request.request_id, request.features)
+        if out.replica_id is not None:
+            self._encoded_on[request.request_id] = out.replica_id
         # NOTE: arrays from the object store are read-only views; torch needs its own (small) copy.
-        return [torch.from_numpy(np.array(a)) for a in arrays]
+        return [torch.from_numpy(np.array(a)) for a in out.embeddings]
 
     async def _release(self, request_id: str) -> None:
         replica_id = self._encoded_on.pop(request_id, None)

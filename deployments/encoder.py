@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+import ray
 import torch
 from ray import serve
 
@@ -19,7 +19,7 @@ from deployments.metrics_hub import MetricsReporter
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.encoder.service import EncoderService, to_numpy
 from mmserve.encoder.stage import EncoderStage
-from mmserve.messages import MultiModalFeatureSpec
+from mmserve.messages import EncoderOutput, MultiModalFeatureSpec
 from mmserve.metrics import MetricsSnapshot, encoder_snapshot
 from mmserve.models.registry import load_family
 
@@ -37,12 +37,13 @@ class Encoder:
                                       resolve=resolve_item)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics)
+        self.reporter.ensure_started()
 
-    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> tuple[str, list[np.ndarray]]:
-        """(this replica's id, one (num_embeds, hidden) array per feature)."""
+    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput:
+        """One (num_embeds, hidden) numpy array per feature, and this replica's id for `release`."""
         self.reporter.ensure_started()
         embeddings = await self.service.encode(request_id, features)
-        return self.replica_id, [to_numpy(e) for e in embeddings]
+        return EncoderOutput(request_id, [to_numpy(e) for e in embeddings], replica_id=self.replica_id)
 
     def release(self, request_id: str, replica_id: str | None = None) -> None:
         """The decoder is done with the request; `replica_id` only steers routing."""
@@ -51,13 +52,17 @@ class Encoder:
     def metrics(self) -> MetricsSnapshot:
         return encoder_snapshot(self.stage.stats())
 
-    def referenced_requests(self) -> tuple[str, list[str]]:
-        """Read-only introspection (tests, debugging): (this replica's id, ids of the requests that
-        hold encoder-cache references here)."""
+    def replica_info(self) -> dict[str, Any]:
+        """Read-only introspection (tests, debugging): who answered, where, the ids of the requests that
+        hold encoder-cache references here, and this replica's vision forward passes."""
         # NOTE: the books belong to the step thread; a copy taken while it mutates them may need a retry.
         for _ in range(100):
             try:
-                return self.replica_id, sorted(self.stage.manager._by_request)
+                referenced = self.stage.manager.referencing_requests()
+                break
             except RuntimeError:  # dictionary changed size during iteration
                 continue
-        raise RuntimeError("encoder-cache books kept changing; try again")
+        else:
+            raise RuntimeError("the encoder-cache books kept changing; try again")
+        return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
+                "referenced_requests": referenced, "forward_passes": self.stage.runner.forward_passes}

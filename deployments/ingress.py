@@ -51,6 +51,7 @@ class Ingress:
         self.preprocess, self.decoder, self.hub = preprocess, decoder, hub
         self.stats = IngressMetrics()
         self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot)
+        self.reporter.ensure_started()
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
@@ -58,7 +59,7 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return ModelList(data=[ModelCard(id=self.model_name)]).model_dump()
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.default_max_tokens)]).model_dump()
 
     @api.get("/metrics")
     async def metrics(self) -> Response:

@@ -54,9 +54,18 @@ class MetricsReporter:
         self._task: asyncio.Task | None = None
 
     def ensure_started(self) -> None:
-        """Start the push loop (call from the replica's event loop, e.g. in a request handler)."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        """Start the push loop if it is not running; a no-op off the replica's event loop thread.
+
+        NOTE: Serve runs replica constructors on the user event loop's thread, so calling this at the
+        end of `__init__` starts reporting before the first request; handlers call it again, cheaply.
+        """
+        if self._task is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a sync method in Serve's thread pool
+            return
+        self._task = loop.create_task(self._loop())
 
     async def push(self) -> None:
         snapshot = self.snapshot()

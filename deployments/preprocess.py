@@ -28,6 +28,7 @@ class Preprocess:
             model_id=family.spec.model_id, max_model_len=family.spec.max_model_len,
         )
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics)
+        self.reporter.ensure_started()
 
     async def process(self, request: ChatRequest) -> PreprocessedRequest:
         self.reporter.ensure_started()

@@ -107,6 +107,15 @@ class PreprocessedRequest:
 
 
 @dataclass(frozen=True)
+class EncoderOutput:
+    """What the encoder stage hands the decoder for one request."""
+
+    request_id: str
+    embeddings: list[Any]  # per feature, in feature order: (num_embeds, text_hidden) numpy or tensor
+    replica_id: str | None = None  # the encoder replica holding the request's cache references (Ray app)
+
+
+@dataclass(frozen=True)
 class DecodeRequest:
     request_id: str
     prompt_token_ids: list[int]  # as in PreprocessedRequest (tokens)

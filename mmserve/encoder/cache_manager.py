@@ -155,6 +155,10 @@ class EncoderCacheManager:
         """Requests referencing `mm_hash` (0 if unreferenced or not cached)."""
         return len(self._refs.get(mm_hash, ()))
 
+    def referencing_requests(self) -> list[str]:
+        """Ids of the requests that hold at least one reference (a sorted copy)."""
+        return sorted(self._by_request)
+
     def referrers(self, mm_hash: str) -> set[str]:
         """Ids of the requests referencing `mm_hash` (a copy)."""
         return set(self._refs.get(mm_hash, ()))

@@ -52,14 +52,14 @@ def calibrate(model_dir: Path, repeats: int = 3) -> dict[str, float]:
 
     with torch.inference_mode():
         encoder_ms = timed(lambda: model.model.get_image_features(pixel_values=pixels))
-        prefill_ms = timed(lambda: model(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=model.config)))
+        prefill_ms = timed(lambda: model(input_ids=ids, use_cache=True, cache=DynamicCache(config=model.config)))
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, use_cache=True, past_key_values=cache)
+        out = model(input_ids=ids, use_cache=True, cache=cache)
         token = out.logits[:, -1:].argmax(-1)
         steps = []
         for _ in range(8 + repeats * 4):
             t = time.perf_counter()
-            out = model(input_ids=token, use_cache=True, past_key_values=cache)
+            out = model(input_ids=token, use_cache=True, cache=cache)
             token = out.logits[:, -1:].argmax(-1)
             steps.append((time.perf_counter() - t) * 1e3)
         step_ms = statistics.median(steps[4:])

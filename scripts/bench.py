@@ -1,0 +1,143 @@
+"""Benchmark mmserve against the servers its users would pick instead, on one machine, in one run.
+
+Systems (each started and torn down here): `mmserve` (the Ray Serve app, `serve run` on a fresh local
+Ray), `transformers` (`transformers serve`, plain mode), `generate` (transformers' generate in this
+process, one request at a time) and, optionally, `engine` (mmserve's in-process Engine). The in-process
+Engine is always probed for the pipeline-overhead target when mmserve runs.
+
+By default cells are interleaved (for each workload and concurrency, every system in turn) with all
+servers up, so that the machine's drift hits every system alike; only ratios taken in one run mean
+anything. `--order sequential` runs one system at a time instead (no idle server beside the busy one).
+
+  python scripts/bench.py --requests 16                       # all systems, workloads, concurrencies
+  python scripts/bench.py --quick --systems generate --workloads text --concurrency 1 --requests 2
+Results: bench-results/<timestamp>/{results.json, table.txt, *.png, server logs}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lib import plots, profile, report, targets
+from bench_lib.checkpoint import BENCH_SIZES, bench_checkpoint, calibrate
+from bench_lib.probes import probe_plan
+from bench_lib.runner import Bench
+from bench_lib.systems import MMSERVE_ARGS
+from bench_lib.workloads import WORKLOADS, cell_requests, probe_requests
+
+SYSTEMS = ("mmserve", "transformers", "generate", "engine")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--systems", type=csv, default=["mmserve", "transformers", "generate"],
+                    help=f"comma-separated, from {','.join(SYSTEMS)}")
+    ap.add_argument("--workloads", type=csv, default=list(WORKLOADS), help=f"from {','.join(WORKLOADS)}")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in csv(s)], default=[1, 4, 8])
+    ap.add_argument("--requests", type=int, default=None, help="requests per cell (default 16; --quick: 2)")
+    ap.add_argument("--probes", type=int, default=None, help="single-request probes (default 5; --quick: 1)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny cells, one probe, short calibration")
+    ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
+                    help="interleaved: all systems up, cells alternate (drift-robust; idle servers tax the busy "
+                         "one); sequential: one system up at a time")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = ap.parse_args(argv)
+    for name, given, known in (("system", args.systems, SYSTEMS), ("workload", args.workloads, WORKLOADS)):
+        if unknown := set(given) - set(known):
+            ap.error(f"unknown {name}(s) {sorted(unknown)}; known: {', '.join(known)}")
+    args.requests = args.requests or (2 if args.quick else 16)
+    args.probes = args.probes or (1 if args.quick else 5)
+    return args
+
+
+def _sigterm(*_: Any) -> None:
+    raise SystemExit("SIGTERM")  # NOTE: unwinds through the finally block that stops the servers
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # NOTE: in order with tqdm's stderr
+    signal.signal(signal.SIGTERM, _sigterm)
+    run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    doc: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                           "machine": report.machine(), "checkpoint_sizes": BENCH_SIZES, "mmserve_args": MMSERVE_ARGS}
+    print(f"machine: {doc['machine']}")
+    ckpt = bench_checkpoint()
+    doc["checkpoint"] = str(ckpt)
+    doc["calibration"] = cal = calibrate(ckpt, repeats=1 if args.quick else 3)
+    print(f"checkpoint {ckpt.name}: {cal['parameters_millions']:.1f} M parameters; sizes {BENCH_SIZES}")
+    print(f"calibration: vision encoder {cal['encoder_ms_per_image']:.0f} ms per 896-px image (target 100-500), "
+          f"decoder step {cal['decoder_step_ms_b1']:.1f} ms at batch 1 (target 5-30), "
+          f"296-token prefill {cal['prefill_ms_296_tokens']:.0f} ms")
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    cells = {(w, c): cell_requests(w, c, args.requests, args.seed, tok) for w in args.workloads
+             for c in args.concurrency}
+    plan = probe_plan(probe_requests(args.seed, tok, args.probes, "overhead"),
+                      probe_requests(args.seed, tok, args.probes, "text", image=False), tok, args.seed)
+    # warm-up: a text request, an image request if a workload has images, one with crops for `multi`
+    warmup = probe_requests(args.seed, tok, 1, "warmup-text", image=False)
+    if set(args.workloads) - {"text"} or {"mmserve", "engine"} & set(args.systems):  # (probes send images)
+        warmup += probe_requests(args.seed, tok, 1, "warmup")
+    if "multi" in args.workloads:
+        warmup += [replace(r, pan_and_scan=True) for r in probe_requests(args.seed, tok, 1, "warmup-crops")]
+    bench = Bench(ckpt, run_dir, cells, plan, warmup, results={w: {} for w in args.workloads})
+    try:
+        if "mmserve" in args.systems or "engine" in args.systems:
+            bench.probe_engine(keep="engine" in args.systems)
+        groups = [[s] for s in args.systems] if args.order == "sequential" else [args.systems]
+        for group in groups:
+            for name in group:
+                bench.bring_up(name)
+            if len([n for n in group if n in bench.servers]) > 1:
+                bench.measure_idle()
+            bench.run_cells(group)
+            if args.order == "sequential":
+                for name in group:
+                    bench.take_down(name)
+    finally:
+        bench.take_down_all()
+    doc["profile"] = profile.collect(bench, run_dir)
+    ray_tmp = getattr(bench.servers.get("mmserve"), "ray_tmp", None)
+    if ray_tmp is not None:  # NOTE: our own private RAY_TMPDIR only (its logs were copied by profile.collect)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    doc["probes"] = {k: v for k, v in bench.probes.items() if not k.endswith("_probe_run")}
+    doc["idle_cpu"] = bench.idle_cpu
+    doc["memory"] = bench.memory
+    doc["results"] = bench.results
+    doc["startup_s"] = {n: s.startup_s for n, s in bench.servers.items()}
+    doc["peak_rss_bytes_whole_run"] = {n: s.sampler.peak for n, s in bench.servers.items() if s.sampler}
+    doc["peak_rss_breakdown"] = {n: s.sampler.peak_breakdown for n, s in bench.servers.items() if s.sampler}
+    checks = targets.evaluate(bench.results, bench.probes, bench.memory)
+    doc["targets"] = [t.__dict__ for t in checks]
+    doc["elapsed_s"] = time.perf_counter() - t_start
+    table = report.cell_table(bench.results, args.systems)
+    print("\n" + table + "\n")
+    profile.print_probes(bench.probes, doc["profile"])
+    print("\n".join(t.line() for t in checks))
+    (run_dir / "table.txt").write_text(table + "\n\n" + "\n".join(t.line() for t in checks) + "\n")
+    (run_dir / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    pngs = [plots.throughput(bench.results, run_dir), plots.ttft_cdf(bench.results, run_dir)]
+    print(f"\nwrote {run_dir}/results.json, table.txt, {', '.join(p.name for p in pngs)} "
+          f"in {doc['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The issue's targets, each a PASS/FAIL line (SKIP when this run did not measure it).
+
+Owns the thresholds and what each is computed from; all ratios come from one run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Target:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status:4}  {self.name}: {self.detail}"
+
+
+def _cell(results: dict, workload: str, system: str, c: int) -> dict[str, Any] | None:
+    return results.get(workload, {}).get(system, {}).get(c)
+
+
+def _ratio_target(results, name, workload, c, key, bound, higher) -> Target:
+    mine, peer = _cell(results, workload, "mmserve", c), _cell(results, workload, "transformers", c)
+    if not mine or not peer or not mine.get(key) or not peer.get(key):
+        return Target(name, "SKIP", f"needs mmserve and transformers at {workload} c={c}")
+    r = mine[key] / peer[key]
+    ok = r >= bound if higher else r <= bound
+    op = ">=" if higher else "<="
+    return Target(name, "PASS" if ok else "FAIL",
+                  f"mmserve {mine[key]:.3g} / transformers {peer[key]:.3g} = {r:.2f} ({op} {bound})")
+
+
+def evaluate(results: dict, probes: dict[str, Any], memory: dict[str, Any]) -> list[Target]:
+    out = [
+        _ratio_target(results, "hot c=8 throughput >= 3x transformers serve", "hot", 8, "req_per_s", 3.0, True),
+        _ratio_target(results, "hot c=8 TTFT p50 <= 0.3x transformers serve", "hot", 8, "ttft_p50_s", 0.3, False),
+        _ratio_target(results, "unique c=8 throughput >= 1.3x transformers serve", "unique", 8, "req_per_s", 1.3, True),
+        _ratio_target(results, "unique c=1 throughput >= 1.0x transformers serve", "unique", 1, "req_per_s", 1.0, True),
+    ]
+    http, engine = probes.get("mmserve_first_ttft_ms"), probes.get("engine_ttft_ms")
+    name = "pipeline overhead: HTTP + 3 deployments TTFT <= 1.2x in-process Engine (1 image)"
+    if http and engine:
+        r = probes["overhead_ratio"]
+        out.append(Target(name, "PASS" if r <= 1.2 else "FAIL",
+                          f"median {http:.0f} ms / {engine:.0f} ms = {r:.2f} (<= 1.2)"))
+    else:
+        out.append(Target(name, "SKIP", "needs the mmserve and engine probes"))
+    first, again = probes.get("mmserve_first_ttft_ms"), probes.get("mmserve_repeat_ttft_ms")
+    name = "cache hit: TTFT of a repeated image <= 0.3x its first sighting"
+    if first and again:
+        r = again / first
+        out.append(Target(name, "PASS" if r <= 0.3 else "FAIL",
+                          f"median {again:.0f} ms / {first:.0f} ms = {r:.2f} (<= 0.3)"))
+    else:
+        out.append(Target(name, "SKIP", "needs the mmserve probes"))
+    name = "memory: processor and encoder caches within their configured bounds"
+    if memory.get("bounds"):
+        parts, ok = [], True
+        for gauge, bound in memory["bounds"].items():
+            peak = memory["peaks"].get(gauge, 0.0)
+            ok &= peak <= bound
+            parts.append(f"{gauge} peak {peak:.0f} of {bound:.0f} ({peak / bound:.0%})")
+        out.append(Target(name, "PASS" if ok else "FAIL", "; ".join(parts)
+                          + f" [{memory.get('samples', 0)} /metrics samples]"))
+    else:
+        out.append(Target(name, "SKIP", "needs mmserve /metrics"))
+    return out

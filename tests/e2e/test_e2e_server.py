@@ -1,0 +1,408 @@
+"""The real server (`serve run`, see conftest.py) driven by the official `openai` client.
+
+One server for the session; tests that read counters compare deltas, since others share it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmserve.engine import Engine
+from mmserve.messages import ChatRequest, SamplingParams
+from tests.e2e.e2e_support import (
+    MAX_IMAGES,
+    MAX_MODEL_LEN,
+    ImageHost,
+    Server,
+    data_url,
+    encode_image,
+    http_get,
+    make_image,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+METRICS_SETTLE_S = 1.3  # > the replicas' 1 s push interval
+METRICS_TIMEOUT_S = 20.0
+
+
+def client_for(server: Server, **kwargs: Any) -> OpenAI:
+    # NOTE: no retries: a retried request would hide a flaky server and double counters.
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120.0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def client(e2e_server: Server) -> Iterator[OpenAI]:
+    with client_for(e2e_server) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine(e2e_server: Server) -> Iterator[Engine]:
+    """The in-process engine on the same checkpoint and context length as the server."""
+    eng = Engine.from_model_dir(str(e2e_server.model_dir), max_model_len=MAX_MODEL_LEN)
+    yield eng
+    eng.shutdown()
+
+
+def user(text: str, *image_urls: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def complete(client: OpenAI, server: Server, messages: list[dict[str, Any]], max_tokens: int = 12,
+             **kwargs: Any) -> Any:
+    return client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=max_tokens,
+                                          temperature=0, **kwargs)
+
+
+def stream(client: OpenAI, server: Server, messages: list[dict[str, Any]], max_tokens: int = 12) -> dict[str, Any]:
+    """Text, finish reason and usage assembled from a streamed completion (usage requested)."""
+    text, finish, usage, roles, ids = [], [], [], [], set()
+    with client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=max_tokens,
+                                        temperature=0, stream=True,
+                                        stream_options={"include_usage": True}) as chunks:
+        for chunk in chunks:
+            ids.add(chunk.id)
+            if chunk.usage is not None:
+                assert chunk.choices == [], "the usage chunk carries no choices"
+                usage.append(chunk.usage)
+            for choice in chunk.choices:
+                if choice.delta.role:
+                    roles.append(choice.delta.role)
+                if choice.delta.content:
+                    text.append(choice.delta.content)
+                if choice.finish_reason is not None:
+                    finish.append(choice.finish_reason)
+    assert len(ids) == 1, f"one completion id per stream, got {ids}"
+    assert roles == ["assistant"], roles
+    assert len(finish) == 1, f"exactly one finish_reason, got {finish}"
+    assert len(usage) == 1, f"exactly one usage chunk, got {len(usage)}"
+    return {"text": "".join(text), "finish_reason": finish[0], "usage": usage[0]}
+
+
+def engine_run(engine: Engine, messages: list[dict[str, Any]], max_tokens: int = 12) -> Any:
+    request = ChatRequest(f"e2e-{uuid.uuid4().hex}", messages, SamplingParams(max_tokens=max_tokens, temperature=0))
+    [out] = engine.generate([request])
+    return out
+
+
+def answer(response: Any) -> tuple[str, str, int, int]:
+    choice = response.choices[0]
+    return choice.message.content, choice.finish_reason, response.usage.prompt_tokens, response.usage.completion_tokens
+
+
+def png_url(seed: int) -> str:
+    return data_url(encode_image(make_image(seed)))
+
+
+# --- 1. streaming vs not vs the in-process engine ------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])
+def test_stream_and_non_stream_match_engine(client, e2e_server, engine, with_image):
+    image_seed = 101
+    messages = user("Describe the picture in detail.", png_url(image_seed)) if with_image \
+        else user("Tell me a story about a dragon.")
+    ref = engine_run(engine, messages, max_tokens=12)
+    pre = engine.preprocess(ChatRequest("count", messages, SamplingParams(max_tokens=12, temperature=0)))
+
+    full = complete(client, e2e_server, messages, max_tokens=12)
+    text, finish, prompt_tokens, completion_tokens = answer(full)
+    assert full.model == e2e_server.model_name
+    assert full.choices[0].message.role == "assistant"
+    assert text == ref.text
+    assert text, "a 12-token greedy answer of the tiny model is not empty"
+    assert finish == ref.finish_reason
+    assert completion_tokens == len(ref.token_ids)
+    assert prompt_tokens == ref.num_prompt_tokens == len(pre.prompt_token_ids)
+    assert full.usage.total_tokens == prompt_tokens + completion_tokens
+    if with_image:
+        # the image's placeholders are counted: 16 soft tokens (tiny 224 px checkpoint) plus the markers
+        assert pre.prompt_token_ids.count(engine.spec.image_token_id) == engine.spec.mm_tokens_per_image == 16
+        text_only = engine.preprocess(ChatRequest("count", user("Describe the picture in detail."),
+                                                  SamplingParams(max_tokens=12, temperature=0)))
+        assert prompt_tokens >= len(text_only.prompt_token_ids) + 16
+
+    streamed = stream(client, e2e_server, messages, max_tokens=12)
+    assert streamed["text"] == text
+    assert streamed["finish_reason"] == finish
+    usage = streamed["usage"]
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+        (prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+# --- 2. concurrency ---------------------------------------------------------------------------------
+
+
+def test_concurrent_clients_match_sequential(e2e_server):
+    requests = [
+        (user("What do you see?", png_url(201)), 20),
+        (user("Compare these two pictures.", png_url(202), png_url(203)), 16),
+    ]
+    # NOTE: concurrent first, with images no request has sent yet, so both are preprocessed and encoded
+    # side by side (cache misses) too, not only decoded together; the sequential reruns then hit the caches.
+    results: list[Any] = [None, None]
+    spans: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
+    barrier = threading.Barrier(2, timeout=30)
+
+    def run(i: int) -> None:
+        messages, max_tokens = requests[i]
+        try:
+            with client_for(e2e_server) as c:  # one client (and connection pool) per thread
+                barrier.wait()
+                started = time.monotonic()
+                if i == 0:
+                    results[i] = answer(complete(c, e2e_server, messages, max_tokens=max_tokens))
+                else:  # one of the two streams, so both response paths run side by side
+                    s = stream(c, e2e_server, messages, max_tokens=max_tokens)
+                    u = s["usage"]
+                    results[i] = (s["text"], s["finish_reason"], u.prompt_tokens, u.completion_tokens)
+                spans[i] = (started, time.monotonic())
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    (s0, e0), (s1, e1) = spans
+    assert s0 < e1 and s1 < e0, "the two requests were in flight together"
+
+    with client_for(e2e_server) as c:
+        sequential = [answer(complete(c, e2e_server, m, max_tokens=n)) for m, n in requests]
+    assert results == sequential
+    assert sequential[0][0] != sequential[1][0]  # different requests, different answers: the check can fail
+
+
+# --- 3. image encodings and URLs ------------------------------------------------------------------
+
+
+def test_image_formats_and_urls(client, e2e_server, image_host: ImageHost):
+    picture = make_image(301)
+    png = encode_image(picture, "PNG")
+    webp = encode_image(picture, "WEBP", lossless=True)
+    jpeg = encode_image(picture, "JPEG", quality=90)
+    question = "What is in this image?"
+
+    by_png = answer(complete(client, e2e_server, user(question, data_url(png))))
+    by_webp = answer(complete(client, e2e_server, user(question, data_url(webp, "image/webp"))))
+    by_jpeg = answer(complete(client, e2e_server, user(question, data_url(jpeg, "image/jpeg"))))
+    assert by_webp == by_png  # lossless: the same pixels
+    assert by_jpeg[0] and by_jpeg[2] == by_png[2]  # decoded and expanded like the PNG
+    other = answer(complete(client, e2e_server, user(question, png_url(302))))
+    assert other[0] != by_png[0], "another picture changes the answer, so the comparisons above can fail"
+
+    path = f"/img-{uuid.uuid4().hex[:8]}.png"
+    url = image_host.add(path, png)
+    by_http = answer(complete(client, e2e_server, user(question, url)))
+    assert image_host.hits(path) == 1, "the server fetched the image from the local host"
+    assert by_http == by_png
+
+
+def test_url_outside_allowlist_is_refused(client, e2e_server):
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(client, e2e_server, user("Describe.", "http://example.invalid/x.png"))
+    err = info.value
+    assert err.status_code == 400
+    assert err.code == "unsupported_url"
+    assert "example.invalid" in err.body["message"] and "allowed" in err.body["message"]
+
+
+# --- 4. caches, as /metrics sees them ----------------------------------------------------------------
+
+CACHE_COUNTERS = (
+    "mmserve_processor_cache_queries_total",
+    "mmserve_processor_cache_hits_total",
+    "mmserve_image_processor_calls_total",
+    "mmserve_encoder_cache_queries_total",
+    "mmserve_encoder_cache_hits_total",
+    "mmserve_encoder_forward_passes_total",
+)
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """Unlabelled sample name -> value (histogram samples keep their _bucket/_sum/_count names)."""
+    status, _, body = http_get(server.base_url + "/metrics")
+    assert status == 200
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if not sample.labels:
+                out[sample.name] = sample.value
+    return out
+
+
+def settled(server: Server, names: tuple[str, ...], after: dict[str, float] | None = None) -> dict[str, float]:
+    """Counters once they stopped moving for a push interval (and, given `after`, moved past it)."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    previous = None
+    while time.monotonic() < deadline:
+        now = scrape(server)
+        values = {n: now.get(n) for n in names}
+        moved = after is None or any(values[n] != after[n] for n in names)
+        if values == previous and moved and None not in values.values():
+            return values
+        previous = values
+        time.sleep(METRICS_SETTLE_S)
+    pytest.fail(f"metrics did not settle within {METRICS_TIMEOUT_S:.0f} s: {previous}")
+
+
+def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {n: b[n] - a[n] for n in a}
+
+
+def test_same_image_twice_hits_both_caches(client, e2e_server):
+    image = png_url(int.from_bytes(os.urandom(4), "little") + 10_000)  # unique to this test and this run
+    before = settled(e2e_server, CACHE_COUNTERS)
+    first = answer(complete(client, e2e_server, user("Describe this.", image), max_tokens=4))
+    after_first = settled(e2e_server, CACHE_COUNTERS, before)
+    second = answer(complete(client, e2e_server, user("And what about colours?", image), max_tokens=4))
+    after_second = settled(e2e_server, CACHE_COUNTERS, after_first)
+
+    assert first[3] >= 1 and second[3] >= 1
+    d1, d2 = delta(before, after_first), delta(after_first, after_second)
+    assert d1 == {
+        "mmserve_processor_cache_queries_total": 1, "mmserve_processor_cache_hits_total": 0,
+        "mmserve_image_processor_calls_total": 1,
+        "mmserve_encoder_cache_queries_total": 1, "mmserve_encoder_cache_hits_total": 0,
+        "mmserve_encoder_forward_passes_total": 1,
+    }, d1
+    assert d2 == {
+        "mmserve_processor_cache_queries_total": 1, "mmserve_processor_cache_hits_total": 1,
+        "mmserve_image_processor_calls_total": 0,
+        "mmserve_encoder_cache_queries_total": 1, "mmserve_encoder_cache_hits_total": 1,
+        "mmserve_encoder_forward_passes_total": 0,
+    }, d2
+
+
+# --- 5. bad requests ------------------------------------------------------------------------------------
+
+
+def expect_error(fn, status: int, code: str, *words: str) -> None:
+    exc_type = openai.NotFoundError if status == 404 else openai.BadRequestError
+    with pytest.raises(exc_type) as info:
+        fn()
+    err = info.value
+    assert err.status_code == status
+    raw = err.response.json()
+    assert set(raw) == {"error"} and {"message", "type", "code"} <= set(raw["error"]), raw
+    assert raw["error"]["type"] == "invalid_request_error", raw
+    assert raw["error"]["code"] == code, raw
+    assert err.code == code and err.body == raw["error"]
+    message = raw["error"]["message"]
+    assert "Traceback" not in message and "RayTaskError" not in message, message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+def request_outcomes(server: Server) -> dict[str, float]:
+    """mmserve_requests_total by status; the ingress pushes its own counts right before answering."""
+    _, _, body = http_get(server.base_url + "/metrics")
+    return {sample.labels["status"]: sample.value
+            for family in text_string_to_metric_families(body.decode()) if family.name == "mmserve_requests"
+            for sample in family.samples if sample.name == "mmserve_requests_total"}
+
+
+def test_bad_requests_get_openai_errors(client, e2e_server, image_host: ImageHost):
+    s = e2e_server
+    outcomes_before = request_outcomes(s)
+
+    def ask(messages, **kwargs):
+        kwargs.setdefault("max_tokens", 4)
+        kwargs.setdefault("temperature", 0)
+        return lambda: client.chat.completions.create(model=kwargs.pop("model", s.model_name),
+                                                      messages=messages, **kwargs)
+
+    random_bytes = os.urandom(2048)
+    expect_error(ask(user("Describe.", data_url(random_bytes))), 400, "invalid_image", "image 1", "decodable")
+    expect_error(ask(user("Describe.", data_url(b"hello, I am plain text", "text/plain"))), 400, "invalid_image",
+                 "not an image")
+    expect_error(ask(user("Describe.", data_url(b"hello, I am plain text", "image/png"))), 400, "invalid_image",
+                 "decodable")
+    expect_error(ask(user("Hi"), temperature=-1), 400, "invalid_sampling_params", "temperature")
+    expect_error(ask(user("Hi"), top_p=0), 400, "invalid_sampling_params", "top_p")
+    expect_error(ask(user("Hi"), max_tokens=0), 400, "invalid_sampling_params", "max_tokens")
+
+    # too many images: refused before any is fetched
+    paths = [f"/many-{uuid.uuid4().hex[:8]}-{i}.png" for i in range(MAX_IMAGES + 1)]
+    urls = [image_host.add(p, encode_image(make_image(400 + i))) for i, p in enumerate(paths)]
+    expect_error(ask(user("Compare.", *urls)), 400, "too_many_images", str(MAX_IMAGES))
+    assert all(image_host.hits(p) == 0 for p in paths), "images were fetched before the count was checked"
+
+    expect_error(ask(user("word " * 600)), 400, "context_length_exceeded", str(MAX_MODEL_LEN))
+    expect_error(ask(user("Describe.", "ftp://127.0.0.1/x.png")), 400, "unsupported_url", "ftp")
+    expect_error(ask(user("Hi"), model="no-such-model"), 404, "model_not_found", "no-such-model")
+
+    # the server is still fine
+    ok = complete(client, s, user("Describe.", png_url(501)), max_tokens=4)
+    assert ok.choices[0].finish_reason in ("stop", "length") and ok.usage.completion_tokens >= 1
+
+    outcomes = request_outcomes(s)
+    assert {k: outcomes[k] - outcomes_before[k] for k in outcomes} == \
+        {"ok": 1, "client_error": 10, "server_error": 0, "aborted": 0}
+
+
+# --- 6. models, health, metrics -------------------------------------------------------------------------
+
+REQUIRED_FAMILIES = {
+    "mmserve_processor_cache_queries": "counter",
+    "mmserve_processor_cache_hits": "counter",
+    "mmserve_encoder_cache_queries": "counter",
+    "mmserve_encoder_cache_hits": "counter",
+    "mmserve_time_to_first_token_seconds": "histogram",
+    "mmserve_encoder_batch_size": "histogram",
+    "mmserve_decoder_running_requests": "gauge",
+    "mmserve_decoder_waiting_requests": "gauge",
+}
+
+
+def test_models_health_and_metrics(client, e2e_server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [e2e_server.model_name]
+    assert models.data[0].object == "model"
+    assert models.data[0].model_extra.get("max_model_len") == MAX_MODEL_LEN  # the served context, not null
+
+    status, _, body = http_get(e2e_server.base_url + "/health")
+    assert status == 200 and body == b'{"status":"ok"}'
+
+    # every stage has served at least one request (the warm-up image, and this one)
+    complete(client, e2e_server, user("Describe.", png_url(601)), max_tokens=2)
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        status, headers, body = http_get(e2e_server.base_url + "/metrics")
+        assert status == 200
+        assert headers["content-type"].startswith("text/plain")
+        families = {f.name: f for f in text_string_to_metric_families(body.decode())}  # parses, or raises
+        missing = {n for n in REQUIRED_FAMILIES if n not in families}
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(METRICS_SETTLE_S)
+    assert not missing, f"missing from /metrics: {sorted(missing)}"
+    for name, kind in REQUIRED_FAMILIES.items():
+        assert families[name].type == kind, (name, families[name].type)
+    ttft = {s.name: s.value for s in families["mmserve_time_to_first_token_seconds"].samples if not s.labels
+            or s.labels.get("le") == "+Inf"}
+    assert ttft["mmserve_time_to_first_token_seconds_count"] >= 1
+    assert ttft["mmserve_time_to_first_token_seconds_bucket"] == ttft["mmserve_time_to_first_token_seconds_count"]
+    batches = {s.name: s.value for s in families["mmserve_encoder_batch_size"].samples if not s.labels}
+    assert batches["mmserve_encoder_batch_size_count"] >= 1 and batches["mmserve_encoder_batch_size_sum"] >= 1
+    text = body.decode()
+    assert "# TYPE mmserve_processor_cache_queries_total counter" in text or \
+        "# TYPE mmserve_processor_cache_queries counter" in text
+    assert "\nmmserve_processor_cache_queries_total " in text and "\nmmserve_encoder_cache_hits_total " in text

@@ -1,0 +1,39 @@
+"""Placement and independent scaling on a multi-node cluster: each stage's replicas sit on the node
+type its custom resource names, in the count its own arguments set."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tests.integration.conftest import PREPROCESS_NODES, AppInfo
+from tests.integration.helpers import info_of_every_replica, replica_actors, replica_states
+
+# deployment -> (replicas asked in conftest.app_args, node roles allowed)
+EXPECTED = {
+    "Ingress": (1, {"head"}),
+    "Preprocess": (2, set(PREPROCESS_NODES)),
+    "Encoder": (2, {"encoder_node"}),
+    "Decoder": (1, {"decoder_node"}),
+}
+
+
+def test_each_stage_runs_its_own_replica_count_on_its_node_type(mm_app: AppInfo):
+    cluster = mm_app.cluster
+    for deployment, (count, roles) in EXPECTED.items():
+        assert replica_states(mm_app.name, deployment) == {"RUNNING": count}, deployment
+        actors = replica_actors(mm_app.name, deployment)
+        assert len(actors) == count, (deployment, actors)
+        placed = Counter(cluster.role_of(a["node_id"]) for a in actors)
+        assert set(placed) <= roles, f"{deployment} replicas on {dict(placed)}, expected only {roles}"
+    # The two preprocess replicas are on two different nodes, one each.
+    preprocess_nodes = Counter(cluster.role_of(a["node_id"]) for a in replica_actors(mm_app.name, "Preprocess"))
+    assert preprocess_nodes == Counter(PREPROCESS_NODES)
+
+
+def test_replicas_report_the_node_ray_placed_them_on(mm_app: AppInfo):
+    """The replicas' own view (runtime context) agrees with the state API, replica by replica."""
+    for deployment, count in (("Preprocess", 2), ("Encoder", 2)):
+        handle = mm_app.handle(deployment)
+        infos = info_of_every_replica(lambda h=handle: h.replica_info.remote(), count)
+        by_suffix = {a["name"].rsplit("#", 1)[-1]: a["node_id"] for a in replica_actors(mm_app.name, deployment)}
+        assert {rid: info["node_id"] for rid, info in infos.items()} == by_suffix, deployment

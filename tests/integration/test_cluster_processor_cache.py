@@ -1,0 +1,131 @@
+"""The cluster-wide ProcessorCache: the HF image processor runs once for an image whichever
+preprocess replica (on whichever node) sees it next, and a stored item outlives the replica that
+made it, because the store replica owns the object.
+
+Each preprocess replica is reached from a `NodeProbe` on its own node (Serve routes a handle's calls
+to a replica on the caller's node first); every check also asks the replica who it is."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import ray
+
+from mmserve.engine import Engine
+from mmserve.messages import ChatRequest, PreprocessedRequest, SamplingParams
+from tests.integration.conftest import PREPROCESS_NODES, AppInfo
+from tests.integration.helpers import (
+    chat_body,
+    data_url,
+    info_of_every_replica,
+    post_json,
+    replica_actors,
+    replica_states,
+    replica_suffix,
+    wait_until,
+)
+from tests.integration.test_cluster_serving import assert_same, engine_answer
+
+
+def image_request(url: str) -> ChatRequest:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+    return ChatRequest(f"it-{uuid.uuid4().hex}", [{"role": "user", "content": content}], SamplingParams(max_tokens=4))
+
+
+def process_on(probe: Any, url: str) -> PreprocessedRequest:
+    return ray.get(probe.call.remote("process", image_request(url)), timeout=120)
+
+
+def info_on(probe: Any) -> dict[str, Any]:
+    return ray.get(probe.call.remote("replica_info"), timeout=60)
+
+
+def store_hits(app: AppInfo) -> float:
+    return app.handle("ProcessorCacheStore").metrics.remote().result(timeout_s=60).value(
+        "mmserve_processor_cache_hits_total")
+
+
+def encoder_forward_passes(app: AppInfo) -> int:
+    infos = info_of_every_replica(lambda: app.handle("Encoder").replica_info.remote(), 2)
+    return sum(info["forward_passes"] for info in infos.values())
+
+
+def test_processor_runs_once_cluster_wide_and_the_other_node_hits(mm_app: AppInfo, preprocess_probes):
+    node_a, node_b = PREPROCESS_NODES
+    probe_a, probe_b = preprocess_probes[node_a], preprocess_probes[node_b]
+    before = {role: info_on(p) for role, p in preprocess_probes.items()}
+    for role, info in before.items():  # each probe reaches the replica on its own node
+        assert mm_app.cluster.role_of(info["node_id"]) == role
+    assert before[node_a]["replica_id"] != before[node_b]["replica_id"]
+    hits_before = store_hits(mm_app)
+
+    url = data_url(seed=201)
+    first = process_on(probe_a, url)  # a miss on node A: A's replica runs the HF processor and stores
+    repeats = [process_on(probe_b, url) for _ in range(3)]  # node B's replica: hits, no processor run
+
+    after = {role: info_on(p) for role, p in preprocess_probes.items()}
+    assert {r: i["replica_id"] for r, i in after.items()} == {r: i["replica_id"] for r, i in before.items()}
+    assert first.processor_cache_hits == 0
+    assert [r.processor_cache_hits for r in repeats] == [1, 1, 1]
+    assert after[node_a]["image_processor_calls"] == before[node_a]["image_processor_calls"] + 1
+    assert after[node_b]["image_processor_calls"] == before[node_b]["image_processor_calls"]
+    assert store_hits(mm_app) == hits_before + 3
+    # Both nodes' requests carry the same stored object, and it holds the processed pixels.
+    stored = first.features[0].data
+    assert all(r.features[0].identifier == first.features[0].identifier for r in repeats)
+    assert all(r.features[0].data.ref == stored.ref for r in repeats)
+    pixels = ray.get(stored.ref, timeout=60).pixel_values
+    assert pixels.shape[1:] == (3, 224, 224) and np.isfinite(pixels).all()
+
+    # The probe on node B does reach B's replica for `process` too: a new image runs B's processor.
+    process_on(probe_b, data_url(seed=202))
+    assert info_on(probe_b)["image_processor_calls"] == after[node_b]["image_processor_calls"] + 1
+    assert info_on(probe_a)["image_processor_calls"] == after[node_a]["image_processor_calls"]
+
+
+def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInfo, preprocess_probes,
+                                                                  reference_engine: Engine):
+    node_a, node_b = PREPROCESS_NODES
+    probe_a, probe_b = preprocess_probes[node_a], preprocess_probes[node_b]
+    url = data_url(seed=203)  # an image no stage has seen: the encoder will need its pixels
+    first = process_on(probe_a, url)
+    assert first.processor_cache_hits == 0
+    victim_id = info_on(probe_a)["replica_id"]
+    [victim] = [a for a in replica_actors(mm_app.name, "Preprocess") if replica_suffix(a["name"]) == victim_id]
+    assert victim["node_id"] == mm_app.cluster.node_ids[node_a]
+
+    ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
+
+    def replaced() -> bool:  # Serve started a new replica in its place (it can only go on node A)
+        alive = replica_actors(mm_app.name, "Preprocess")
+        ids = {replica_suffix(a["name"]) for a in alive}
+        return len(alive) == 2 and victim_id not in ids and replica_states(mm_app.name, "Preprocess") == {"RUNNING": 2}
+
+    wait_until(replaced, timeout=180, interval=1.0, what="Serve to replace the killed preprocess replica")
+    node_a_id = mm_app.cluster.node_ids[node_a]
+    # (Until the probe's router learns of the replacement it may answer from node B's replica.)
+    new_a = wait_until(lambda: (i := info_on(probe_a))["replica_id"] != victim_id and i["node_id"] == node_a_id and i,
+                       timeout=60, what="node A's probe to reach the replacement replica")
+    assert new_a["image_processor_calls"] == 0
+    calls_b = info_on(probe_b)["image_processor_calls"]
+    hits_before, passes_before = store_hits(mm_app), encoder_forward_passes(mm_app)
+
+    # The object is still there for anyone holding its reference...
+    assert ray.get(first.features[0].data.ref, timeout=60).pixel_values.shape[1:] == (3, 224, 224)
+    # ...and the replacement replica finds the item in the store: no processor run, the same object.
+    again = process_on(probe_a, url)
+    assert again.processor_cache_hits == 1
+    assert again.features[0].data.ref == first.features[0].data.ref
+    # The whole pipeline over HTTP: the encoder has never seen this image, so it fetches the stored
+    # pixels from the object store; an object owned by the killed replica would be lost here.
+    body = chat_body(url, max_tokens=6, ignore_eos=True)
+    status, answer = post_json(mm_app.base_url, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert_same(answer, engine_answer(reference_engine, body))
+
+    assert info_on(probe_a)["image_processor_calls"] == 0
+    assert info_on(probe_b)["image_processor_calls"] == calls_b
+    assert store_hits(mm_app) == hits_before + 2
+    assert encoder_forward_passes(mm_app) > passes_before
