@@ -23,7 +23,8 @@ from mmserve.metrics import MetricsSnapshot, processor_cache_snapshot
 from mmserve.processor_cache import CachedItem, InMemoryStorage, ProcessorCache
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+                  logging_config={"enable_access_log": False})  # NOTE: internal calls; no per-call log line
 class ProcessorCacheStore:
     def __init__(self, capacity_bytes: int, hub: Any):
         # NOTE: the index's values are StoredItems (ObjectRefs), so the plain in-memory storage fits: an

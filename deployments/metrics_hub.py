@@ -25,7 +25,8 @@ PUSH_INTERVAL_S = 1.0
 STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges stop counting, its counters stay
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+                  logging_config={"enable_access_log": False})  # NOTE: internal calls; no per-call log line
 class MetricsHub:
     def __init__(self) -> None:
         self._latest: dict[str, tuple[float, MetricsSnapshot]] = {}  # source -> (time, snapshot)
