@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "table.txt").write_text(table + "\n\n" + "\n".join(t.line() for t in checks) + "\n")
     (run_dir / "results.json").write_text(json.dumps(doc, indent=1, default=str))
     pngs = [plots.throughput(bench.results, run_dir), plots.ttft_cdf(bench.results, run_dir)]
+    pngs += [p for p in [plots.ttft_breakdown(doc["profile"], run_dir)] if p is not None]
     print(f"\nwrote {run_dir}/results.json, table.txt, {', '.join(p.name for p in pngs)} "
           f"in {doc['elapsed_s']:.0f} s")
     return 0

@@ -230,10 +230,10 @@ class EngineSystem:
             "ttft": ms(ev["sent"], ev["first"]),
         }
 
-    def mean_forward_ms_per_crop(self) -> float | None:
+    def median_forward_ms_per_crop(self) -> float | None:
         if self.timers is None or not self.timers.forwards:
             return None
-        return statistics.mean(s / max(1, n) for s, n in self.timers.forwards) * 1e3
+        return statistics.median(s / max(1, n) for s, n in self.timers.forwards) * 1e3
 
     def shutdown(self) -> None:
         self.engine.shutdown()

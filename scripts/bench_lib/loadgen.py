@@ -85,6 +85,13 @@ def http_sender(base_url: str, model: str, requests: list[BenchRequest],
             current.update(loop=loop, api=client(base_url))
         return await one_request(current["api"], model, req, bodies[req.key], t0)
 
+    async def aclose() -> None:  # called by run_cell at the end of its loop
+        api = current.pop("api", None)
+        current.pop("loop", None)
+        if api is not None:
+            await api.close()
+
+    send.aclose = aclose  # type: ignore[attr-defined]
     return send
 
 
@@ -105,5 +112,8 @@ async def run_cell(requests: list[BenchRequest], concurrency: int, send: Send, d
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
+    close = getattr(send, "aclose", None)
+    if close is not None:
+        await close()
     bar.close()
     return CellRun(sorted(results, key=lambda r: r.start_s), wall, epoch0)

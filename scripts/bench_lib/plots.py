@@ -1,4 +1,5 @@
-"""PNG figures of a run: throughput vs concurrency, and TTFT distributions (CDFs) per workload."""
+"""PNG figures of a run: throughput vs concurrency, TTFT distributions (CDFs) per workload, and where
+mmserve's time to first token goes (stacked medians per cell, from profile.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def throughput(results: dict, out: Path) -> Path:
         ax.set_xlabel("concurrency")
         ax.set_ylabel("requests/s")
         ax.set_xticks(sorted({c for by_c in results[workload].values() for c in by_c}))
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()
@@ -52,6 +54,32 @@ def ttft_cdf(results: dict, out: Path) -> Path:
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     path = out / "ttft_cdf.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ttft_breakdown(profile: dict, out: Path) -> Path | None:
+    """Stacked bars of mmserve's TTFT components (medians, ms) per probe kind and cell."""
+    from bench_lib.raylogs import COMPONENTS
+
+    rows = {k.removeprefix("mmserve "): v for k, v in profile.items()
+            if k.startswith("mmserve ") and isinstance(v, dict) and v}
+    if not rows:
+        return None
+    parts = [c for c in COMPONENTS if c != "cache_store_calls"]  # NOTE: that one is inside "preprocess"
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows)), 4.2))
+    bottom = [0.0] * len(rows)
+    for part in parts:
+        values = [max(0.0, row.get(part, 0.0)) for row in rows.values()]
+        ax.bar(list(rows), values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("ms (median of each component)")
+    ax.set_title("mmserve: where the time to first token goes")
+    ax.tick_params(axis="x", rotation=60, labelsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "mmserve_ttft_breakdown.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

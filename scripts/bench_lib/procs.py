@@ -201,14 +201,16 @@ class ForeignLoad:
                 "steal_cores": (s1 - s0) / wall, "loadavg_1m": os.getloadavg()[0]}
 
 
-def tree_cpu_by_name(root: int) -> dict[str, float]:
-    """CPU seconds used so far by the live processes of the tree, summed by process name."""
-    out: dict[str, float] = {}
+def tree_cpu_by_pid(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (name, CPU seconds used so far) for the live processes of the tree.
+
+    NOTE: keyed by pid, not name: Ray renames a worker's process title with the method it runs
+    (`ray::ServeController` -> `ray::ServeController.listen_for_change`)."""
+    out: dict[int, tuple[str, float]] = {}
     for p in tree(root):
         try:
             t = p.cpu_times()
-            name = p.name()
+            out[p.pid] = (p.name(), t.user + t.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        out[name] = out.get(name, 0.0) + t.user + t.system
     return out

@@ -48,7 +48,7 @@ def collect(bench: Any, run_dir: Path) -> dict[str, Any]:
             if system == "engine":
                 out[f"engine {workload} c={c}"] = median_dicts(
                     [engine.breakdown(engine.request_ids[r.key]) for r in run.results if r.ok])
-        out["engine_vision_forward_ms_per_crop"] = engine.mean_forward_ms_per_crop()
+        out["engine_vision_forward_ms_per_crop"] = engine.median_forward_ms_per_crop()
     return out
 
 
@@ -66,4 +66,5 @@ def print_probes(probes: dict[str, Any], profile: dict[str, Any]) -> None:
     for key, row in tables.items():
         print(f"  {key:24} " + "  ".join(f"{k}={v:.0f}" for k, v in row.items() if k != "requests"))
     if profile.get("engine_vision_forward_ms_per_crop"):
-        print(f"  engine vision forward: {profile['engine_vision_forward_ms_per_crop']:.0f} ms per crop (mean)")
+        per_crop = profile["engine_vision_forward_ms_per_crop"]
+        print(f"  engine vision forward: {per_crop:.0f} ms per crop (median over forwards)")

@@ -94,11 +94,13 @@ class Bench:
     def measure_idle(self, seconds: float = 5.0) -> None:
         """Cores each idle server uses (its background tax on the other systems' cells), top processes."""
         live = {n: s.pid for n, s in self.servers.items() if s.pid is not None}
-        before = {n: procs.tree_cpu_by_name(pid) for n, pid in live.items()}
+        before = {n: procs.tree_cpu_by_pid(pid) for n, pid in live.items()}
         time.sleep(seconds)
         for n, pid in live.items():
-            after = procs.tree_cpu_by_name(pid)
-            per = {k: (v - before[n].get(k, 0.0)) / seconds for k, v in after.items()}
+            per: dict[str, float] = {}
+            for child, (name, cpu) in procs.tree_cpu_by_pid(pid).items():
+                used = cpu - before[n].get(child, (name, 0.0))[1]
+                per[name] = per.get(name, 0.0) + used / seconds
             top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:5])
             self.idle_cpu[n] = {"cores": sum(per.values()), "top": top}
             print(f"  idle {n} uses {sum(per.values()):.2f} cores: "
