@@ -38,7 +38,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     encoder = Encoder.options(
         **app_args.encoder.deployment_options(),
         request_router_config=RequestRouterConfig(request_router_class=EncoderRouter),
-    ).bind(app_args, model_dir, hub)
+    ).bind(app_args, model_dir, store, hub)
     decoder = Decoder.options(**app_args.decoder.deployment_options()).bind(app_args, model_dir, encoder, hub)
     ingress = Ingress.options(**app_args.ingress.deployment_options())
     return ingress.bind(app_args, model_dir, preprocess, decoder, hub)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +40,14 @@ class Autoscaling(_Strict):
     look_back_period_s: float | None = Field(None, gt=0)  # window the load is averaged over
 
 
+# NOTE: OpenMP threads that finished a parallel region spin-wait (libgomp: 300k spins) before they sleep.
+# With the encoder and decoder replicas both running 2 torch threads on one 2-core machine, that spinning
+# starved the other process: a 296-token prefill beside a busy encoder took 2214 ms instead of 205 ms alone.
+# 10k spins measured 603 ms beside the encoder at no cost alone (201 ms). libgomp reads it when torch loads,
+# so it is set in the replica's environment. Measured with scripts/bench_lib/checkpoint.py's model.
+DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000"}
+
+
 class StageArgs(_Strict):
     """Placement and scale of one deployment."""
 
@@ -48,6 +57,20 @@ class StageArgs(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. {"encoder_node": 0.01}
     max_ongoing_requests: int = Field(64, ge=1)
+    # Intra-op threads of torch in each replica; None = num_cpus when >= 1, else every core of the node.
+    # NOTE: Ray sets OMP_NUM_THREADS to a worker's num_cpus (at least 1), so a replica asking for 0 CPUs
+    # (our default) would run torch on one thread: measured ~2x slower encoder and prefill on 2 cores.
+    torch_threads: int | None = Field(None, ge=1)
+    env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_STAGE_ENV))  # replica environment
+
+
+    def threads(self) -> int:
+        """The torch thread count this stage's replicas run with."""
+        if self.torch_threads is not None:
+            return self.torch_threads
+        if self.num_cpus >= 1:
+            return int(self.num_cpus)
+        return len(os.sched_getaffinity(0))
 
     def deployment_options(self) -> dict[str, Any]:
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -55,6 +78,8 @@ class StageArgs(_Strict):
             actor["num_gpus"] = self.num_gpus
         if self.resources:
             actor["resources"] = dict(self.resources)
+        if self.env:  # NOTE: Ray merges these env_vars over the job's own runtime_env env_vars
+            actor["runtime_env"] = {"env_vars": dict(self.env)}
         options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)

@@ -27,6 +27,7 @@ from mmserve.models.registry import load_family
 @serve.deployment
 class Decoder:
     def __init__(self, app_args: AppArgs, model_dir: str, encoder: Any, hub: Any):
+        torch.set_num_threads(app_args.decoder.threads())
         config = app_args.engine_config(model_dir, stage=app_args.decoder)
         family = load_family(config.model)
         self.engine = DecoderEngine(

@@ -7,6 +7,7 @@ so that `release` can be routed back here (see encoder_router.py).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
@@ -14,7 +15,7 @@ import torch
 from ray import serve
 
 from deployments.args import AppArgs
-from deployments.cache_store import resolve_item
+from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.encoder.service import EncoderService, to_numpy
@@ -26,7 +27,8 @@ from mmserve.models.registry import load_family
 
 @serve.deployment
 class Encoder:
-    def __init__(self, app_args: AppArgs, model_dir: str, hub: Any):
+    def __init__(self, app_args: AppArgs, model_dir: str, cache_store: Any, hub: Any):
+        torch.set_num_threads(app_args.encoder.threads())
         config = app_args.engine_config(model_dir, stage=app_args.encoder)
         family = load_family(config.model)
         runner = EncoderRunner(family.load_vision(), max_batch_items=config.encoder.max_batch_items,
@@ -34,7 +36,7 @@ class Encoder:
         family.release_unused()
         self.stage = EncoderStage(runner, config.encoder)
         self.service = EncoderService(self.stage, batch_wait_s=app_args.encoder.batch_wait_ms / 1000,
-                                      resolve=resolve_item)
+                                      resolve=PixelResolver(cache_store))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics)
         self.reporter.ensure_started()
@@ -65,4 +67,5 @@ class Encoder:
         else:
             raise RuntimeError("the encoder-cache books kept changing; try again")
         return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
-                "referenced_requests": referenced, "forward_passes": self.stage.runner.forward_passes}
+                "referenced_requests": referenced, "forward_passes": self.stage.runner.forward_passes,
+                "torch_threads": torch.get_num_threads(), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}

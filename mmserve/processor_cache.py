@@ -145,6 +145,26 @@ class ProcessorCache:
         self._peak = max(self._peak, self._bytes)
         return to_free
 
+    def replace(self, key: str, item: CachedItem) -> bool:
+        """Swap what `key` holds for an equal-sized copy (recency unchanged); False if `key` is gone."""
+        handle = self._storage.put(key, item)  # NOTE: outside the lock; a store may be slow
+        with self._lock:
+            entry = self._index.get(key)
+            swapped = entry is not None and entry.nbytes == item.nbytes
+            if swapped:
+                handle, entry.handle = entry.handle, handle  # type: ignore[union-attr]
+        self._storage.free(handle)  # the old one, or the unused new one
+        return swapped
+
+    def discard(self, key: str) -> None:
+        """Forget `key` if held (not counted as an eviction)."""
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._bytes -= entry.nbytes
+        if entry is not None:
+            self._storage.free(entry.handle)
+
     def __contains__(self, key: str) -> bool:
         """Membership without counting a query or touching recency."""
         with self._lock:

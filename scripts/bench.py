@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--systems", type=csv, default=["mmserve", "transformers", "generate"],
-                    help=f"comma-separated, from {','.join(SYSTEMS)}")
+                    help=f"comma-separated, from {','.join(SYSTEMS)}; an HTTP system may carry extra environment "
+                         "for its server process, e.g. mmserve+OMP_NUM_THREADS=2 (a variant, reported beside "
+                         "plain mmserve)")
     ap.add_argument("--workloads", type=csv, default=list(WORKLOADS), help=f"from {','.join(WORKLOADS)}")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in csv(s)], default=[1, 4, 8])
     ap.add_argument("--requests", type=int, default=None, help="requests per cell (default 16; --quick: 2)")
@@ -54,7 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args(argv)
-    for name, given, known in (("system", args.systems, SYSTEMS), ("workload", args.workloads, WORKLOADS)):
+    bases = [s.split("+", 1)[0] for s in args.systems]  # NOTE: "mmserve+OMP_NUM_THREADS=2" is a variant
+    for name, given, known in (("system", bases, SYSTEMS), ("workload", args.workloads, WORKLOADS)):
         if unknown := set(given) - set(known):
             ap.error(f"unknown {name}(s) {sorted(unknown)}; known: {', '.join(known)}")
     args.requests = args.requests or (2 if args.quick else 16)
@@ -114,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bench.take_down_all()
     doc["profile"] = profile.collect(bench, run_dir)
-    ray_tmp = getattr(bench.servers.get("mmserve"), "ray_tmp", None)
-    if ray_tmp is not None:  # NOTE: our own private RAY_TMPDIR only (its logs were copied by profile.collect)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    for server in bench.servers.values():  # NOTE: our own private RAY_TMPDIRs only (logs copied by profile)
+        ray_tmp = getattr(server, "ray_tmp", None)
+        if ray_tmp is not None:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     doc["probes"] = {k: v for k, v in bench.probes.items() if not k.endswith("_probe_run")}
     doc["idle_cpu"] = bench.idle_cpu
     doc["memory"] = bench.memory

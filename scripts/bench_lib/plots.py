@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 COLOURS = {"mmserve": "tab:blue", "transformers": "tab:orange", "generate": "tab:green", "engine": "tab:purple"}
+# NOTE: variants ("mmserve+OMP_NUM_THREADS=2") get matplotlib's next colour (COLOURS.get -> None)
 
 
 def throughput(results: dict, out: Path) -> Path:

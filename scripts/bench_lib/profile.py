@@ -13,16 +13,32 @@ from typing import Any
 from bench_lib import raylogs
 from bench_lib.loadgen import CellRun
 from bench_lib.stats import median_dicts
-from bench_lib.systems import serve_request_id
+from bench_lib.systems import base_name, serve_request_id
 
 
 def collect(bench: Any, run_dir: Path) -> dict[str, Any]:
     """{'mmserve <workload> c=<c>' | 'mmserve probe-<kind>' | 'engine ...': component medians in ms}."""
     out: dict[str, Any] = {}
-    mmserve = bench.servers.get("mmserve")
-    logs = mmserve.ray_session_logs() if mmserve is not None else None
+    for name, server in bench.servers.items():
+        if base_name(name) == "mmserve":
+            out.update(_from_serve_logs(name, server, bench, run_dir))
+    for kind, row in bench.probes.get("engine_breakdown_ms", {}).items():
+        out[f"engine probe-{kind}"] = row
+    engine = bench.engine
+    if engine is not None:
+        for (system, workload, c), run in bench.runs.items():
+            if system == "engine":
+                out[f"engine {workload} c={c}"] = median_dicts(
+                    [engine.breakdown(engine.request_ids[r.key]) for r in run.results if r.ok])
+        out["engine_vision_forward_ms_per_crop"] = engine.median_forward_ms_per_crop()
+    return out
+
+
+def _from_serve_logs(name: str, server: Any, bench: Any, run_dir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    logs = server.ray_session_logs()
     if logs is not None:
-        keep = run_dir / "mmserve_serve_logs"
+        keep = run_dir / f"{server.log.stem}_serve_logs"
         shutil.copytree(logs / "serve", keep, ignore=shutil.ignore_patterns("proxy_*", "controller_*"),
                         dirs_exist_ok=True)
         calls = raylogs.parse_serve_logs(keep)
@@ -33,22 +49,13 @@ def collect(bench: Any, run_dir: Path) -> dict[str, Any]:
                      for r in run.results if r.ok and r.ttft_s and r.key.startswith(prefix)]
             return [r for r in found if r]
 
-        probe_run = bench.probes.get("mmserve_probe_run")
+        probe_run = bench.probes.get(f"{name}_probe_run")
         if probe_run is not None:
             for kind in ("overhead", "repeat", "text"):
-                out[f"mmserve probe-{kind}"] = raylogs.median_breakdown(rows(probe_run, f"probe-{kind}/"))
+                out[f"{name} probe-{kind}"] = raylogs.median_breakdown(rows(probe_run, f"probe-{kind}/"))
         for (system, workload, c), run in bench.runs.items():
-            if system == "mmserve":
-                out[f"mmserve {workload} c={c}"] = raylogs.median_breakdown(rows(run))
-    for kind, row in bench.probes.get("engine_breakdown_ms", {}).items():
-        out[f"engine probe-{kind}"] = row
-    engine = bench.engine
-    if engine is not None:
-        for (system, workload, c), run in bench.runs.items():
-            if system == "engine":
-                out[f"engine {workload} c={c}"] = median_dicts(
-                    [engine.breakdown(engine.request_ids[r.key]) for r in run.results if r.ok])
-        out["engine_vision_forward_ms_per_crop"] = engine.median_forward_ms_per_crop()
+            if system == name:
+                out[f"{name} {workload} c={c}"] = raylogs.median_breakdown(rows(run))
     return out
 
 

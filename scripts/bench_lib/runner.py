@@ -21,7 +21,7 @@ from bench_lib import procs, prom
 from bench_lib.loadgen import CellRun, http_sender, run_cell
 from bench_lib.probes import run_probe, summarize_probe
 from bench_lib.stats import median_dicts, summarize
-from bench_lib.systems import HTTP_SYSTEMS, MMSERVE_ARGS, HttpSystem
+from bench_lib.systems import HTTP_SYSTEMS, MMSERVE_ARGS, HttpSystem, base_name, http_system
 from bench_lib.workloads import BenchRequest
 
 
@@ -76,9 +76,9 @@ class Bench:
 
             self.inproc["generate"] = GenerateBaseline(self.ckpt)
             check(self.inproc["generate"].run_cell(self.warmup, 1, "generate warm-up"), "generate warm-up")
-        elif name in HTTP_SYSTEMS:
+        elif base_name(name) in HTTP_SYSTEMS:
             # NOTE: registered before it starts, so that take_down_all stops it even if the start fails
-            server = self.servers[name] = HTTP_SYSTEMS[name](self.ckpt, self.run_dir)
+            server = self.servers[name] = http_system(name, self.ckpt, self.run_dir)
             print(f"starting {name} on {server.root} ...", flush=True)
             server.start()
             print(f"  {name} ready in {server.startup_s:.0f} s", flush=True)

@@ -14,7 +14,6 @@ Owns: how each server is launched on a free port, when it is ready, what its pro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -56,7 +55,9 @@ class HttpSystem:
     name = "?"
     has_metrics = False
 
-    def __init__(self, model_dir: Path, run_dir: Path):
+    def __init__(self, model_dir: Path, run_dir: Path, name: str | None = None, env: dict[str, str] | None = None):
+        self.name = name or type(self).name  # a variant's name: "mmserve+OMP_NUM_THREADS=2"
+        self.extra_env = dict(env or {})  # environment of the server process on top of ours
         self.model_dir, self.run_dir = model_dir, run_dir
         self.port = procs.free_port()
         self.root = f"http://127.0.0.1:{self.port}"
@@ -64,7 +65,7 @@ class HttpSystem:
         self.proc: subprocess.Popen | None = None
         self.sampler: procs.RssSampler | None = None
         self.model = ""
-        self.log = run_dir / f"{self.name}.log"
+        self.log = run_dir / f"{self.name.replace('+', '_').replace('=', '-')}.log"
         self.startup_s = 0.0
         self.killed_on_stop: list[int] = []
 
@@ -83,6 +84,7 @@ class HttpSystem:
 
     def start(self, timeout_s: float = 600.0) -> None:
         cmd, env = self.command()
+        env = {**env, **self.extra_env}
         t = time.perf_counter()
         proc = self.proc = procs.start(cmd, self.log, env=env, cwd=str(REPO))
         self.sampler = procs.RssSampler(proc.pid).start()
@@ -113,11 +115,11 @@ class Mmserve(HttpSystem):
             "applications": [{"name": "mmserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
                               "args": {"model": str(self.model_dir), **MMSERVE_ARGS}}],
         }
-        path = self.run_dir / "mmserve_serve_config.yaml"
+        path = self.log.with_name(self.log.stem + "_serve_config.yaml")
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         # NOTE: a short private temp dir: a fresh Ray of our own (never someone else's cluster), and its
         # unix socket paths stay under the 107-character limit.
-        self.ray_tmp = Path(f"/tmp/mmb{os.getpid()}")
+        self.ray_tmp = Path(f"/tmp/mmb{self.port}")
         env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(self.ray_tmp),
                "RAY_ADDRESS": ""}
         serve = str(Path(sys.executable).with_name("serve"))
@@ -164,3 +166,15 @@ class TransformersServe(HttpSystem):
 
 
 HTTP_SYSTEMS = {"mmserve": Mmserve, "transformers": TransformersServe}
+
+
+def base_name(spec: str) -> str:
+    """'mmserve+OMP_NUM_THREADS=2' -> 'mmserve' (a variant: the same system with extra environment)."""
+    return spec.split("+", 1)[0]
+
+
+def http_system(spec: str, model_dir: Path, run_dir: Path) -> HttpSystem:
+    """The HTTP system named by `spec`: a base name, optionally followed by `+KEY=VALUE` environment."""
+    base, *assignments = spec.split("+")
+    env = dict(a.split("=", 1) for a in assignments)
+    return HTTP_SYSTEMS[base](model_dir, run_dir, name=spec, env=env)

@@ -1,6 +1,7 @@
 """The cluster-wide ProcessorCache: the HF image processor runs once for an image whichever
 preprocess replica (on whichever node) sees it next, and a stored item outlives the replica that
-made it, because the store replica owns the object.
+made it, because the store replica adopts (copies and owns) the object; a request still carrying the
+maker's lost reference is served from that copy.
 
 Each preprocess replica is reached from a `NodeProbe` on its own node (Serve routes a handle's calls
 to a replica on the caller's node first); every check also asks the replica who it is."""
@@ -11,10 +12,11 @@ import uuid
 from typing import Any
 
 import numpy as np
+import pytest
 import ray
 
 from mmserve.engine import Engine
-from mmserve.messages import ChatRequest, PreprocessedRequest, SamplingParams
+from mmserve.messages import ChatRequest, EncoderOutput, PreprocessedRequest, SamplingParams
 from tests.integration.conftest import PREPROCESS_NODES, AppInfo
 from tests.integration.helpers import (
     chat_body,
@@ -72,12 +74,14 @@ def test_processor_runs_once_cluster_wide_and_the_other_node_hits(mm_app: AppInf
     assert after[node_a]["image_processor_calls"] == before[node_a]["image_processor_calls"] + 1
     assert after[node_b]["image_processor_calls"] == before[node_b]["image_processor_calls"]
     assert store_hits(mm_app) == hits_before + 3
-    # Both nodes' requests carry the same stored object, and it holds the processed pixels.
-    stored = first.features[0].data
-    assert all(r.features[0].identifier == first.features[0].identifier for r in repeats)
-    assert all(r.features[0].data.ref == stored.ref for r in repeats)
-    pixels = ray.get(stored.ref, timeout=60).pixel_values
+    # Every request carries the processed pixels: the first the maker's object, the repeats the store's
+    # copy (or, had they come within the copy's few milliseconds, the maker's object again).
+    pixels = ray.get(first.features[0].data.ref, timeout=60).pixel_values
     assert pixels.shape[1:] == (3, 224, 224) and np.isfinite(pixels).all()
+    for r in repeats:
+        assert r.features[0].identifier == first.features[0].identifier == r.features[0].data.key
+        assert np.array_equal(ray.get(r.features[0].data.ref, timeout=60).pixel_values, pixels)
+    assert repeats[-1].features[0].data.ref != first.features[0].data.ref  # adopted by now
 
     # The probe on node B does reach B's replica for `process` too: a new image runs B's processor.
     process_on(probe_b, data_url(seed=202))
@@ -96,6 +100,9 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     [victim] = [a for a in replica_actors(mm_app.name, "Preprocess") if replica_suffix(a["name"]) == victim_id]
     assert victim["node_id"] == mm_app.cluster.node_ids[node_a]
 
+    key = first.features[0].identifier
+    wait_until(lambda: mm_app.handle("ProcessorCacheStore").lookup.remote(key).result(timeout_s=60).ref
+               != first.features[0].data.ref, timeout=30, interval=0.05, what="the store to adopt its copy")
     ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
 
     def replaced() -> bool:  # Serve started a new replica in its place (it can only go on node A)
@@ -112,14 +119,18 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     calls_b = info_on(probe_b)["image_processor_calls"]
     hits_before, passes_before = store_hits(mm_app), encoder_forward_passes(mm_app)
 
-    # The object is still there for anyone holding its reference...
-    assert ray.get(first.features[0].data.ref, timeout=60).pixel_values.shape[1:] == (3, 224, 224)
-    # ...and the replacement replica finds the item in the store: no processor run, the same object.
+    # The maker's object died with it...
+    with pytest.raises(ray.exceptions.ObjectLostError):
+        ray.get(first.features[0].data.ref, timeout=60)
+    # ...yet a request still carrying that reference is encoded: the encoder falls back to the store's copy.
+    orphan: EncoderOutput = mm_app.handle("Encoder").encode.remote("orphan", first.features).result(timeout_s=120)
+    assert orphan.embeddings[0].shape[0] == first.features[0].num_embeds
+    mm_app.handle("Encoder").release.remote("orphan", replica_id=orphan.replica_id).result(timeout_s=60)
+    # The replacement replica finds the item in the store: no processor run, the store's own copy.
     again = process_on(probe_a, url)
     assert again.processor_cache_hits == 1
-    assert again.features[0].data.ref == first.features[0].data.ref
-    # The whole pipeline over HTTP: the encoder has never seen this image, so it fetches the stored
-    # pixels from the object store; an object owned by the killed replica would be lost here.
+    assert again.features[0].data.ref != first.features[0].data.ref
+    # The whole pipeline over HTTP still answers as the engine does.
     body = chat_body(url, max_tokens=6, ignore_eos=True)
     status, answer = post_json(mm_app.base_url, "/v1/chat/completions", body)
     assert status == 200, answer
@@ -127,5 +138,5 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
 
     assert info_on(probe_a)["image_processor_calls"] == 0
     assert info_on(probe_b)["image_processor_calls"] == calls_b
-    assert store_hits(mm_app) == hits_before + 2
+    assert store_hits(mm_app) == hits_before + 3  # the encoder's fallback lookup, then two requests
     assert encoder_forward_passes(mm_app) > passes_before

@@ -97,6 +97,33 @@ def test_storage_holds_the_values_and_frees_evicted_ones() -> None:
     assert storage.freed == [1, 2] and cache.stats().bytes_held == 0
 
 
+def test_replace_swaps_the_held_copy_and_frees_the_old_one() -> None:
+    # The Ray store first indexes the maker's copy, then swaps in one of its own: same bytes, same recency.
+    storage = RecordingStorage()
+    cache = ProcessorCache(1000, storage)
+    cache.put("a", item(400))
+    cache.put("b", item(400))
+    copy = item(400)
+    assert cache.replace("a", copy)
+    assert cache.keys() == ["a", "b"]  # least recently used first: replace did not touch the order
+    assert cache.get("a") is copy and storage.freed == [1]
+    stats = cache.stats()
+    assert (stats.bytes_held, stats.entries, stats.evictions) == (800, 2, 0)
+    assert not cache.replace("gone", item(400)) and storage.freed == [1, 4]  # the unused copy is freed
+    assert not cache.replace("b", item(200))  # a copy must be the same size as what it replaces
+
+
+def test_discard_forgets_a_key_without_counting_an_eviction() -> None:
+    storage = RecordingStorage()
+    cache = ProcessorCache(1000, storage)
+    cache.put("a", item(400))
+    cache.discard("a")
+    cache.discard("never")
+    assert "a" not in cache and storage.freed == [1]
+    stats = cache.stats()
+    assert (stats.bytes_held, stats.entries, stats.evictions) == (0, 0, 0)
+
+
 def test_threads_keep_the_books_consistent() -> None:
     cache = ProcessorCache(40_000)
     errors: list[Any] = []
