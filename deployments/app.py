@@ -33,7 +33,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     app_args = parse_args(args or {})
     model_dir = model_dir_of(app_args)
     hub = MetricsHub.bind()
-    store = ProcessorCacheStore.bind(app_args.processor_cache_bytes, hub)
+    store = ProcessorCacheStore.bind(app_args.processor_cache_bytes, hub, app_args.metrics_push_interval_s)
     preprocess = Preprocess.options(**app_args.preprocess.deployment_options()).bind(app_args, model_dir, store, hub)
     encoder = Encoder.options(
         **app_args.encoder.deployment_options(),

@@ -33,11 +33,11 @@ log = logging.getLogger(__name__)
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
                   logging_config={"enable_access_log": False})  # NOTE: internal calls; no per-call log line
 class ProcessorCacheStore:
-    def __init__(self, capacity_bytes: int, hub: Any):
+    def __init__(self, capacity_bytes: int, hub: Any, metrics_push_interval_s: float):
         # NOTE: the index's values are StoredItems (ObjectRefs), so the plain in-memory storage fits: an
         # evicted entry drops the index's ref, and Ray frees the object once no in-flight spec borrows it.
         self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())
-        self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics)
+        self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics, metrics_push_interval_s)
         self.reporter.ensure_started()
 
     async def lookup(self, key: str) -> CachedItem | None:

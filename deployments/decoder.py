@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from deployments.args import AppArgs
 from deployments.metrics_hub import MetricsReporter
+from deployments.process_setup import configure_step_process
 from mmserve.decoder.decoder import Decoder as DecoderEngine
 from mmserve.decoder.service import DecoderService
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestOutput
@@ -27,7 +28,7 @@ from mmserve.models.registry import load_family
 @serve.deployment
 class Decoder:
     def __init__(self, app_args: AppArgs, model_dir: str, encoder: Any, hub: Any):
-        torch.set_num_threads(app_args.decoder.threads())
+        configure_step_process(app_args.decoder)
         config = app_args.engine_config(model_dir, stage=app_args.decoder)
         family = load_family(config.model)
         self.engine = DecoderEngine(
@@ -38,7 +39,7 @@ class Decoder:
         self.service = DecoderService(self.engine)
         self.encoder = encoder
         self._encoded_on: dict[str, str] = {}  # request id -> encoder replica holding its references
-        self.reporter = MetricsReporter(hub, "Decoder", self.metrics)
+        self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[RequestOutput]:

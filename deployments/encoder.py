@@ -8,6 +8,7 @@ so that `release` can be routed back here (see encoder_router.py).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import ray
@@ -17,6 +18,7 @@ from ray import serve
 from deployments.args import AppArgs
 from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
+from deployments.process_setup import configure_step_process
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.encoder.service import EncoderService, to_numpy
 from mmserve.encoder.stage import EncoderStage
@@ -28,7 +30,7 @@ from mmserve.models.registry import load_family
 @serve.deployment
 class Encoder:
     def __init__(self, app_args: AppArgs, model_dir: str, cache_store: Any, hub: Any):
-        torch.set_num_threads(app_args.encoder.threads())
+        configure_step_process(app_args.encoder)
         config = app_args.engine_config(model_dir, stage=app_args.encoder)
         family = load_family(config.model)
         runner = EncoderRunner(family.load_vision(), max_batch_items=config.encoder.max_batch_items,
@@ -38,7 +40,7 @@ class Encoder:
         self.service = EncoderService(self.stage, batch_wait_s=app_args.encoder.batch_wait_ms / 1000,
                                       resolve=PixelResolver(cache_store))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.reporter = MetricsReporter(hub, "Encoder", self.metrics)
+        self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
     async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput:
@@ -68,4 +70,5 @@ class Encoder:
             raise RuntimeError("the encoder-cache books kept changing; try again")
         return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "referenced_requests": referenced, "forward_passes": self.stage.runner.forward_passes,
-                "torch_threads": torch.get_num_threads(), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
+                "torch_threads": torch.get_num_threads(), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+                "switch_interval_s": sys.getswitchinterval()}

@@ -50,7 +50,7 @@ class Ingress:
         self.default_max_tokens = family.spec.max_model_len
         self.preprocess, self.decoder, self.hub = preprocess, decoder, hub
         self.stats = IngressMetrics()
-        self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot)
+        self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
     @api.get("/health")

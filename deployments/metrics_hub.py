@@ -1,7 +1,7 @@
 """Metrics of every replica, summed: a hub deployment and the reporter each replica runs.
 
 Owns the Ray side of metrics: each replica pushes its `MetricsSnapshot` to the one `MetricsHub`
-replica every second (and the ingress right before it answers `GET /metrics`); the hub merges the
+replica every `metrics_push_interval_s` (and the ingress right before it answers `GET /metrics`); the hub merges the
 latest snapshot of every replica. Each push also mirrors the values into `ray.util.metrics`, so a
 Ray cluster's Prometheus/Grafana sees them too. Does not own what is measured (mmserve/metrics.py).
 """
@@ -21,7 +21,6 @@ from ray.util import metrics as ray_metrics
 from mmserve.metrics import HistogramValue, Metric, MetricsSnapshot, merge
 
 log = logging.getLogger(__name__)
-PUSH_INTERVAL_S = 1.0
 STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges stop counting, its counters stay
 
 
@@ -47,10 +46,10 @@ def _without_gauges(snapshot: MetricsSnapshot) -> MetricsSnapshot:
 class MetricsReporter:
     """Runs in a replica: pushes `snapshot()` to the hub periodically and mirrors it into Ray."""
 
-    def __init__(self, hub: Any, deployment: str, snapshot: Callable[[], MetricsSnapshot]):
+    def __init__(self, hub: Any, deployment: str, snapshot: Callable[[], MetricsSnapshot], interval_s: float):
         context = serve.get_replica_context()
         self.source = f"{deployment}#{context.replica_id.unique_id}"
-        self.hub, self.snapshot = hub, snapshot
+        self.hub, self.snapshot, self.interval_s = hub, snapshot, interval_s
         self.mirror = _RayMirror(deployment)
         self._task: asyncio.Task | None = None
 
@@ -79,7 +78,7 @@ class MetricsReporter:
                 await self.push()
             except Exception:  # metrics must never take a replica down
                 log.warning("pushing metrics from %s failed", self.source, exc_info=True)
-            await asyncio.sleep(PUSH_INTERVAL_S)
+            await asyncio.sleep(self.interval_s)
 
 
 class _RayMirror:

@@ -27,7 +27,7 @@ class Preprocess:
             model_dir, media=config.media, cache=SharedProcessorCache(cache_store), rule=family.prompt_rule,
             model_id=family.spec.model_id, max_model_len=family.spec.max_model_len,
         )
-        self.reporter = MetricsReporter(hub, "Preprocess", self.metrics)
+        self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
     async def process(self, request: ChatRequest) -> PreprocessedRequest:

@@ -199,6 +199,7 @@ def e2e_server(tiny_ckpt_224: Path, tmp_path_factory: pytest.TempPathFactory) ->
         "media.max_images_per_prompt": str(MAX_IMAGES),
         "media.allow_private_addresses": "true",
         "media.allowed_domains": json.dumps(["127.0.0.1", "localhost"]),
+        "metrics_push_interval_s": "1",  # NOTE: the /metrics tests wait for counters to settle past a push
     }
     config = {
         "proxy_location": "HeadOnly",
