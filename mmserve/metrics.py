@@ -146,6 +146,8 @@ def processor_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
         _counter("mmserve_processor_cache_evictions_total", "Processor cache entries evicted.", cache.evictions),
         _counter("mmserve_processor_cache_refused_total", "Items larger than the processor cache.", cache.refused),
         _gauge("mmserve_processor_cache_bytes", "Bytes held by the processor cache.", cache.bytes_held),
+        _gauge("mmserve_processor_cache_peak_bytes", "The most bytes the processor cache ever held.",
+               cache.peak_bytes_held),
         _gauge("mmserve_processor_cache_capacity_bytes", "Processor cache capacity in bytes.", cache.capacity_bytes),
         _gauge("mmserve_processor_cache_entries", "Items held by the processor cache.", cache.entries),
     )
@@ -160,6 +162,8 @@ def encoder_snapshot(stats: EncoderStats) -> MetricsSnapshot:
         _counter("mmserve_encoder_items_encoded_total", "Multimodal items (images) encoded.", stats.items_encoded),
         _counter("mmserve_encoder_crops_encoded_total", "Image crops encoded.", stats.images_encoded),
         _gauge("mmserve_encoder_cache_tokens", "Embedding rows booked in the encoder cache.", stats.cached_tokens),
+        _gauge("mmserve_encoder_cache_peak_tokens", "The most embedding rows the encoder cache ever booked.",
+               stats.peak_cached_tokens),
         _gauge("mmserve_encoder_cache_capacity_tokens", "Encoder cache capacity in embedding rows.",
                stats.capacity_tokens),
         _gauge("mmserve_encoder_cache_entries", "Items in the encoder cache.", stats.num_cached),

@@ -50,6 +50,7 @@ class EncoderStats:
     items_encoded: int  # items (images) encoded
     images_encoded: int  # crops encoded
     cached_tokens: int  # embedding rows booked in the cache, referenced or not
+    peak_cached_tokens: int  # the most rows ever booked at once
     capacity_tokens: int  # embedding rows the cache may hold
     num_cached: int  # entries in the cache
     num_pending: int  # requests still waiting for embeddings
@@ -222,6 +223,7 @@ class EncoderStage:
             items_encoded=self.runner.items_encoded,
             images_encoded=self.runner.images_encoded,
             cached_tokens=self.manager.num_cached_tokens,
+            peak_cached_tokens=self.manager.peak_cached_tokens,
             capacity_tokens=self.manager.capacity_tokens,
             num_cached=self.manager.num_cached,
             num_pending=len(self._pending),

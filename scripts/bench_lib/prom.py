@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
-PEAK_GAUGES = ("mmserve_processor_cache_bytes", "mmserve_encoder_cache_tokens", "mmserve_encoder_cache_entries",
+PEAK_GAUGES = ("mmserve_processor_cache_peak_bytes", "mmserve_encoder_cache_peak_tokens",
+               "mmserve_processor_cache_bytes", "mmserve_encoder_cache_tokens", "mmserve_encoder_cache_entries",
                "mmserve_processor_cache_entries", "mmserve_decoder_running_requests",
                "mmserve_encoder_pending_requests")
+# NOTE: the caches' own high-water marks, not the polled current values: replicas push their metrics
+# every few seconds, so a poller alone could miss a peak between two pushes.
 BOUNDS = {  # gauge -> the gauge holding its configured bound
-    "mmserve_processor_cache_bytes": "mmserve_processor_cache_capacity_bytes",
-    "mmserve_encoder_cache_tokens": "mmserve_encoder_cache_capacity_tokens",
+    "mmserve_processor_cache_peak_bytes": "mmserve_processor_cache_capacity_bytes",
+    "mmserve_encoder_cache_peak_tokens": "mmserve_encoder_cache_capacity_tokens",
 }
 
 

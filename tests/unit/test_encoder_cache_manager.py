@@ -112,3 +112,14 @@ def test_capacity_errors_name_the_limit() -> None:
         m.validate_item(0)
     with pytest.raises(ValueError):
         EncoderCacheManager(capacity_tokens=0, compute_budget_tokens=1)
+
+
+def test_peak_cached_tokens_keeps_the_high_water_mark_within_capacity() -> None:
+    m = EncoderCacheManager(capacity_tokens=10, compute_budget_tokens=10)
+    _alloc(m, "r1", "a", 3)
+    _alloc(m, "r2", "b", 6)
+    assert m.num_cached_tokens == m.peak_cached_tokens == 9
+    m.free_request("r1")
+    m.free_request("r2")
+    _alloc(m, "r3", "c", 5)  # evicts a (3) and b (6): 5 booked now, the peak stays
+    assert m.num_cached_tokens == 5 and m.peak_cached_tokens == 9 <= m.capacity_tokens

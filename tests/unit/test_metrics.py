@@ -50,7 +50,7 @@ def cache_stats(queries: int, hits: int, bytes_held: int) -> ProcessorCacheStats
 def encoder_stats(queries: int, hits: int, batch_sizes: dict[int, int]) -> EncoderStats:
     return EncoderStats(queries=queries, hits=hits, forward_passes=sum(batch_sizes.values()), items_encoded=3,
                         images_encoded=sum(k * v for k, v in batch_sizes.items()), cached_tokens=512,
-                        capacity_tokens=4096, num_cached=2, num_pending=1, batch_sizes=batch_sizes)
+                        peak_cached_tokens=600, capacity_tokens=4096, num_cached=2, num_pending=1, batch_sizes=batch_sizes)
 
 
 def decoder_stats(running: int, waiting: int) -> DecoderStats:
@@ -99,6 +99,8 @@ def test_two_replicas_merge_and_render() -> None:
     assert scalar(fams, "mmserve_encoder_cache_hits_total") == 2 + 3
     assert scalar(fams, "mmserve_encoder_forward_passes_total") == 3 + 4
     assert scalar(fams, "mmserve_encoder_cache_tokens") == 1024
+    assert scalar(fams, "mmserve_encoder_cache_peak_tokens") == 1200  # per-replica peaks, summed
+    assert scalar(fams, "mmserve_processor_cache_peak_bytes") == 100 + 200
     assert scalar(fams, "mmserve_decoder_running_requests") == 3 + 4
     assert scalar(fams, "mmserve_decoder_waiting_requests") == 0 + 1
     assert scalar(fams, "mmserve_decoder_kv_blocks_free") == 20
