@@ -50,7 +50,8 @@ def cache_stats(queries: int, hits: int, bytes_held: int) -> ProcessorCacheStats
 def encoder_stats(queries: int, hits: int, batch_sizes: dict[int, int]) -> EncoderStats:
     return EncoderStats(queries=queries, hits=hits, forward_passes=sum(batch_sizes.values()), items_encoded=3,
                         images_encoded=sum(k * v for k, v in batch_sizes.items()), cached_tokens=512,
-                        peak_cached_tokens=600, capacity_tokens=4096, num_cached=2, num_pending=1, batch_sizes=batch_sizes)
+                        peak_cached_tokens=600, capacity_tokens=4096, num_cached=2, num_pending=1,
+                        batch_sizes=batch_sizes)
 
 
 def decoder_stats(running: int, waiting: int) -> DecoderStats:
