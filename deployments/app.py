@@ -7,9 +7,9 @@ Does not own argument names or defaults (args.py) nor any stage's logic.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from deployments.args import AppArgs, parse_args
@@ -29,16 +29,24 @@ def model_dir_of(app_args: AppArgs) -> str:
     return app_args.model or str(default_tiny_checkpoint())
 
 
+def _deployment(decorated: Any) -> Deployment:
+    """NOTE: `@serve.deployment` turns each class into a `Deployment`, but mypy still sees the class."""
+    return cast(Deployment, decorated)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     app_args = parse_args(args or {})
     model_dir = model_dir_of(app_args)
-    hub = MetricsHub.bind()
-    store = ProcessorCacheStore.bind(app_args.processor_cache_bytes, hub, app_args.metrics_push_interval_s)
-    preprocess = Preprocess.options(**app_args.preprocess.deployment_options()).bind(app_args, model_dir, store, hub)
-    encoder = Encoder.options(
-        **app_args.encoder.deployment_options(),
-        request_router_config=RequestRouterConfig(request_router_class=EncoderRouter),
-    ).bind(app_args, model_dir, store, hub)
-    decoder = Decoder.options(**app_args.decoder.deployment_options()).bind(app_args, model_dir, encoder, hub)
-    ingress = Ingress.options(**app_args.ingress.deployment_options())
+    hub = _deployment(MetricsHub).bind()
+    store = _deployment(ProcessorCacheStore).bind(app_args.processor_cache_bytes, hub,
+                                                  app_args.metrics_push_interval_s)
+    preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options()).bind(
+        app_args, model_dir, store, hub)
+    # NOTE: Ray types request_router_class as an import-path string; it takes the class itself too.
+    router = RequestRouterConfig(request_router_class=EncoderRouter)  # type: ignore[arg-type]
+    encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options(),
+                                           request_router_config=router).bind(app_args, model_dir, store, hub)
+    decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options()).bind(
+        app_args, model_dir, encoder, hub)
+    ingress = _deployment(Ingress).options(**app_args.ingress.deployment_options())
     return ingress.bind(app_args, model_dir, preprocess, decoder, hub)

@@ -121,7 +121,8 @@ class _RayMirror:
             elif metric.kind == "gauge":
                 obj = ray_metrics.Gauge(metric.name, metric.help, tag_keys=keys)
             else:
-                bounds = list(next(iter(metric.values.values())).bounds) if metric.values else [1.0]
+                first = next(iter(metric.values.values()), None)
+                bounds = list(first.bounds) if isinstance(first, HistogramValue) else [1.0]
                 obj = ray_metrics.Histogram(metric.name, metric.help, boundaries=bounds, tag_keys=keys)
             self._objects[metric.name] = obj
         return self._objects[metric.name]
