@@ -48,8 +48,8 @@ class ProcessorCacheStore:
         """Index the maker's ProcessedItem behind `boxed[0]` at once, then swap in a copy this replica
         owns (if it fits the byte bound).
 
-        NOTE: until the copy is made, lookups answer with the maker's ref: a hit right away, never a
-        second processor run. The ref travels inside a list so that it arrives as a ref (a top-level one
+        NOTE: until the copy is made, lookups answer with the maker's ref: a hit from the moment this
+        call arrives (requests that missed before it may still process the image again). The ref travels inside a list so that it arrives as a ref (a top-level one
         would be resolved on the way in) and the pixels are read here, zero-copy, only once.
         """
         if key in self.cache:  # another replica made it too, meanwhile; keep the first
