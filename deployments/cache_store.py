@@ -49,8 +49,9 @@ class ProcessorCacheStore:
         owns (if it fits the byte bound).
 
         NOTE: until the copy is made, lookups answer with the maker's ref: a hit from the moment this
-        call arrives (requests that missed before it may still process the image again). The ref travels inside a list so that it arrives as a ref (a top-level one
-        would be resolved on the way in) and the pixels are read here, zero-copy, only once.
+        call arrives (requests that missed before it may still process the image again). The ref
+        travels inside a list so that it arrives as a ref (a top-level one would be resolved on the way
+        in) and the pixels are read here, zero-copy, only once.
         """
         if key in self.cache:  # another replica made it too, meanwhile; keep the first
             return
