@@ -63,7 +63,6 @@ class StageArgs(_Strict):
     torch_threads: int | None = Field(None, ge=1)
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_STAGE_ENV))  # replica environment
 
-
     def threads(self) -> int:
         """The torch thread count this stage's replicas run with."""
         if self.torch_threads is not None:

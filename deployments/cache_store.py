@@ -23,7 +23,7 @@ from ray import serve
 from ray.exceptions import ObjectLostError
 
 from deployments.metrics_hub import MetricsReporter
-from mmserve.messages import ProcessedItem, StoredItem
+from mmserve.messages import MultiModalFeatureSpec, ProcessedItem, StoredItem
 from mmserve.metrics import MetricsSnapshot, processor_cache_snapshot
 from mmserve.processor_cache import CachedItem, InMemoryStorage, ProcessorCache
 
@@ -55,7 +55,7 @@ class ProcessorCacheStore:
         """
         if key in self.cache:  # another replica made it too, meanwhile; keep the first
             return
-        if not self.cache.put(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes, key=key)):
+        if not self.cache.put(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes)):
             return  # too big for the cache (or the cache is off)
         try:
             item: ProcessedItem = await boxed[0]
@@ -63,7 +63,7 @@ class ProcessorCacheStore:
             log.warning("could not adopt processed item %s", key, exc_info=True)
             self.cache.discard(key)
             return
-        self.cache.replace(key, StoredItem(ref=ray.put(item), num_tiles=num_tiles, nbytes=nbytes, key=key))
+        self.cache.replace(key, StoredItem(ref=ray.put(item), num_tiles=num_tiles, nbytes=nbytes))
 
     def metrics(self) -> MetricsSnapshot:
         return processor_cache_snapshot(self.cache.stats())
@@ -91,7 +91,7 @@ class SharedProcessorCache:
         ref = ray.put(item)  # owned by this replica; the request carries it on at once
         # NOTE: not awaited: the store indexes it on arrival and copies it in the background
         self._handle.adopt.remote(key, [ref], item.num_tiles, item.nbytes)
-        return StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes, key=key)
+        return StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes)
 
 
 class PixelResolver:
@@ -102,14 +102,15 @@ class PixelResolver:
     def __init__(self, store: Any):  # a DeploymentHandle to ProcessorCacheStore
         self._store = _ready(store)
 
-    def __call__(self, data: CachedItem) -> ProcessedItem:
+    def __call__(self, spec: MultiModalFeatureSpec) -> ProcessedItem:
+        data = spec.data
         if not isinstance(data, StoredItem):
             return data
         try:
             return ray.get(data.ref)
         except ObjectLostError:  # OwnerDiedError included
-            kept = self._store.lookup.remote(data.key).result() if data.key is not None else None
+            kept = self._store.lookup.remote(spec.identifier).result()  # the store's key is the content hash
             if not isinstance(kept, StoredItem):
                 raise
-            log.info("pixels of %s lost with their maker; using the store's copy", data.key)
+            log.info("pixels of %s lost with their maker; using the store's copy", spec.identifier)
             return ray.get(kept.ref)

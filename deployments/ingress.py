@@ -21,7 +21,8 @@ from ray.exceptions import RayTaskError
 from deployments.args import AppArgs
 from deployments.metrics_hub import MetricsReporter
 from mmserve.messages import RequestOutput
-from mmserve.metrics import CONTENT_TYPE, IngressMetrics, RequestStatus, render_prometheus
+from mmserve.metrics import IngressMetrics, RequestStatus
+from mmserve.metrics_prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.models.registry import load_family
 from mmserve.protocol import ChatCompletionRequest, ModelCard, ModelList, ModelNotFoundError, error_body
 from mmserve.protocol_stream import ChunkBuilder, CompletionBuilder, sse_error

@@ -80,7 +80,6 @@ class StoredItem:
     ref: Any  # a reference (e.g. ObjectRef) to a ProcessedItem
     num_tiles: int  # images the item encodes: the whole image plus its crops (images)
     nbytes: int  # bytes of its pixel values (bytes)
-    key: str | None = None  # content hash the shared store indexes it under: where to look if `ref` is lost
 
 
 @dataclass(frozen=True)

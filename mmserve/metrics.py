@@ -1,29 +1,22 @@
-"""The metrics every stage reports, as plain data that sums over replicas, and their Prometheus text.
+"""The metrics every stage reports, as plain data that sums over replicas.
 
 Owns: metric names, help texts, kinds and the fixed histogram bucket bounds; turning each stage's
 stats into a picklable `MetricsSnapshot` (no registry, no global state, so a Ray replica can return
 one from a method call); `Histogram` and `IngressMetrics` for what the ingress observes itself
-(time to first token, latency, request outcomes); `merge` over replicas; the text exposition.
-Does not own: gathering snapshots from replicas (deployments/), nor the stats (each stage keeps its own).
+(time to first token, latency, request outcomes); `merge` over replicas. Does not own: the text
+exposition (metrics_prometheus.py), gathering snapshots from replicas (deployments/), nor the stats
+(each stage keeps its own).
 """
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
-
 if TYPE_CHECKING:  # NOTE: type-only, so the ingress can import this module without torch
-    from prometheus_client.metrics_core import Metric as PromFamily
-
     from mmserve.decoder.decoder import DecoderStats
     from mmserve.encoder.stage import EncoderStats
     from mmserve.engine import EngineStats
@@ -33,7 +26,6 @@ MetricKind = Literal["counter", "gauge", "histogram"]
 RequestStatus = Literal["ok", "client_error", "server_error", "aborted"]
 LabelValues = tuple[str, ...]
 
-CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what `render_prometheus` produces
 # Fixed bounds shared by every replica, so histograms merge bucket by bucket.
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -273,36 +265,3 @@ def _add(a: Metric, b: Metric) -> Metric:
         old = values.get(key)
         values[key] = value if old is None else old + value  # type: ignore[operator]
     return Metric(a.name, a.kind, a.help, a.labels, values)
-
-
-class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: MetricsSnapshot) -> None:
-        self._snapshot = snapshot
-
-    def collect(self) -> Iterator[PromFamily]:
-        for name in sorted(self._snapshot.metrics):
-            yield _family(self._snapshot.metrics[name])
-
-
-def _family(metric: Metric) -> PromFamily:
-    if metric.kind == "histogram":
-        hist = HistogramMetricFamily(metric.name, metric.help, labels=metric.labels)
-        for key, value in metric.values.items():
-            assert isinstance(value, HistogramValue)
-            buckets = [(floatToGoString(le), float(n)) for le, n in value.cumulative()]
-            hist.add_metric(list(key), buckets, value.sum)
-        return hist
-    # NOTE: CounterMetricFamily strips "_total" from the name and the exposition adds it back.
-    family_type = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
-    family = family_type(metric.name, metric.help, labels=metric.labels)
-    for key, value in metric.values.items():
-        assert isinstance(value, float | int)
-        family.add_metric(list(key), value)
-    return family
-
-
-def render_prometheus(snapshot: MetricsSnapshot) -> str:
-    """Prometheus text exposition format 0.0.4 (serve it with `CONTENT_TYPE`), metrics sorted by name."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snapshot))
-    return generate_latest(registry).decode("utf-8")

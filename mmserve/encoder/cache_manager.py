@@ -27,7 +27,7 @@ class EncoderCacheManager:
         self.capacity_tokens = capacity_tokens  # embedding rows the cache may hold
         self.compute_budget_tokens = compute_budget_tokens  # embedding rows encoded per step
         self._num_free = capacity_tokens  # rows held by no entry (tokens)
-        self.peak_cached_tokens = 0  # the most rows ever booked at once (tokens)
+        self._peak_cached = 0  # the most rows ever booked at once (tokens)
         self._num_freeable = 0  # rows held by unreferenced entries (tokens)
         self._sizes: dict[str, int] = {}  # hash -> rows; every entry in the books
         self._refs: dict[str, set[str]] = {}  # hash -> ids of the requests referencing it
@@ -103,7 +103,7 @@ class EncoderCacheManager:
         self._sizes[mm_hash] = num_tokens
         self._refs[mm_hash] = set()
         self._num_free -= num_tokens
-        self.peak_cached_tokens = max(self.peak_cached_tokens, self.num_cached_tokens)
+        self._peak_cached = max(self._peak_cached, self.num_cached_tokens)
         self._add_ref(request_id, mm_hash)
 
     def free_request(self, request_id: str) -> None:
@@ -147,6 +147,11 @@ class EncoderCacheManager:
     @property
     def num_cached_tokens(self) -> int:
         return self.capacity_tokens - self._num_free
+
+    @property
+    def peak_cached_tokens(self) -> int:
+        """The most rows ever booked at once; never above `capacity_tokens`."""
+        return self._peak_cached
 
     @property
     def num_cached(self) -> int:

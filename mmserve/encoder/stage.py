@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -24,11 +23,11 @@ from mmserve.encoder.runner import EncoderRunner
 from mmserve.messages import MultiModalFeatureSpec, ProcessedItem
 from mmserve.models.base import VisionEncoder
 
-Resolver = Callable[[Any], ProcessedItem]  # spec.data -> ProcessedItem (ray.get in the Ray app)
+Resolver = Callable[[MultiModalFeatureSpec], ProcessedItem]  # an item's pixels (ray.get in the Ray app)
 
 
-def _identity(data: Any) -> ProcessedItem:
-    return data
+def _identity(spec: MultiModalFeatureSpec) -> ProcessedItem:
+    return spec.data
 
 
 @dataclass(frozen=True)
@@ -236,4 +235,4 @@ def _resolve(req: _Pending, spec: MultiModalFeatureSpec) -> ProcessedItem:
         raise RuntimeError(
             f"request {req.request_id}: item {spec.identifier} missed the encoder cache but carries no data"
         )
-    return req.resolve(spec.data)
+    return req.resolve(spec)

@@ -68,10 +68,9 @@ def ttft_breakdown(profile: dict, out: Path) -> Path | None:
             if k.startswith("mmserve ") and isinstance(v, dict) and v}
     if not rows:
         return None
-    parts = [c for c in COMPONENTS if c != "cache_store_calls"]  # NOTE: that one is inside "preprocess"
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows)), 4.2))
     bottom = [0.0] * len(rows)
-    for part in parts:
+    for part in COMPONENTS:
         values = [max(0.0, row.get(part, 0.0)) for row in rows.values()]
         ax.bar(list(rows), values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]

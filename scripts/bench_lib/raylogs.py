@@ -7,8 +7,7 @@ so a request's calls line up with the client's send and first-token times: no en
 
 Owns: parsing those lines and splitting each request's TTFT into
   ingress      client send -> Preprocess.process starts (HTTP proxy, ingress body parse, handle hop)
-  preprocess   Preprocess.process (image decode, hash, processor-cache store round trips, HF processor;
-               the store's own calls, where it logs them, are shown apart as cache_store_calls)
+  preprocess   Preprocess.process (image decode, hash, processor-cache lookup, HF processor, ray.put)
   pre->dec     Preprocess returns -> Decoder.generate starts (handle hops through the ingress)
   dec->enc     Decoder.generate starts -> Encoder.encode starts (handle hop)
   encoder      Encoder.encode (wait for the encoder step + vision forward)
@@ -30,7 +29,7 @@ _LINE = re.compile(
     r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) mmserve_(\w+) \w+ (\S+) -- "
     r"(?:CALL (\w+) \w+|(POST) \S+ \d+) ([\d.]+)ms")
 
-COMPONENTS = ("ingress", "preprocess", "cache_store_calls", "pre->dec", "dec->enc", "encoder", "after_enc")
+COMPONENTS = ("ingress", "preprocess", "pre->dec", "dec->enc", "encoder", "after_enc")
 
 
 def parse_serve_logs(log_dir: Path) -> dict[str, dict[str, list[tuple[float, float]]]]:
@@ -56,10 +55,6 @@ def breakdown(calls: dict[str, list[tuple[float, float]]], sent: float, first: f
     (p0, p1), (d0, _) = pre[0], dec[0]
     enc = calls.get("Encoder.encode")
     out = {"ingress": p0 - sent, "preprocess": p1 - p0, "pre->dec": d0 - p1}
-    store = [e - s for key in ("ProcessorCacheStore.lookup",)
-             for s, e in calls.get(key, [])]
-    if store:  # NOTE: absent when the store logs no access lines (its access log is off since f7221c2)
-        out["cache_store_calls"] = sum(store)
     if enc:
         e0, e1 = enc[0]
         out.update({"dec->enc": e0 - d0, "encoder": e1 - e0, "after_enc": first - e1})
@@ -73,5 +68,4 @@ def median_breakdown(rows: list[dict[str, float]]) -> dict[str, Any]:
     """Component medians over requests (ms); medians need not add up to the TTFT median."""
     if not rows:
         return {}
-    keys = [k for k in (*COMPONENTS, "ttft") if all(k in r for r in rows)]
-    return {"requests": len(rows), **{k: statistics.median(r[k] for r in rows) for k in keys}}
+    return {"requests": len(rows), **{k: statistics.median(r[k] for r in rows) for k in (*COMPONENTS, "ttft")}}

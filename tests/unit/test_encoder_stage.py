@@ -43,9 +43,9 @@ class Store:
         self.items: dict[str, ProcessedItem] = {}
         self.calls: list[str] = []
 
-    def resolve(self, key: Any) -> ProcessedItem:
-        self.calls.append(key)
-        return self.items[key]
+    def resolve(self, spec: MultiModalFeatureSpec) -> ProcessedItem:
+        self.calls.append(spec.data)
+        return self.items[spec.data]
 
 
 def _item(seed: int, n_crops: int = 1, size: int = 8) -> ProcessedItem:

@@ -13,7 +13,6 @@ from mmserve.encoder.stage import EncoderStats
 from mmserve.engine import EngineStats
 from mmserve.metrics import (
     BATCH_SIZE_BUCKETS,
-    CONTENT_TYPE,
     Histogram,
     HistogramValue,
     IngressMetrics,
@@ -25,8 +24,8 @@ from mmserve.metrics import (
     merge,
     preprocess_snapshot,
     processor_cache_snapshot,
-    render_prometheus,
 )
+from mmserve.metrics_prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.processor_cache import ProcessorCacheStats
 
 parser = pytest.importorskip("prometheus_client.parser")
