@@ -22,6 +22,7 @@ from mmserve.config import (
     ModelConfig,
     ProcessorCacheConfig,
     SchedulerConfig,
+    StepThreadsConfig,
 )
 
 
@@ -100,6 +101,8 @@ class DecoderArgs(StageArgs):
     block_size: int = Field(KVCacheConfig.block_size, ge=1)
     num_blocks: int = Field(KVCacheConfig.num_blocks, ge=1)
     max_ongoing_requests: int = Field(256, ge=1)
+    small_step_tokens: int = Field(StepThreadsConfig.small_step_tokens, ge=0)  # see mmserve/decoder/step_threads.py
+    small_step_threads: int | None = Field(StepThreadsConfig.small_step_threads, ge=1)  # None = torch_threads
 
 
 class PreprocessArgs(StageArgs):
@@ -153,6 +156,8 @@ class AppArgs(_Strict):
             scheduler=SchedulerConfig(max_num_seqs=self.decoder.max_num_seqs,
                                       max_num_batched_tokens=self.decoder.max_num_batched_tokens),
             kv_cache=KVCacheConfig(block_size=self.decoder.block_size, num_blocks=self.decoder.num_blocks),
+            decoder_threads=StepThreadsConfig(small_step_tokens=self.decoder.small_step_tokens,
+                                              small_step_threads=self.decoder.small_step_threads),
         )
 
 

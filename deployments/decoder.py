@@ -34,6 +34,7 @@ class Decoder:
         self.engine = DecoderEngine(
             family.load_text(), family.spec, AutoTokenizer.from_pretrained(model_dir), config.scheduler,
             config.kv_cache, dtype=getattr(torch, config.model.dtype), device=config.model.device,
+            threads=config.decoder_threads,
         )
         family.release_unused()
         self.service = DecoderService(self.engine)

@@ -51,6 +51,14 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StepThreadsConfig:
+    """torch's intra-op CPU threads per decoder step, sized to the step's work (CPU devices only)."""
+
+    small_step_tokens: int = 16  # a step computing at most this many new tokens is small (decodes) (tokens)
+    small_step_threads: int | None = 1  # threads of a small step; None = the process's setting, as big steps
+
+
+@dataclass(frozen=True)
 class KVCacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 2048  # blocks in the pool, shared by all sequences
@@ -64,3 +72,4 @@ class EngineConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    decoder_threads: StepThreadsConfig = field(default_factory=StepThreadsConfig)

@@ -58,7 +58,8 @@ class Engine:
                                device=device, dtype=dtype)
         self.encoder = EncoderStage(runner, config.encoder)
         self.decoder = Decoder(family.load_text(), self.spec, self.preprocessor.tokenizer, config.scheduler,
-                               config.kv_cache, dtype=dtype, device=device, on_logits=on_logits)
+                               config.kv_cache, dtype=dtype, device=device, on_logits=on_logits,
+                               threads=config.decoder_threads)
         family.release_unused()
         self.encoder_service = EncoderService(self.encoder)
         self.decoder_service = DecoderService(self.decoder)

@@ -10,7 +10,7 @@ reference to it (an ObjectRef in the Ray app).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -129,12 +129,23 @@ class RequestOutput:
     """What one decoder step produced for one request: a delta, not the whole text."""
 
     request_id: str
-    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
-    new_text: str  # newly completed text; never ends inside a UTF-8 character
+    new_token_ids: list[int]  # tokens sampled since the request's previous output (tokens)
+    new_text: str  # text completed since the previous output; never ends inside a UTF-8 character
     finished: bool
     finish_reason: FinishReason | None  # set when finished
     num_prompt_tokens: int  # prompt tokens, image tokens included (tokens)
     num_output_tokens: int  # tokens generated so far (tokens)
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one delta; counts and finish come from the last."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return replace(
+        outputs[-1],
+        new_token_ids=[t for out in outputs for t in out.new_token_ids],
+        new_text="".join(out.new_text for out in outputs),
+    )
 
 
 @dataclass(frozen=True)

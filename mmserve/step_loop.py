@@ -67,16 +67,23 @@ class StepLoop:
                 return True
         return self._has_work()
 
-    async def outputs(self, request_id: str) -> AsyncIterator[Any]:
-        """Outputs of one request until (and including) its finished one; failures are raised."""
+    async def outputs(self, request_id: str, merge: Callable[[list[Any]], Any] | None = None) -> AsyncIterator[Any]:
+        """Outputs of one request until (and including) its finished one; failures are raised.
+
+        With `merge`, the outputs that queued up while the consumer was busy come as one, `merge(items)`.
+        """
         _, queue = self._queues[request_id]
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, RequestFailed):
-                    raise item.error
-                yield item
-                if item.finished:
+                items = [await queue.get()]
+                while merge is not None and not items[-1].finished and not queue.empty():
+                    items.append(queue.get_nowait())
+                failed = items.pop() if isinstance(items[-1], RequestFailed) else None
+                if items:
+                    yield merge(items) if merge is not None else items[0]
+                if failed is not None:
+                    raise failed.error
+                if items[-1].finished:
                     return
         finally:
             self._queues.pop(request_id, None)

@@ -17,6 +17,7 @@ from mmserve.decoder.attention import SeqChunk, build_metadata
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.sequence import Sequence
 from mmserve.models.base import ModelSpec, TextDecoder
+from mmserve.step_threads import StepThreads
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,16 @@ def image_runs(token_ids: np.ndarray, image_token_id: int) -> np.ndarray:
 
 
 class ModelRunner:
-    def __init__(self, model: TextDecoder, spec: ModelSpec, kv: KVCache, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: TextDecoder, spec: ModelSpec, kv: KVCache, *, dtype: torch.dtype, device: torch.device,
+                 threads: StepThreads):
         self.model, self.spec, self.kv = model, spec, kv
         self.dtype, self.device = dtype, device
+        self.threads = threads
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """Run the step where each (seq, n) computes tokens [seq.num_computed_tokens, +n)."""
+        self.threads.apply(sum(n for _, n in scheduled))
         chunks, ids, images = [], [], []
         for seq, n in scheduled:
             chunk, chunk_ids, rows = self._prepare(seq, n)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from mmserve.decoder.decoder import Decoder
-from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput
+from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, merge_outputs
 from mmserve.step_loop import StepLoop
 
 EncodeFn = Callable[[PreprocessedRequest], Awaitable[list[Any]]]  # -> per-feature embeddings
@@ -36,7 +36,9 @@ class DecoderService:
             request = DecodeRequest(request_id, pre.prompt_token_ids, pre.features, embeddings, pre.sampling)
             self.loop.open(request_id)
             self.loop.submit(request_id, lambda: self.decoder.add(request))
-            async for out in self.loop.outputs(request_id):
+            # NOTE: deltas that piled up while this consumer waited for the CPU go on as one: under load
+            # each output is a message through Serve to the ingress and on to the client.
+            async for out in self.loop.outputs(request_id, merge=merge_outputs):
                 finished = out.finished
                 yield out
         finally:

@@ -16,6 +16,7 @@ import torch
 
 from mmserve.messages import ProcessedItem
 from mmserve.models.base import VisionEncoder  # (n_images, 3, H, W) -> (n_images, mm_tokens, hidden)
+from mmserve.step_threads import StepThreads
 
 
 class EncoderRunner:
@@ -32,6 +33,7 @@ class EncoderRunner:
         self.encode_images = encode_images
         self.device = torch.device(device)
         self.dtype = dtype
+        self.threads = StepThreads(self.device)  # the count torch has now, re-applied in whatever thread runs us
         self.max_batch_items = max_batch_items  # crops per vision forward
         self.forward_passes = 0  # vision forwards run
         self.images_encoded = 0  # crops encoded
@@ -47,6 +49,7 @@ class EncoderRunner:
         if not items:
             return []
         crops, n_crops = _flatten_crops(items)
+        self.threads.apply(len(crops))
         with torch.inference_mode():
             chunks = [
                 self._forward(crops[start : start + self.max_batch_items])

@@ -1,0 +1,60 @@
+"""StepLoop's fan-out to async consumers: outputs that pile up are merged on request, failures end a stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mmserve.messages import RequestFailed, RequestOutput, merge_outputs
+from mmserve.step_loop import StepLoop
+
+
+def out(token: int, text: str, *, n: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", [token], text, finished, "length" if finished else None, 5, n)
+
+
+def idle_loop() -> StepLoop:
+    return StepLoop(lambda: [], lambda: False, lambda: None)
+
+
+def test_merge_outputs_concatenates_deltas_and_keeps_the_last_counts() -> None:
+    merged = merge_outputs([out(7, "a", n=1), out(8, "b", n=2), out(9, "c", n=3, finished=True)])
+    assert merged.new_token_ids == [7, 8, 9]
+    assert merged.new_text == "abc"
+    assert (merged.finished, merged.finish_reason, merged.num_output_tokens) == (True, "length", 3)
+    single = out(1, "x", n=1)
+    assert merge_outputs([single]) is single
+
+
+async def _collect(loop: StepLoop, items: list, merge) -> list:
+    loop.open("r")
+    for item in items:  # NOTE: queued before the consumer runs: it "fell behind" by all of them
+        loop._deliver("r", item)
+    await asyncio.sleep(0)  # call_soon_threadsafe puts run on the next loop iteration
+    return [o async for o in loop.outputs("r", merge=merge)]
+
+
+def test_outputs_that_queued_up_come_as_one_when_merging() -> None:
+    items = [out(1, "a", n=1), out(2, "b", n=2), out(3, "c", n=3, finished=True)]
+    merged = asyncio.run(_collect(idle_loop(), items, merge_outputs))
+    assert [(o.new_token_ids, o.new_text, o.finished) for o in merged] == [([1, 2, 3], "abc", True)]
+    plain = asyncio.run(_collect(idle_loop(), items, None))
+    assert [o.new_token_ids for o in plain] == [[1], [2], [3]]
+
+
+def test_a_failure_after_queued_outputs_delivers_them_then_raises() -> None:
+    got: list = []
+
+    async def run() -> None:
+        loop = idle_loop()
+        loop.open("r")
+        for item in (out(1, "a", n=1), out(2, "b", n=2), RequestFailed("r", ValueError("boom"))):
+            loop._deliver("r", item)
+        await asyncio.sleep(0)
+        async for o in loop.outputs("r", merge=merge_outputs):
+            got.append(o)
+
+    with pytest.raises(ValueError, match="boom"):
+        asyncio.run(run())
+    assert [o.new_token_ids for o in got] == [[1, 2]]

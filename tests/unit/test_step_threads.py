@@ -1,0 +1,72 @@
+"""Decoder steps take torch threads by their size, in their own thread only."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from mmserve.config import StepThreadsConfig
+from mmserve.step_threads import StepThreads
+
+CPU = torch.device("cpu")
+
+
+def test_small_steps_get_fewer_threads_big_steps_the_process_setting() -> None:
+    threads = StepThreads(CPU, StepThreadsConfig(small_step_tokens=16, small_step_threads=1))
+    threads.big = 4  # as if the stage had been configured with 4
+    assert [threads.threads_for(n) for n in (1, 8, 16, 17, 300)] == [1, 1, 1, 4, 4]
+    for off in (StepThreads(CPU, StepThreadsConfig(small_step_threads=None)), StepThreads(CPU)):
+        assert off.threads_for(1) == off.big
+    assert not StepThreads(torch.device("meta"), StepThreadsConfig()).enabled  # not CPU: never touched
+
+
+def test_apply_changes_only_the_calling_threads_count() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = StepThreads(CPU, StepThreadsConfig(small_step_tokens=16, small_step_threads=1))
+        seen: list[int] = []
+
+        def step_thread() -> None:
+            torch.ones(4).sum()  # NOTE: a first op makes torch set this thread up from the process setting
+            threads.apply(1)
+            seen.append(torch.get_num_threads())
+            threads.apply(300)
+            seen.append(torch.get_num_threads())
+            threads.apply(2)
+            seen.append(torch.get_num_threads())
+
+        t = threading.Thread(target=step_thread)
+        t.start()
+        t.join()
+        assert seen == [1, 2, 1]
+        assert torch.get_num_threads() == 2  # this thread's (another stage's) setting is untouched
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_encoder_runner_keeps_its_count_in_a_thread_started_after_a_decode_step_chose_one() -> None:
+    import numpy as np
+
+    from mmserve.encoder.runner import EncoderRunner
+    from mmserve.messages import ProcessedItem
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def vision(px: torch.Tensor) -> torch.Tensor:  # (n, 3, H, W) -> (n, mm_tokens=4, hidden=8)
+        seen.append(torch.get_num_threads())
+        return torch.zeros(px.shape[0], 4, 8)
+
+    try:
+        torch.set_num_threads(2)
+        runner = EncoderRunner(vision)
+        torch.set_num_threads(1)  # what a decode step's apply() leaves as the default for new threads
+        item = ProcessedItem(np.zeros((1, 3, 4, 4), dtype=np.float32))
+        t = threading.Thread(target=lambda: runner.embed_multimodal([item]))
+        t.start()
+        t.join()
+        assert seen == [2]
+    finally:
+        torch.set_num_threads(before)
