@@ -37,7 +37,7 @@ class Encoder:
                                device=torch.device(config.model.device), dtype=getattr(torch, config.model.dtype))
         family.release_unused()
         self.stage = EncoderStage(runner, config.encoder)
-        self.service = EncoderService(self.stage, batch_wait_s=app_args.encoder.batch_wait_ms / 1000,
+        self.service = EncoderService(self.stage, batch_wait_s=app_args.encoder.batch_wait_s(config.model.device),
                                       resolve=PixelResolver(cache_store))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)

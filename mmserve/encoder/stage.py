@@ -1,7 +1,7 @@
 """The encoder stage: a queue of requests whose images need embeddings, served one step at a time.
 
 Owns: the FIFO of pending requests, one encoder step (cache lookups, allocation under the per-step
-compute budget and the cache capacity, ONE batched `embed_multimodal` for all misses), the tensor
+compute budget, the cache capacity and one forward's crops, ONE `embed_multimodal` for its misses), the tensor
 cache kept in line with the manager's books, and the stage's stats. Does not own: the vision model
 (`EncoderRunner` wraps it), how requests arrive or leave (the engine, or a Ray deployment, calls
 `add_request` / `step` / `release`), nor when a request ends (the decoder reports it: `release`).
@@ -155,16 +155,22 @@ class EncoderStage:
         # NOTE: strict FIFO — stopping at the first miss that does not fit (rather than letting
         # later, smaller items through) keeps a large image from starving; at most one request is
         # then partially booked, and validation guarantees it fits once earlier ones are released.
+        # NOTE: and no more crops than one forward takes (`max_batch_items`; an item with more runs alone),
+        # so a step ends, and its requests go on to the decoder, after one forward: on a CPU a batch of
+        # images costs the same per image as one alone, and waiting for the whole batch only delays all.
         budget = self.config.compute_budget_tokens  # embedding rows left to encode this step
+        crops = 0  # crops booked this step
         misses: list[tuple[_Pending, MultiModalFeatureSpec]] = []
         for req in self._pending.values():
             while not req.done:
                 spec = req.features[req.next_index]
                 if self.manager.check_and_update_cache(req.request_id, spec.identifier):
                     self._hits += 1
-                elif self.manager.can_allocate(spec.num_embeds, budget):
+                elif (not misses or crops + _num_tiles(spec) <= self.config.max_batch_items) and \
+                        self.manager.can_allocate(spec.num_embeds, budget):
                     self.manager.allocate(req.request_id, spec.identifier, spec.num_embeds)
                     budget -= spec.num_embeds
+                    crops += _num_tiles(spec)
                     misses.append((req, spec))
                 else:
                     return misses
@@ -228,6 +234,11 @@ class EncoderStage:
             num_pending=len(self._pending),
             batch_sizes=dict(sorted(self.runner.batch_sizes.items())),
         )
+
+
+def _num_tiles(spec: MultiModalFeatureSpec) -> int:
+    """Crops the item's pixels hold (ProcessedItem and StoredItem both say); 1 if it carries none."""
+    return int(getattr(spec.data, "num_tiles", 1))
 
 
 def _resolve(req: _Pending, spec: MultiModalFeatureSpec) -> ProcessedItem:

@@ -37,7 +37,7 @@ MMSERVE_ARGS: dict[str, Any] = {
     "processor_cache_bytes": 256 * MiB,
     "ingress": {"num_replicas": 1, "num_cpus": 0},
     "preprocess": {"autoscaling": None, "num_replicas": 1, "num_cpus": 0},
-    "encoder": {"num_replicas": 1, "num_cpus": 0, "batch_wait_ms": 2, "cache_capacity_tokens": 256 * 64},
+    "encoder": {"num_replicas": 1, "num_cpus": 0, "cache_capacity_tokens": 256 * 64},
     "decoder": {"num_replicas": 1, "num_cpus": 0, "max_num_seqs": 8, "num_blocks": 2048},
 }
 

@@ -129,11 +129,17 @@ def test_budget_limits_items_per_step_rest_follow() -> None:
     assert stage.stats().forward_passes == 2 and stage.stats().batch_sizes == {2: 1, 1: 1}
 
 
-def test_one_call_is_chunked_by_max_batch_items() -> None:
+def test_a_step_holds_one_forward_of_crops_and_a_bigger_item_runs_alone_in_chunks() -> None:
     stage = _stage(max_batch_items=2)
-    stage.add_request("r", [_spec(f"h{i}", _item(i)) for i in range(3)])
+    for i in range(3):
+        stage.add_request(f"r{i}", [_spec(f"h{i}", _item(i))])
+    assert [r.request_id for r in stage.step()] == ["r0", "r1"]  # the third would overflow the forward
+    assert [r.request_id for r in stage.step()] == ["r2"]
+    stage.add_request("big", [_spec("m", _item(9, n_crops=3), 3 * MM_TOKENS), _spec("s", _item(8))])
+    assert stage.step() == []  # the 3-crop item alone, in forwards of 2 + 1; its neighbour waits
     (r,) = stage.step()
-    assert stage.stats().batch_sizes == {2: 1, 1: 1} and len(r.embeddings) == 3
+    assert r.request_id == "big" and len(r.embeddings) == 2
+    assert stage.stats().batch_sizes == {2: 2, 1: 3}
 
 
 def test_release_frees_references_and_abort_drops_pending() -> None:

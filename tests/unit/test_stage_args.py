@@ -24,3 +24,23 @@ def test_replica_environment_reaches_ray_actor_options() -> None:
         "env_vars": {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}}
     assert "runtime_env" not in args.decoder.deployment_options()["ray_actor_options"]
     assert args.preprocess.env == DEFAULT_STAGE_ENV  # untouched stages keep the default
+
+
+def test_encoder_batches_on_a_gpu_and_takes_one_image_per_step_on_a_cpu() -> None:
+    cpu = parse_args({})
+    assert cpu.engine_config("m", stage=cpu.encoder).encoder.max_batch_items == 1
+    assert cpu.encoder.batch_wait_s("cpu") == 0.0
+    gpu = parse_args({"encoder.num_gpus": "1"})
+    config = gpu.engine_config("m", stage=gpu.encoder)
+    assert config.model.device == "cuda" and config.encoder.max_batch_items == 16
+    assert gpu.encoder.batch_wait_s("cuda") == 0.005
+    pinned = parse_args({"encoder.max_batch_items": "4", "encoder.batch_wait_ms": "2"})
+    assert pinned.engine_config("m", stage=pinned.encoder).encoder.max_batch_items == 4
+    assert pinned.encoder.batch_wait_s("cpu") == 0.002
+
+
+def test_decoder_small_step_threads_reach_the_engine_config() -> None:
+    args = parse_args({"decoder.small_step_tokens": "8", "decoder.small_step_threads": "null"})
+    threads = args.engine_config("m", stage=args.decoder).decoder_threads
+    assert (threads.small_step_tokens, threads.small_step_threads) == (8, None)
+    assert parse_args({}).engine_config("m").decoder_threads.small_step_threads == 1
