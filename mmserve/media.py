@@ -2,8 +2,8 @@
 
 Owns: reading `data:` URLs, `http(s)://` URLs (timeouts, byte cap, domain allowlist, refusal of
 private addresses on every redirect hop, max 5 redirects) and `file://` URLs under one allowed
-folder; decoding bytes to an RGB image (pixel cap before decoding, EXIF orientation, alpha
-composited on white). Does not own: hashing, caching or the model's image processor.
+folder, and handing the bytes to `image_decode`. Does not own: decoding (`mmserve.image_decode`),
+hashing, caching or the model's image processor.
 
 Every error names the item ("image 2: ...") and is a `MediaError` (bytes we cannot use) or an
 `UnsupportedURLError` (a source we refuse to read).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import http.client
 import io
 import ipaddress
@@ -26,17 +25,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
 from mmserve.config import MediaConfig
 from mmserve.errors import InvalidRequestError, MediaError, UnsupportedURLError
+from mmserve.image_decode import decode_image
 
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP address strings
 Dialer = Callable[..., socket.socket]  # socket.create_connection's signature
 
 MAX_REDIRECTS = 5
 # NOTE: an allowlist; PIL's other openers (EPS calls Ghostscript, ...) are not for untrusted input.
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG covers MPO
 _CHUNK = 64 * 1024  # bytes per read
 
 
@@ -279,43 +278,3 @@ def _read_file_url(url: str, config: MediaConfig) -> bytes:
     if len(data) > config.max_image_bytes:
         raise MediaError(f"file is more than the {config.max_image_bytes}-byte limit")
     return data
-
-
-# --- decoding ----------------------------------------------------------------------------
-
-
-@functools.cache
-def _openable_formats() -> tuple[str, ...]:
-    Image.init()  # registers every plugin; a format this Pillow lacks (AVIF) is skipped
-    return tuple(f for f in IMAGE_FORMATS if f in Image.OPEN)
-
-
-def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
-    """Bytes -> RGB image; checks the pixel count from the header before decoding pixels."""
-    formats = _openable_formats()
-    try:
-        image: Image.Image = Image.open(io.BytesIO(data), formats=formats)
-    except UnidentifiedImageError as err:
-        raise MediaError(f"bytes are not a decodable image in a supported format {formats}") from err
-    except Exception as err:  # DecompressionBombError, struct errors of a broken header, ...
-        raise MediaError(f"bytes are not a decodable image ({type(err).__name__}: {err})") from err
-    width, height = image.size
-    if width * height > max_pixels:
-        raise MediaError(f"image is {width}x{height} pixels, more than the {max_pixels}-pixel limit")
-    try:
-        image.load()  # decodes the first frame; raises on truncated or corrupt data
-        image = ImageOps.exif_transpose(image)
-    except Exception as err:
-        raise MediaError(f"image data is corrupt or truncated ({err})") from err
-    return to_rgb(image)
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency composited on white (as transformers' `convert_to_rgb` does)."""
-    if image.mode == "RGB":
-        return image
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from mmserve.hashing import hash_image
-from mmserve.media import decode_image
+from mmserve.image_decode import decode_image
 from mmserve.models.gemma3_prompt import PROCESSOR_DEFAULTS
 
 RNG = np.random.default_rng(0)

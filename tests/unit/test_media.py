@@ -15,7 +15,8 @@ from PIL import Image
 
 from mmserve.config import MediaConfig
 from mmserve.errors import MediaError, UnsupportedURLError
-from mmserve.media import MediaLoader, decode_image, is_public_address
+from mmserve.image_decode import decode_image
+from mmserve.media import MediaLoader, is_public_address
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **save: object) -> bytes:

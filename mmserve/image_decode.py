@@ -1,0 +1,54 @@
+"""Image bytes -> an RGB PIL image, refusing what a public endpoint must not decode.
+
+Owns: the accepted formats, the pixel cap checked from the header before any pixel is decoded, EXIF
+orientation, and alpha composited on white. Does not own: where the bytes come from (`mmserve.media`),
+hashing or the model's image processor. Every error is a `MediaError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from mmserve.errors import MediaError
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG covers MPO
+
+
+@functools.cache
+def _openable_formats() -> tuple[str, ...]:
+    Image.init()  # registers every plugin; a format this Pillow lacks (AVIF) is skipped
+    return tuple(f for f in IMAGE_FORMATS if f in Image.OPEN)
+
+
+def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
+    """Bytes -> RGB image; checks the pixel count from the header before decoding pixels."""
+    formats = _openable_formats()
+    try:
+        image: Image.Image = Image.open(io.BytesIO(data), formats=formats)
+    except UnidentifiedImageError as err:
+        raise MediaError(f"bytes are not a decodable image in a supported format {formats}") from err
+    except Exception as err:  # DecompressionBombError, struct errors of a broken header, ...
+        raise MediaError(f"bytes are not a decodable image ({type(err).__name__}: {err})") from err
+    width, height = image.size
+    if width * height > max_pixels:
+        raise MediaError(f"image is {width}x{height} pixels, more than the {max_pixels}-pixel limit")
+    try:
+        image.load()  # decodes the first frame; raises on truncated or corrupt data
+        image = ImageOps.exif_transpose(image)
+    except Exception as err:
+        raise MediaError(f"image data is corrupt or truncated ({err})") from err
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited on white (as transformers' `convert_to_rgb` does)."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
