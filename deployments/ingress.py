@@ -24,7 +24,8 @@ from mmserve.messages import RequestOutput
 from mmserve.metrics import IngressMetrics, RequestStatus
 from mmserve.metrics_prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.models.registry import load_family
-from mmserve.protocol import ChatCompletionRequest, ModelCard, ModelList, ModelNotFoundError, error_body
+from mmserve.protocol import ChatCompletionRequest, ModelCard, ModelList
+from mmserve.protocol_errors import ModelNotFoundError, error_body
 from mmserve.protocol_stream import ChunkBuilder, CompletionBuilder, sse_error
 
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible HTTP schemas of `/v1/chat/completions` and `/v1/models`, and error bodies.
+"""The OpenAI-compatible HTTP schemas of `/v1/chat/completions` and `/v1/models`.
 
 Owns: the pydantic models at the HTTP edge (nothing past `ChatCompletionRequest.to_chat_request` sees
-pydantic), OpenAI's defaults and aliases, the rejection of OpenAI features we do not serve, and the
-mapping of any exception to an OpenAI error body. Does not own: deep message checks (reserved tokens,
+pydantic), OpenAI's defaults and aliases, and the rejection of OpenAI features we do not serve.
+Does not own: the error bodies (`protocol_errors.py`), deep message checks (reserved tokens,
 image count, chat template: `mmserve.processing`), assembling responses from engine outputs
 (`protocol_stream.py`), nor the HTTP server.
 """
@@ -10,8 +10,8 @@ image count, chat template: `mmserve.processing`), assembling responses from eng
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -20,36 +20,14 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_validator,
 )
 
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
 from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.protocol_errors import UnsupportedParameterError, with_param
 
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI documents; torch rejects seeds past uint64
-
-
-class UnsupportedParameterError(InvalidRequestError):
-    """An OpenAI parameter we accept only at its default (n > 1, logprobs, tools, ...)."""
-
-    code = "unsupported_parameter"
-
-
-class ModelNotFoundError(InvalidRequestError):
-    """The request names a model this server does not serve."""
-
-    code = "model_not_found"
-    status = 404
-
-
-E = TypeVar("E", bound=InvalidRequestError)
-
-
-def with_param(exc: E, param: str | None) -> E:
-    """Attach the offending request field; `error_body` reports it as OpenAI's `param`."""
-    exc.param = param  # type: ignore[attr-defined]
-    return exc
 
 
 # --- request ------------------------------------------------------------------------------------
@@ -89,7 +67,7 @@ def _content_tag(value: Any) -> str | None:
 
 
 # NOTE: callable discriminators so that a bad value yields one error under its own name, not one per
-# union member; the tags are dropped again from error locations (`_UNION_TAGS`).
+# union member; the tags are dropped again from error locations (`protocol_errors.UNION_TAGS`).
 ContentPart = Annotated[
     Annotated[TextPart, Tag("text_part")] | Annotated[ImagePart, Tag("image_part")],
     Discriminator(_part_tag, custom_error_type="invalid_content_part",
@@ -100,7 +78,6 @@ Content = Annotated[
     Discriminator(_content_tag, custom_error_type="invalid_content",
                   custom_error_message="content must be a string or a list of content parts"),
 ]
-_UNION_TAGS = frozenset({"text_part", "image_part", "string", "parts"})
 
 
 class Message(_Lenient):
@@ -258,60 +235,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str  # "invalid_request_error" (4xx) or "internal_error" (5xx)
-    code: str | None = None
-    param: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-# --- errors -------------------------------------------------------------------------------------
-
-
-def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, OpenAI error body). Client faults keep their message; server faults never leak one."""
-    if isinstance(exc, ValidationError):  # NOTE: before InvalidRequestError; both are ValueErrors
-        return validation_error_body(exc.errors())
-    if isinstance(exc, InvalidRequestError):
-        info = ErrorInfo(message=str(exc), type="invalid_request_error", code=exc.code,
-                         param=getattr(exc, "param", None))
-        return exc.status, ErrorResponse(error=info).model_dump()
-    info = ErrorInfo(message="internal server error", type="internal_error", code="internal_error")
-    return 500, ErrorResponse(error=info).model_dump()
-
-
-def validation_error_body(errors: Sequence[Any]) -> tuple[int, dict[str, Any]]:
-    """400 body for pydantic's `ValidationError.errors()` (or FastAPI's RequestValidationError.errors())."""
-    if not errors:
-        return 400, ErrorResponse(error=ErrorInfo(message="invalid request", type="invalid_request_error",
-                                                  code="invalid_request")).model_dump()
-    first = errors[0]
-    param = _loc(first.get("loc", ()))
-    message = f"{param}: {_error_message(first)}" if param else _error_message(first)
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    info = ErrorInfo(message=message, type="invalid_request_error", code="invalid_request", param=param or None)
-    return 400, ErrorResponse(error=info).model_dump()
-
-
-def _loc(loc: Sequence[Any]) -> str:
-    """('body', 'messages', 0, 'content') -> 'messages[0].content'; union tags dropped."""
-    out = ""
-    for i, part in enumerate(loc):
-        if (i == 0 and part == "body") or part in _UNION_TAGS:
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _error_message(error: Any) -> str:
-    ctx = error.get("ctx") or {}
-    if error.get("type") == "value_error" and "error" in ctx:
-        return str(ctx["error"])  # drop pydantic's "Value error, " prefix
-    return str(error.get("msg", "invalid value"))

@@ -13,15 +13,8 @@ from pydantic import ValidationError
 
 from mmserve.errors import InvalidRequestError, InvalidSamplingError, MediaError
 from mmserve.messages import RequestFailed, RequestOutput
-from mmserve.protocol import (
-    ChatCompletionRequest,
-    ModelCard,
-    ModelList,
-    ModelNotFoundError,
-    UnsupportedParameterError,
-    error_body,
-    validation_error_body,
-)
+from mmserve.protocol import ChatCompletionRequest, ModelCard, ModelList
+from mmserve.protocol_errors import ModelNotFoundError, UnsupportedParameterError, error_body, validation_error_body
 from mmserve.protocol_stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
 
 openai = pytest.importorskip("openai")

@@ -1,0 +1,95 @@
+"""OpenAI-shaped errors of the HTTP edge: the exceptions only the API raises and every error body.
+
+Owns: mapping any exception to (HTTP status, OpenAI error body) — client faults keep their message and
+the offending field (`param`), server faults never leak theirs — and pydantic validation errors to a 400
+naming the field. Does not own: the request schemas (`protocol.py`) nor the engine's errors
+(`mmserve.errors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from mmserve.errors import InvalidRequestError
+
+# The tags of protocol.py's discriminated unions: pydantic puts them in error locations; we drop them.
+UNION_TAGS = frozenset({"text_part", "image_part", "string", "parts"})
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """An OpenAI parameter we accept only at its default (n > 1, logprobs, tools, ...)."""
+
+    code = "unsupported_parameter"
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve."""
+
+    code = "model_not_found"
+    status = 404
+
+
+E = TypeVar("E", bound=InvalidRequestError)
+
+
+def with_param(exc: E, param: str | None) -> E:
+    """Attach the offending request field; `error_body` reports it as OpenAI's `param`."""
+    exc.param = param  # type: ignore[attr-defined]
+    return exc
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str  # "invalid_request_error" (4xx) or "internal_error" (5xx)
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI error body). Client faults keep their message; server faults never leak one."""
+    if isinstance(exc, ValidationError):  # NOTE: before InvalidRequestError; both are ValueErrors
+        return validation_error_body(exc.errors())
+    if isinstance(exc, InvalidRequestError):
+        info = ErrorInfo(message=str(exc), type="invalid_request_error", code=exc.code,
+                         param=getattr(exc, "param", None))
+        return exc.status, ErrorResponse(error=info).model_dump()
+    info = ErrorInfo(message="internal server error", type="internal_error", code="internal_error")
+    return 500, ErrorResponse(error=info).model_dump()
+
+
+def validation_error_body(errors: Sequence[Any]) -> tuple[int, dict[str, Any]]:
+    """400 body for pydantic's `ValidationError.errors()` (or FastAPI's RequestValidationError.errors())."""
+    if not errors:
+        return 400, ErrorResponse(error=ErrorInfo(message="invalid request", type="invalid_request_error",
+                                                  code="invalid_request")).model_dump()
+    first = errors[0]
+    param = _loc(first.get("loc", ()))
+    message = f"{param}: {_error_message(first)}" if param else _error_message(first)
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    info = ErrorInfo(message=message, type="invalid_request_error", code="invalid_request", param=param or None)
+    return 400, ErrorResponse(error=info).model_dump()
+
+
+def _loc(loc: Sequence[Any]) -> str:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'; union tags dropped."""
+    out = ""
+    for i, part in enumerate(loc):
+        if (i == 0 and part == "body") or part in UNION_TAGS:
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _error_message(error: Any) -> str:
+    ctx = error.get("ctx") or {}
+    if error.get("type") == "value_error" and "error" in ctx:
+        return str(ctx["error"])  # drop pydantic's "Value error, " prefix
+    return str(error.get("msg", "invalid value"))
