@@ -1,7 +1,7 @@
 """Sanity of the offline tiny Gemma 3 checkpoint: it loads and behaves like a real download.
 
-Owns: checks of mmserve.models.tiny_checkpoint and scripts/make_tiny_gemma3.py. Does not own: the
-serving engine's use of the checkpoint (its own tests do that).
+Owns: checks of mmserve.models.tiny_checkpoint (with tiny_tokenizer) and scripts/make_tiny_gemma3.py.
+Does not own: the serving engine's use of the checkpoint (its own tests do that).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from PIL import Image
 from safetensors.numpy import load_file
 
 from mmserve.models import tiny_checkpoint as tc
+from mmserve.models import tiny_tokenizer as tt
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES = [
@@ -73,7 +74,7 @@ def test_weights_are_nontrivial(tiny_ckpt: Path) -> None:
 def test_special_tokens_match_config(tiny_ckpt: Path, loaded: tuple[Any, Any]) -> None:
     processor, model = loaded
     tok = processor.tokenizer
-    for name in tc.SPECIAL_TOKENS:
+    for name in tt.SPECIAL_TOKENS:
         assert tok.tokenize(name) == [name]
     assert tok.boi_token == "<start_of_image>" and tok.eoi_token == "<end_of_image>"
     assert model.config.boi_token_id == tok.boi_token_id
@@ -90,7 +91,7 @@ def test_chat_template(tiny_ckpt: Path, loaded: tuple[Any, Any]) -> None:
     assert prompt.endswith("<end_of_turn>\n<start_of_turn>model\n")
     assert processor.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == prompt
     saved = json.loads((tiny_ckpt / "tokenizer_config.json").read_text())
-    assert saved["chat_template"] == tc.CHAT_TEMPLATE == processor.chat_template
+    assert saved["chat_template"] == tt.CHAT_TEMPLATE == processor.chat_template
 
 
 def test_tokenizer_round_trips_and_merges_newlines(loaded: tuple[Any, Any]) -> None:
@@ -99,7 +100,7 @@ def test_tokenizer_round_trips_and_merges_newlines(loaded: tuple[Any, Any]) -> N
     ids = tok(text).input_ids
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids, skip_special_tokens=True) == text
-    for run in range(1, tc.MAX_NEWLINE_RUN + 1):
+    for run in range(1, tt.MAX_NEWLINE_RUN + 1):
         assert len(tok("\n" * run, add_special_tokens=False).input_ids) == 1, run
     assert tok.convert_tokens_to_ids("<0x0A>") != tok.convert_tokens_to_ids("\n")
 
