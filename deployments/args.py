@@ -117,7 +117,7 @@ class DecoderArgs(StageArgs):
     block_size: int = Field(KVCacheConfig.block_size, ge=1)
     num_blocks: int = Field(KVCacheConfig.num_blocks, ge=1)
     max_ongoing_requests: int = Field(256, ge=1)
-    small_step_tokens: int = Field(StepThreadsConfig.small_step_tokens, ge=0)  # see mmserve/decoder/step_threads.py
+    small_step_tokens: int = Field(StepThreadsConfig.small_step_tokens, ge=0)  # see mmserve/step_threads.py
     small_step_threads: int | None = Field(StepThreadsConfig.small_step_threads, ge=1)  # None = torch_threads
 
 
