@@ -88,9 +88,7 @@ class StageArgs(_Strict):
         return options
 
 
-# NOTE: on a CPU a batch of images costs the same per image as one alone (bench checkpoint: 404 ms per
-# image at batch 1, ~430 at batch 4), so batching there only makes the first image wait for the last.
-GPU_BATCH_ITEMS, GPU_BATCH_WAIT_MS = EncoderConfig.max_batch_items, 5.0
+GPU_BATCH_WAIT_MS = 5.0  # NOTE: on a CPU no window: batching there does not pay (mmserve/encoder/runner.py)
 
 
 class EncoderArgs(StageArgs):
@@ -99,11 +97,6 @@ class EncoderArgs(StageArgs):
     max_batch_items: int | None = Field(None, ge=1)  # crops per vision forward and per encoder step
     cache_capacity_tokens: int = Field(EncoderConfig.cache_capacity_tokens, ge=1)
     compute_budget_tokens: int = Field(EncoderConfig.compute_budget_tokens, ge=1)
-
-    def batch_items(self, device: str) -> int:
-        if self.max_batch_items is not None:
-            return self.max_batch_items
-        return GPU_BATCH_ITEMS if device != "cpu" else 1
 
     def batch_wait_s(self, device: str) -> float:
         if self.batch_wait_ms is not None:
@@ -167,7 +160,7 @@ class AppArgs(_Strict):
             encoder=EncoderConfig(
                 cache_capacity_tokens=self.encoder.cache_capacity_tokens,
                 compute_budget_tokens=self.encoder.compute_budget_tokens,
-                max_batch_items=self.encoder.batch_items(device),
+                max_batch_items=self.encoder.max_batch_items,
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.decoder.max_num_seqs,
                                       max_num_batched_tokens=self.decoder.max_num_batched_tokens),

@@ -41,7 +41,7 @@ class ProcessorCacheConfig:
 class EncoderConfig:
     cache_capacity_tokens: int = 256 * 64  # embedding rows the encoder cache may hold
     compute_budget_tokens: int = 256 * 8  # embedding rows encoded in one encoder step
-    max_batch_items: int = 16  # images (crops counted) in one vision-tower forward, and in one step
+    max_batch_items: int | None = None  # crops per vision forward and per step; None = by device (runner.py)
 
 
 @dataclass(frozen=True)

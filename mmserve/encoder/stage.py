@@ -166,7 +166,7 @@ class EncoderStage:
                 spec = req.features[req.next_index]
                 if self.manager.check_and_update_cache(req.request_id, spec.identifier):
                     self._hits += 1
-                elif (not misses or crops + _num_tiles(spec) <= self.config.max_batch_items) and \
+                elif (not misses or crops + _num_tiles(spec) <= self.runner.max_batch_items) and \
                         self.manager.can_allocate(spec.num_embeds, budget):
                     self.manager.allocate(req.request_id, spec.identifier, spec.num_embeds)
                     budget -= spec.num_embeds

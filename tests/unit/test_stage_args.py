@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from deployments.args import DEFAULT_STAGE_ENV, StageArgs, parse_args
+from mmserve.config import EngineConfig
 
 
 def test_threads_follow_num_cpus_or_take_the_whole_node_when_zero() -> None:
@@ -27,15 +28,20 @@ def test_replica_environment_reaches_ray_actor_options() -> None:
 
 
 def test_encoder_batches_on_a_gpu_and_takes_one_image_per_step_on_a_cpu() -> None:
+    from mmserve.encoder.runner import EncoderRunner
+
+    def runner(config: EngineConfig) -> EncoderRunner:  # as deployments/encoder.py builds it
+        return EncoderRunner(lambda px: px, device=config.model.device, max_batch_items=config.encoder.max_batch_items)
+
     cpu = parse_args({})
-    assert cpu.engine_config("m", stage=cpu.encoder).encoder.max_batch_items == 1
+    assert runner(cpu.engine_config("m", stage=cpu.encoder)).max_batch_items == 1
     assert cpu.encoder.batch_wait_s("cpu") == 0.0
     gpu = parse_args({"encoder.num_gpus": "1"})
     config = gpu.engine_config("m", stage=gpu.encoder)
-    assert config.model.device == "cuda" and config.encoder.max_batch_items == 16
+    assert config.model.device == "cuda" and runner(config).max_batch_items == 16
     assert gpu.encoder.batch_wait_s("cuda") == 0.005
     pinned = parse_args({"encoder.max_batch_items": "4", "encoder.batch_wait_ms": "2"})
-    assert pinned.engine_config("m", stage=pinned.encoder).encoder.max_batch_items == 4
+    assert runner(pinned.engine_config("m", stage=pinned.encoder)).max_batch_items == 4
     assert pinned.encoder.batch_wait_s("cpu") == 0.002
 
 
