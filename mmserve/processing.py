@@ -22,6 +22,7 @@ from PIL import Image
 from mmserve.config import EngineConfig, MediaConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.hashing import hash_image
+from mmserve.image_runs import image_token_runs
 from mmserve.media import MediaLoader
 from mmserve.messages import (
     ChatRequest,
@@ -170,14 +171,6 @@ class Preprocessor:
                 identifier=key, modality="image", placeholder=PlaceholderRange(start, end - start),
                 num_embeds=sum(e - s for s, e in mine), data=item))
         return features
-
-
-def image_token_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
-    """[start, end) of each maximal run of `token_id` in `ids`."""
-    mask = np.asarray(ids) == token_id  # (T,)
-    edges = np.diff(np.concatenate(([False], mask, [False])).astype(np.int8))  # (T + 1,)
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-    return [(int(s), int(e)) for s, e in zip(starts, ends, strict=True)]
 
 
 def _max_positions(model_dir: Path) -> int:

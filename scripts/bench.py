@@ -43,8 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--systems", type=csv, default=["mmserve", "transformers", "generate"],
                     help=f"comma-separated, from {','.join(SYSTEMS)}; an HTTP system may carry extra environment "
-                         "for its server process, e.g. mmserve+OMP_NUM_THREADS=2 (a variant, reported beside "
-                         "plain mmserve)")
+                         "for its server process, e.g. mmserve+OMP_NUM_THREADS=2, and mmserve app arguments, "
+                         "e.g. mmserve+decoder.torch_threads=1 (a variant, reported beside plain mmserve)")
     ap.add_argument("--workloads", type=csv, default=list(WORKLOADS), help=f"from {','.join(WORKLOADS)}")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in csv(s)], default=[1, 4, 8])
     ap.add_argument("--requests", type=int, default=None, help="requests per cell (default 16; --quick: 2)")

@@ -21,6 +21,7 @@ from mmserve.decoder.model_runner import ModelRunner
 from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import Sequence
+from mmserve.image_runs import image_token_runs
 from mmserve.messages import DecodeRequest, RequestOutput
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.step_threads import StepThreads
@@ -81,6 +82,8 @@ class Decoder:
             sampling=request.sampling,
             features=list(request.features),
             embeddings=list(request.embeddings),
+            atomic_spans=image_token_runs(request.prompt_token_ids, self.spec.image_token_id)
+            if self.spec.attention.bidirectional_images else [],
         )
         self.scheduler.add(seq)
         self._states[seq.request_id] = _OutputState(

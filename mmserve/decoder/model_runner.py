@@ -16,6 +16,7 @@ import torch
 from mmserve.decoder.attention import SeqChunk, build_metadata
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.sequence import Sequence
+from mmserve.image_runs import image_run_ids
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.step_threads import StepThreads
 
@@ -24,13 +25,6 @@ from mmserve.step_threads import StepThreads
 class StepLogits:
     seqs: list[Sequence]  # sequences whose step reached their last token: they get a new token
     logits: torch.Tensor  # (len(seqs), vocab) float32
-
-
-def image_runs(token_ids: np.ndarray, image_token_id: int) -> np.ndarray:
-    """Id of the contiguous image-token run each position is in (0, 1, ...), -1 for other tokens."""
-    is_image = token_ids == image_token_id
-    starts = is_image & ~np.concatenate(([False], is_image[:-1]))
-    return np.where(is_image, np.cumsum(starts) - 1, -1)
 
 
 class ModelRunner:
@@ -75,7 +69,7 @@ class ModelRunner:
             start=start,
             num_new=n,
             slots=self._slots(seq.block_table, end),
-            image_groups=image_runs(context, self.spec.image_token_id) if context is not None else None,
+            image_groups=image_run_ids(context, self.spec.image_token_id) if context is not None else None,
         )
         rows = self._image_rows(seq, context, start, end) if context is not None else []
         return chunk, chunk_ids, rows

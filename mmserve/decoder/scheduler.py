@@ -172,11 +172,11 @@ class Scheduler:
             raise CapacityError(f"the prompt needs {-(-n // self.block_size)} KV blocks; the pool has "
                                 f"{self.pool.num_blocks} ({self.max_seq_len} tokens)")
         budget = self.config.max_num_batched_tokens
-        for feature in seq.features:
-            if feature.placeholder.length > budget:
-                raise CapacityError(
-                    f"a {feature.modality} spans {feature.placeholder.length} tokens, more than the "
-                    f"{budget} tokens one decoder step computes (max_num_batched_tokens)")
+        longest = max((end - start for start, end in seq.atomic_spans), default=0)
+        if longest > budget:
+            raise CapacityError(
+                f"an image's {longest} tokens attend to each other both ways and must be computed in one "
+                f"decoder step, which computes at most {budget} tokens (max_num_batched_tokens)")
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute for `seq` this step: its remainder, cut to `budget` and to image spans."""
@@ -250,13 +250,13 @@ def _arrival(seq: Sequence) -> int:
 
 
 def _end_outside_spans(seq: Sequence, end: int) -> int:
-    """Move a chunk end that falls strictly inside an image placeholder back to the span's start.
+    """Move a chunk end that falls strictly inside an atomic span back to the span's start.
 
-    NOTE: Gemma 3 attends bidirectionally within an image, so a chunk must hold a span whole.
-    Spans are disjoint, so one move is enough.
+    NOTE: Gemma 3 attends both ways within one image (or crop), so a chunk must hold its tokens whole;
+    an item's crops, and the text between them, may go to different steps (the model runner merges
+    the matching rows of the item's embeddings). Spans are disjoint, so one move is enough.
     """
-    for feature in seq.features:
-        offset, length = feature.placeholder.offset, feature.placeholder.length
-        if offset < end < offset + length:
-            return offset
+    for start, stop in seq.atomic_spans:
+        if start < end < stop:
+            return start
     return end

@@ -27,6 +27,9 @@ class Sequence:
     sampling: SamplingParams
     features: list[MultiModalFeatureSpec] = field(default_factory=list)  # in prompt order
     embeddings: list[Any] = field(default_factory=list)  # per feature (num_embeds, hidden) tensor
+    # [start, end) prompt ranges a prefill chunk must hold whole: runs of image tokens that attend to
+    # each other both ways (tokens); empty for a model whose images attend causally
+    atomic_spans: list[tuple[int, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + generated (tokens)
     num_computed_tokens: int = 0  # leading tokens whose K/V sit in the cache (tokens)
     block_table: list[int] = field(default_factory=list)  # KV block ids, in position order

@@ -13,6 +13,7 @@ Owns: how each server is launched on a free port, when it is ready, what its pro
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -55,9 +56,12 @@ class HttpSystem:
     name = "?"
     has_metrics = False
 
-    def __init__(self, model_dir: Path, run_dir: Path, name: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, model_dir: Path, run_dir: Path, name: str | None = None, env: dict[str, str] | None = None,
+                 app_args: dict[str, str] | None = None):
         self.name = name or type(self).name  # a variant's name: "mmserve+OMP_NUM_THREADS=2"
         self.extra_env = dict(env or {})  # environment of the server process on top of ours
+        if app_args:
+            raise ValueError(f"{self.name}: only mmserve takes app arguments, got {sorted(app_args)}")
         self.model_dir, self.run_dir = model_dir, run_dir
         self.port = procs.free_port()
         self.root = f"http://127.0.0.1:{self.port}"
@@ -106,6 +110,11 @@ class Mmserve(HttpSystem):
     has_metrics = True
     ray_tmp: Path | None = None  # the private RAY_TMPDIR of its Ray (logs live there until removed)
 
+    def __init__(self, model_dir: Path, run_dir: Path, name: str | None = None, env: dict[str, str] | None = None,
+                 app_args: dict[str, str] | None = None):
+        super().__init__(model_dir, run_dir, name, env)
+        self.app_args = app_args_with(app_args or {})  # MMSERVE_ARGS with the variant's overrides
+
     def command(self) -> tuple[list[str], dict[str, str]]:
         # NOTE: `serve run deployments.app:build_app k=v` always binds port 8000 (the import-path form has
         # no HTTP options), so the same app and args go through a Serve config file with our port.
@@ -113,7 +122,7 @@ class Mmserve(HttpSystem):
             "proxy_location": "HeadOnly",
             "http_options": {"host": "127.0.0.1", "port": self.port},
             "applications": [{"name": "mmserve", "route_prefix": "/", "import_path": "deployments.app:build_app",
-                              "args": {"model": str(self.model_dir), **MMSERVE_ARGS}}],
+                              "args": {"model": str(self.model_dir), **self.app_args}}],
         }
         path = self.log.with_name(self.log.stem + "_serve_config.yaml")
         path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -173,8 +182,26 @@ def base_name(spec: str) -> str:
     return spec.split("+", 1)[0]
 
 
+def app_args_with(overrides: dict[str, str]) -> dict[str, Any]:
+    """MMSERVE_ARGS with dotted `serve run`-style overrides ({"decoder.torch_threads": "1"}) merged in."""
+    merged = copy.deepcopy(MMSERVE_ARGS)
+    for key, raw in overrides.items():
+        *parents, leaf = key.split(".")
+        node = merged
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(raw)  # "1" -> 1, "null" -> None, "[0]" -> [0]
+    return merged
+
+
 def http_system(spec: str, model_dir: Path, run_dir: Path) -> HttpSystem:
-    """The HTTP system named by `spec`: a base name, optionally followed by `+KEY=VALUE` environment."""
+    """The HTTP system named by `spec`: a base name, optionally followed by `+KEY=VALUE` assignments.
+
+    An upper-case KEY is environment of the server process (`mmserve+OMP_NUM_THREADS=2`); a lower-case
+    one an app argument in `serve run` form (`mmserve+decoder.torch_threads=1`).
+    """
     base, *assignments = spec.split("+")
-    env = dict(a.split("=", 1) for a in assignments)
-    return HTTP_SYSTEMS[base](model_dir, run_dir, name=spec, env=env)
+    pairs = [a.split("=", 1) for a in assignments]
+    env = {k: v for k, v in pairs if k.isupper()}
+    app_args = {k: v for k, v in pairs if not k.isupper()}
+    return HTTP_SYSTEMS[base](model_dir, run_dir, name=spec, env=env, app_args=app_args)

@@ -17,6 +17,7 @@ from PIL import Image
 
 from mmserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.engine import Engine
+from mmserve.image_runs import image_token_runs
 from mmserve.messages import ChatRequest, SamplingParams
 
 LOGITS_ATOL = 1e-3  # max |ours - reference| over the vocab, every step (logits are O(1..10))
@@ -134,3 +135,17 @@ def test_chunked_prefill_matches(oracle):
     outs = engine.generate([build_request(case)[0] for case in cases])
     for case, out in zip(cases, outs, strict=True):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
+
+
+def test_pan_and_scan_item_split_between_crops_matches(oracle):
+    """A step budget smaller than a pan-and-scan item, but holding any one crop, splits the item
+    between its crops (never inside one) with the same result."""
+    model_dir, refs = oracle
+    probe, _ = make_engine(model_dir)
+    pre = probe.preprocessor.process(build_request("pan_and_scan")[0])
+    runs = image_token_runs(pre.prompt_token_ids, probe.spec.image_token_id)
+    budget = max(end - start for start, end in runs) + 8
+    assert len(runs) > 2 and max(f.placeholder.length for f in pre.features) > budget  # the item needs 2+ steps
+    engine, rec = make_engine(model_dir, max_num_batched_tokens=budget)
+    out = engine.generate([build_request("pan_and_scan")[0]])[0]
+    assert_matches(refs["pan_and_scan"], out.token_ids, rec.logits["pan_and_scan"], 0, out.num_prompt_tokens)

@@ -23,9 +23,10 @@ from mmserve.errors import (
     TooManyItemsError,
     UnsupportedURLError,
 )
+from mmserve.image_runs import image_token_runs
 from mmserve.media import MediaLoader
 from mmserve.messages import ChatRequest, SamplingParams
-from mmserve.processing import Preprocessor, image_token_runs
+from mmserve.processing import Preprocessor
 from mmserve.processor_cache import ProcessorCache
 
 GiB = 1 << 30

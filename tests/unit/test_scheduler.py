@@ -29,7 +29,8 @@ def make_seq(rid: str, n: int, *, spans: tuple[tuple[int, int], ...] = (), **sam
     sampling.setdefault("max_tokens", 4)
     features = [MultiModalFeatureSpec(f"img{i}", "image", PlaceholderRange(o, ln), ln)
                 for i, (o, ln) in enumerate(spans)]
-    return Sequence(rid, [100 + i % 50 for i in range(n)], SamplingParams(**sampling), features)
+    return Sequence(rid, [100 + i % 50 for i in range(n)], SamplingParams(**sampling), features,
+                    atomic_spans=[(o, o + ln) for o, ln in spans])
 
 
 class Driver:
@@ -142,6 +143,20 @@ def test_chunk_stops_before_a_span_that_does_not_fit() -> None:
     sched.add(make_seq("a", 20, spans=((6, 8),)))
     assert [s.num_new_tokens for s in d.step().scheduled] == [6]  # not 10: that would cut [6, 14)
     assert [s.num_new_tokens for s in d.step().scheduled] == [10]  # the span whole, plus 2
+
+
+def test_item_splits_between_its_crops_not_inside_one() -> None:
+    """Only a run of image tokens is atomic: one item's crops (a placeholder of 2 runs and the text
+    between them, 22 tokens) go to different steps when the budget holds one run but not the item."""
+    sched = make_scheduler(budget=12)
+    d = Driver(sched)
+    features = [MultiModalFeatureSpec("img0", "image", PlaceholderRange(2, 22), 20)]
+    seq = Sequence("a", [100 + i for i in range(30)], SamplingParams(max_tokens=1), features,
+                   atomic_spans=[(2, 12), (14, 24)])
+    sched.add(seq)  # the whole item (22 tokens) would not fit a step of 12
+    assert [s.num_new_tokens for s in d.step().scheduled] == [12]  # [0, 12): text + the first crop
+    assert [s.num_new_tokens for s in d.step().scheduled] == [12]  # [12, 24): text + the second crop
+    assert [s.num_new_tokens for s in d.step().scheduled] == [6]
 
 
 def test_span_blocks_head_of_queue_but_not_decodes() -> None:
@@ -325,8 +340,7 @@ def test_random_traffic_keeps_every_invariant(seed: int) -> None:
         for rid, chunks in d.chunks.items():
             seq = sched.get(rid) or d.finished.get(rid)
             if seq is not None:
-                spans = [(f.placeholder.offset, f.placeholder.length) for f in seq.features]
-                assert not any(o < end < o + ln for _, end in chunks for o, ln in spans)
+                assert not any(lo < end < hi for _, end in chunks for lo, hi in seq.atomic_spans)
     d.run()
     assert d.preempted, "the tiny pool forces preemptions"
     assert sched.pool.num_free == 24 and not sched.running and not sched.waiting
