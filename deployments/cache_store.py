@@ -44,6 +44,11 @@ class ProcessorCacheStore:
         self.reporter.ensure_started()
         return self.cache.get(key)
 
+    async def kept_copy(self, key: str) -> CachedItem | None:
+        """The store's entry for `key` for the encoder's fallback: not a request's lookup, so it is
+        neither counted in the hit rate nor made recent."""
+        return self.cache.peek(key)
+
     async def adopt(self, key: str, boxed: list[ray.ObjectRef], num_tiles: int, nbytes: int) -> None:
         """Index the maker's ProcessedItem behind `boxed[0]` at once, then swap in a copy this replica
         owns (if it fits the byte bound).
@@ -109,7 +114,7 @@ class PixelResolver:
         try:
             return ray.get(data.ref)
         except ObjectLostError:  # OwnerDiedError included
-            kept = self._store.lookup.remote(spec.identifier).result()  # the store's key is the content hash
+            kept = self._store.kept_copy.remote(spec.identifier).result()  # the store's key is the content hash
             if not isinstance(kept, StoredItem):
                 raise
             log.info("pixels of %s lost with their maker; using the store's copy", spec.identifier)

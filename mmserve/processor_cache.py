@@ -101,6 +101,13 @@ class ProcessorCache:
             self._index.move_to_end(key)
             return entry.handle
 
+    def peek(self, key: str) -> CachedItem | None:
+        """The item under `key`, or None, without counting a lookup or making it recent: for readers
+        that are not requests (the encoder's fallback when the maker's copy is lost)."""
+        with self._lock:
+            entry = self._index.get(key)
+        return None if entry is None else self._storage.get(entry.handle)
+
     def get(self, key: str) -> CachedItem | None:
         handle = self.get_handle(key)
         return None if handle is None else self._storage.get(handle)

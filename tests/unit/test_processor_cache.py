@@ -27,6 +27,17 @@ def test_hit_miss_and_stats() -> None:
     assert stats.hit_rate == 0.5
 
 
+def test_peek_neither_counts_nor_refreshes() -> None:
+    cache = ProcessorCache(1000)
+    old, new = item(400), item(400)
+    cache.put("old", old)
+    cache.put("new", new)
+    assert cache.peek("old") is old and cache.peek("gone") is None
+    assert (cache.stats().queries, cache.stats().hits) == (0, 0)
+    cache.put("third", item(400))  # evicts the least recently used: "old", peeked or not
+    assert cache.keys() == ["new", "third"]
+
+
 def test_byte_bound_evicts_least_recently_used_first() -> None:
     cache = ProcessorCache(1000)
     for key in "abc":
