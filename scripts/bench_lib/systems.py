@@ -13,7 +13,6 @@ Owns: how each server is launched on a free port, when it is ready, what its pro
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -113,7 +112,9 @@ class Mmserve(HttpSystem):
     def __init__(self, model_dir: Path, run_dir: Path, name: str | None = None, env: dict[str, str] | None = None,
                  app_args: dict[str, str] | None = None):
         super().__init__(model_dir, run_dir, name, env)
-        self.app_args = app_args_with(app_args or {})  # MMSERVE_ARGS with the variant's overrides
+        # NOTE: the variant's overrides go on after MMSERVE_ARGS as they are ("decoder.torch_threads": "1"):
+        # the app's own parse_args nests and parses them exactly as `serve run ... k=v`.
+        self.app_args: dict[str, Any] = {**MMSERVE_ARGS, **(app_args or {})}
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         # NOTE: `serve run deployments.app:build_app k=v` always binds port 8000 (the import-path form has
@@ -182,23 +183,11 @@ def base_name(spec: str) -> str:
     return spec.split("+", 1)[0]
 
 
-def app_args_with(overrides: dict[str, str]) -> dict[str, Any]:
-    """MMSERVE_ARGS with dotted `serve run`-style overrides ({"decoder.torch_threads": "1"}) merged in."""
-    merged = copy.deepcopy(MMSERVE_ARGS)
-    for key, raw in overrides.items():
-        *parents, leaf = key.split(".")
-        node = merged
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(raw)  # "1" -> 1, "null" -> None, "[0]" -> [0]
-    return merged
-
-
 def http_system(spec: str, model_dir: Path, run_dir: Path) -> HttpSystem:
     """The HTTP system named by `spec`: a base name, optionally followed by `+KEY=VALUE` assignments.
 
     An upper-case KEY is environment of the server process (`mmserve+OMP_NUM_THREADS=2`); a lower-case
-    one an app argument in `serve run` form (`mmserve+decoder.torch_threads=1`).
+    one an app argument in `serve run` form, its value JSON (`mmserve+decoder.torch_threads=1`).
     """
     base, *assignments = spec.split("+")
     pairs = [a.split("=", 1) for a in assignments]
