@@ -15,6 +15,7 @@ request's time; a local `ray.put` takes ~12 ms.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -83,29 +84,69 @@ def _ready(handle: Any) -> Any:
     return handle
 
 
+class _FromThread:
+    """Calls on a DeploymentHandle made from a worker thread, run on the replica's event loop.
+
+    NOTE: a handle's blocking `.result()` works only while its router runs on a loop of its own (Ray's
+    default). With `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (Ray's high-throughput mode) or
+    `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0` the router runs on the replica's loop and `.result()`
+    raises "Sync methods should not be called from within an asyncio event loop", even in a worker
+    thread: every image request failed with a 500. A call made and awaited on the loop works in both.
+    """
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self) -> None:
+        """Note the running loop; call from the replica's async method before handing work to a thread."""
+        if self._loop is None:
+            _ready(self._handle)
+            self._loop = asyncio.get_running_loop()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """`await handle.method.remote(*args)` on the loop; blocks this (worker) thread for the answer."""
+        async def remote() -> Any:
+            return await getattr(self._handle, method).remote(*args)
+
+        return asyncio.run_coroutine_threadsafe(remote(), self._bound()).result()
+
+    def send(self, method: str, *args: Any) -> None:
+        """`handle.method.remote(*args)` on the loop, not awaited."""
+        self._bound().call_soon_threadsafe(lambda: getattr(self._handle, method).remote(*args))
+
+    def _bound(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("bind() the handle caller from the replica's event loop first")
+        return self._loop
+
+
 class SharedProcessorCache:
-    """mmserve's `ItemCache` for a preprocess replica; call from a worker thread (it blocks)."""
+    """mmserve's `ItemCache` for a preprocess replica; `bind()` on the replica's loop, then call from a
+    worker thread (it blocks)."""
 
     def __init__(self, store: Any):  # a DeploymentHandle to ProcessorCacheStore
-        self._handle = _ready(store)
+        self._store = _FromThread(store)
+        self.bind = self._store.bind
 
     def get(self, key: str) -> CachedItem | None:
-        return self._handle.lookup.remote(key).result()
+        return self._store.call("lookup", key)
 
     def store(self, key: str, item: ProcessedItem) -> StoredItem:
         ref = ray.put(item)  # owned by this replica; the request carries it on at once
         # NOTE: not awaited: the store indexes it on arrival and copies it in the background
-        self._handle.adopt.remote(key, [ref], item.num_tiles, item.nbytes)
+        self._store.send("adopt", key, [ref], item.num_tiles, item.nbytes)
         return StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes)
 
 
 class PixelResolver:
-    """The encoder's `resolve`: a StoredItem's pixels (zero-copy numpy on the same node); call from a
-    worker thread. If the replica that made them is gone before the encoder reads them (downscaled or
-    crashed), the store's adopted copy serves instead."""
+    """The encoder's `resolve`: a StoredItem's pixels (zero-copy numpy on the same node); `bind()` on the
+    replica's loop, then call from a worker thread. If the replica that made them is gone before the
+    encoder reads them (downscaled or crashed), the store's adopted copy serves instead."""
 
     def __init__(self, store: Any):  # a DeploymentHandle to ProcessorCacheStore
-        self._store = _ready(store)
+        self._store = _FromThread(store)
+        self.bind = self._store.bind
 
     def __call__(self, spec: MultiModalFeatureSpec) -> ProcessedItem:
         data = spec.data
@@ -114,7 +155,7 @@ class PixelResolver:
         try:
             return ray.get(data.ref)
         except ObjectLostError:  # OwnerDiedError included
-            kept = self._store.kept_copy.remote(spec.identifier).result()  # the store's key is the content hash
+            kept = self._store.call("kept_copy", spec.identifier)  # the store's key is the content hash
             if not isinstance(kept, StoredItem):
                 raise
             log.info("pixels of %s lost with their maker; using the store's copy", spec.identifier)

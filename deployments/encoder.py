@@ -37,8 +37,9 @@ class Encoder:
                                device=torch.device(config.model.device), dtype=getattr(torch, config.model.dtype))
         family.release_unused()
         self.stage = EncoderStage(runner, config.encoder)
+        self.resolver = PixelResolver(cache_store)
         self.service = EncoderService(self.stage, batch_wait_s=app_args.encoder.batch_wait_s(config.model.device),
-                                      resolve=PixelResolver(cache_store))
+                                      resolve=self.resolver)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
@@ -46,6 +47,7 @@ class Encoder:
     async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput:
         """One (num_embeds, hidden) numpy array per feature, and this replica's id for `release`."""
         self.reporter.ensure_started()
+        self.resolver.bind()  # NOTE: the step thread resolves pixels through the store's handle
         embeddings = await self.service.encode(request_id, features)
         return EncoderOutput(request_id, [to_numpy(e) for e in embeddings], replica_id=self.replica_id)
 

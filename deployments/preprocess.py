@@ -23,8 +23,9 @@ class Preprocess:
     def __init__(self, app_args: AppArgs, model_dir: str, cache_store: Any, hub: Any):
         config = app_args.engine_config(model_dir)
         family = load_family(config.model)  # config files only; no weights are read here
+        self.cache = SharedProcessorCache(cache_store)
         self.preprocessor = Preprocessor(
-            model_dir, media=config.media, cache=SharedProcessorCache(cache_store), rule=family.prompt_rule,
+            model_dir, media=config.media, cache=self.cache, rule=family.prompt_rule,
             model_id=family.spec.model_id, max_model_len=family.spec.max_model_len,
         )
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
@@ -32,6 +33,7 @@ class Preprocess:
 
     async def process(self, request: ChatRequest) -> PreprocessedRequest:
         self.reporter.ensure_started()
+        self.cache.bind()
         # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
         return await asyncio.to_thread(self.preprocessor.process, request)
 

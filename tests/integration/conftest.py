@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from deployments.args import DEFAULT_STAGE_ENV
 from tests.integration.helpers import NodeProbe, deploy, free_port
 
 APP = "mm"
@@ -93,13 +94,21 @@ def ray_cluster() -> Iterator[ClusterInfo]:
                 shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+# NOTE: the replicas that call a handle from a worker thread (Preprocess: the processor cache; Encoder:
+# the store's copy of lost pixels) run Serve's router on their own event loop here, as under Ray's
+# RAY_SERVE_THROUGHPUT_OPTIMIZED=1, where a handle's blocking `.result()` raises; the e2e app runs on
+# Serve's defaults. So both ways stay covered.
+ROUTER_ON_REPLICA_LOOP = {**DEFAULT_STAGE_ENV, "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
 def app_args(model_dir: Path) -> dict[str, Any]:
     """The session app: each stage pinned to its node type, with its own replica count."""
     return {
         "model": str(model_dir),
         "ingress": {"num_replicas": 1, "resources": {"head_node": 0.01}},
-        "preprocess": {"num_replicas": 2, "autoscaling": None, "resources": {"preprocess_node": 1}},
-        "encoder": {"num_replicas": 2, "resources": {"encoder_node": 0.01}},
+        "preprocess": {"num_replicas": 2, "autoscaling": None, "resources": {"preprocess_node": 1},
+                       "env": ROUTER_ON_REPLICA_LOOP},
+        "encoder": {"num_replicas": 2, "resources": {"encoder_node": 0.01}, "env": ROUTER_ON_REPLICA_LOOP},
         "decoder": {"num_replicas": 1, "resources": {"decoder_node": 0.01}},
     }
 
