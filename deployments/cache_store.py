@@ -15,7 +15,6 @@ request's time; a local `ray.put` takes ~12 ms.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -23,6 +22,7 @@ import ray
 from ray import serve
 from ray.exceptions import ObjectLostError
 
+from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
 from mmserve.messages import MultiModalFeatureSpec, ProcessedItem, StoredItem
 from mmserve.metrics import MetricsSnapshot, processor_cache_snapshot
@@ -75,58 +75,12 @@ class ProcessorCacheStore:
         return processor_cache_snapshot(self.cache.stats())
 
 
-def _ready(handle: Any) -> Any:
-    # NOTE: build the handle's router now, once. Left to first use, the worker threads of the first
-    # concurrent requests each ran Serve's unlocked lazy init and built a router of their own
-    # (seen: 5 per replica), leaking all but one. `_init()` is what that first use calls.
-    if not handle.is_initialized:
-        handle._init()
-    return handle
-
-
-class _FromThread:
-    """Calls on a DeploymentHandle made from a worker thread, run on the replica's event loop.
-
-    NOTE: a handle's blocking `.result()` works only while its router runs on a loop of its own (Ray's
-    default). With `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (Ray's high-throughput mode) or
-    `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0` the router runs on the replica's loop and `.result()`
-    raises "Sync methods should not be called from within an asyncio event loop", even in a worker
-    thread: every image request failed with a 500. A call made and awaited on the loop works in both.
-    """
-
-    def __init__(self, handle: Any):
-        self._handle = handle
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def bind(self) -> None:
-        """Note the running loop; call from the replica's async method before handing work to a thread."""
-        if self._loop is None:
-            _ready(self._handle)
-            self._loop = asyncio.get_running_loop()
-
-    def call(self, method: str, *args: Any) -> Any:
-        """`await handle.method.remote(*args)` on the loop; blocks this (worker) thread for the answer."""
-        async def remote() -> Any:
-            return await getattr(self._handle, method).remote(*args)
-
-        return asyncio.run_coroutine_threadsafe(remote(), self._bound()).result()
-
-    def send(self, method: str, *args: Any) -> None:
-        """`handle.method.remote(*args)` on the loop, not awaited."""
-        self._bound().call_soon_threadsafe(lambda: getattr(self._handle, method).remote(*args))
-
-    def _bound(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            raise RuntimeError("bind() the handle caller from the replica's event loop first")
-        return self._loop
-
-
 class SharedProcessorCache:
     """mmserve's `ItemCache` for a preprocess replica; `bind()` on the replica's loop, then call from a
     worker thread (it blocks)."""
 
     def __init__(self, store: Any):  # a DeploymentHandle to ProcessorCacheStore
-        self._store = _FromThread(store)
+        self._store = FromThread(store)
         self.bind = self._store.bind
 
     def get(self, key: str) -> CachedItem | None:
@@ -145,7 +99,7 @@ class PixelResolver:
     encoder reads them (downscaled or crashed), the store's adopted copy serves instead."""
 
     def __init__(self, store: Any):  # a DeploymentHandle to ProcessorCacheStore
-        self._store = _FromThread(store)
+        self._store = FromThread(store)
         self.bind = self._store.bind
 
     def __call__(self, spec: MultiModalFeatureSpec) -> ProcessedItem:

@@ -8,6 +8,7 @@ through here: the ingress holds only small specs with ObjectRefs.
 
 # NOTE: no `from __future__ import annotations` here: FastAPI reads handler annotations at runtime.
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,6 +39,15 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
+    """Deployments of `app_name` with no RUNNING replica in a `serve.status()` (all, if the app is unknown)."""
+    app = status.applications.get(app_name)
+    if app is None:
+        return [f"application {app_name!r}"]
+    return sorted(name for name, d in app.deployments.items()
+                  if not any(state == "RUNNING" and n > 0 for state, n in d.replica_states.items()))
+
+
 def _error(exc: BaseException) -> JSONResponse:
     status, body = error_body(_unwrap(exc))
     return JSONResponse(body, status_code=status)
@@ -56,8 +66,18 @@ class Ingress:
         self.reporter.ensure_started()
 
     @api.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> Response:
+        """200 once every deployment of the app has a running replica; 503 naming those that have none.
+
+        NOTE: Serve routes HTTP to the ingress as soon as its own replica runs, while the model stages may
+        still be loading (~8 s on 2 cores): a probe that only reached the ingress said "ok" while the first
+        request waited for them.
+        """
+        status = await asyncio.to_thread(serve.status)
+        waiting = deployments_without_replicas(status, serve.get_replica_context().app_name)
+        if waiting:
+            return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -135,11 +135,8 @@ class Mmserve(HttpSystem):
         serve = str(Path(sys.executable).with_name("serve"))
         return [serve, "run", "--address", "local", str(path)], env
 
-    def ready_url(self) -> str:
-        return f"{self.root}/v1/models"
-
     def start(self, timeout_s: float = 600.0) -> None:
-        super().start(timeout_s)
+        super().start(timeout_s)  # NOTE: /health answers 200 once every stage has a running replica
         from openai import OpenAI
 
         self.model = OpenAI(base_url=self.base_url, api_key="unused").models.list().data[0].id

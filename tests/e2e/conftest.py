@@ -176,7 +176,7 @@ def _wait_ready(proc: subprocess.Popen, server: Server) -> None:
 
 
 def _warm_up(server: Server) -> None:
-    """One image request through every stage (replicas may still be starting behind a healthy ingress)."""
+    """One image request through every stage (each stage's first forward pays torch's one-time costs)."""
     image = data_url(encode_image(make_image(seed=999_001)))
     body = {"model": server.model_name, "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},

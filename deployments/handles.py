@@ -1,0 +1,60 @@
+"""How a replica holds handles to the deployments it calls.
+
+Owns: building a handle's router once, when the replica starts, and calling a handle from a worker
+thread. Does not own what is called (the stage files) nor routing policy
+(encoder_router.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+def ready(handle: Any) -> Any:
+    """`handle` with its router built now (idempotent); call from the replica's constructor or loop.
+
+    NOTE: left to first use, the worker threads of concurrent first requests each ran Serve's unlocked
+    lazy init and built a router of their own (seen: 5 per replica), leaking all but one. `_init()`
+    (private in Ray 2.60) is what that first use calls. Serve runs replica constructors on the replica's
+    event loop, which a router that shares that loop needs.
+    """
+    if not handle.is_initialized:
+        handle._init()
+    return handle
+
+
+class FromThread:
+    """Calls on a DeploymentHandle made from a worker thread, run on the replica's event loop.
+
+    NOTE: a handle's blocking `.result()` works only while its router runs on a loop of its own (Ray's
+    default). With `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (Ray's high-throughput mode) or
+    `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0` the router runs on the replica's loop and `.result()`
+    raises "Sync methods should not be called from within an asyncio event loop", even in a worker
+    thread: every image request failed with a 500. A call made and awaited on the loop works in both.
+    """
+
+    def __init__(self, handle: Any):
+        self._handle = ready(handle)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self) -> None:
+        """Note the running loop; call from the replica's async method before handing work to a thread."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """`await handle.method.remote(*args)` on the loop; blocks this (worker) thread for the answer."""
+        async def remote() -> Any:
+            return await getattr(self._handle, method).remote(*args)
+
+        return asyncio.run_coroutine_threadsafe(remote(), self._bound()).result()
+
+    def send(self, method: str, *args: Any) -> None:
+        """`handle.method.remote(*args)` on the loop, not awaited."""
+        self._bound().call_soon_threadsafe(lambda: getattr(self._handle, method).remote(*args))
+
+    def _bound(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("bind() the handle caller from the replica's event loop first")
+        return self._loop
