@@ -20,7 +20,8 @@ from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
 from mmserve.decoder.decoder import Decoder as DecoderEngine
 from mmserve.decoder.service import DecoderService
-from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestOutput
+from mmserve.errors import InvalidRequestError
+from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
 from mmserve.metrics import MetricsSnapshot, decoder_snapshot
 from mmserve.models.registry import load_family
 
@@ -43,13 +44,18 @@ class Decoder:
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[RequestOutput | RequestFailed]:
         self.reporter.ensure_started()
-        async for out in self.service.generate(request, encode=self._encode, release=self._release):
-            yield out
+        try:
+            async for out in self.service.generate(request, encode=self._encode, release=self._release):
+                yield out
+        except InvalidRequestError as exc:
+            yield RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
 
     async def _encode(self, request: PreprocessedRequest) -> list[torch.Tensor]:
-        out: EncoderOutput = await self.encoder.encode.remote(request.request_id, request.features)
+        out: EncoderOutput | RequestFailed = await self.encoder.encode.remote(request.request_id, request.features)
+        if isinstance(out, RequestFailed):
+            raise out.error
         if out.replica_id is not None:
             self._encoded_on[request.request_id] = out.replica_id
         # NOTE: arrays from the object store are read-only views; torch needs its own (small) copy.

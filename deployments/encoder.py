@@ -22,7 +22,8 @@ from deployments.process_setup import configure_step_process
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.encoder.service import EncoderService, to_numpy
 from mmserve.encoder.stage import EncoderStage
-from mmserve.messages import EncoderOutput, MultiModalFeatureSpec
+from mmserve.errors import InvalidRequestError
+from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, RequestFailed
 from mmserve.metrics import MetricsSnapshot, encoder_snapshot
 from mmserve.models.registry import load_family
 
@@ -44,11 +45,14 @@ class Encoder:
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
-    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput:
+    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput | RequestFailed:
         """One (num_embeds, hidden) numpy array per feature, and this replica's id for `release`."""
         self.reporter.ensure_started()
         self.resolver.bind()  # NOTE: the step thread resolves pixels through the store's handle
-        embeddings = await self.service.encode(request_id, features)
+        try:
+            embeddings = await self.service.encode(request_id, features)
+        except InvalidRequestError as exc:
+            return RequestFailed(request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
         return EncoderOutput(request_id, [to_numpy(e) for e in embeddings], replica_id=self.replica_id)
 
     def release(self, request_id: str, replica_id: str | None = None) -> None:

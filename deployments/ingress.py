@@ -21,7 +21,7 @@ from ray.exceptions import RayTaskError
 
 from deployments.args import AppArgs
 from deployments.metrics_hub import MetricsReporter
-from mmserve.messages import RequestOutput
+from mmserve.messages import RequestFailed, RequestOutput
 from mmserve.metrics import IngressMetrics, RequestStatus
 from mmserve.metrics_prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.models.registry import load_family
@@ -46,6 +46,13 @@ def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
         return [f"application {app_name!r}"]
     return sorted(name for name, d in app.deployments.items()
                   if not any(state == "RUNNING" and n > 0 for state, n in d.replica_states.items()))
+
+
+def _raise_failed(message: Any) -> Any:
+    """`message`, unless a stage answered with the client's fault as a RequestFailed: then raise it."""
+    if isinstance(message, RequestFailed):
+        raise message.error
+    return message
 
 
 def _error(exc: BaseException) -> JSONResponse:
@@ -98,9 +105,9 @@ class Ingress:
             if body.model not in (None, self.model_name):
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {self.model_name!r}")
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", self.default_max_tokens)
-            pre = await self.preprocess.process.remote(chat)
+            pre = _raise_failed(await self.preprocess.process.remote(chat))
             outputs = self.decoder.options(stream=True).generate.remote(pre)
-            first = await outputs.__anext__()  # errors before the first token still get a 4xx/5xx status
+            first = _raise_failed(await outputs.__anext__())  # errors before the first token get a 4xx/5xx status
         except Exception as exc:
             status, body_json = error_body(_unwrap(exc))
             self._done("client_error" if status < 500 else "server_error", started)

@@ -12,7 +12,8 @@ from ray import serve
 from deployments.args import AppArgs
 from deployments.cache_store import SharedProcessorCache
 from deployments.metrics_hub import MetricsReporter
-from mmserve.messages import ChatRequest, PreprocessedRequest
+from mmserve.errors import InvalidRequestError
+from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed
 from mmserve.metrics import MetricsSnapshot, preprocess_snapshot
 from mmserve.models.registry import load_family
 from mmserve.processing import Preprocessor
@@ -31,11 +32,14 @@ class Preprocess:
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
-    async def process(self, request: ChatRequest) -> PreprocessedRequest:
+    async def process(self, request: ChatRequest) -> PreprocessedRequest | RequestFailed:
         self.reporter.ensure_started()
         self.cache.bind()
-        # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
-        return await asyncio.to_thread(self.preprocessor.process, request)
+        try:
+            # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
+            return await asyncio.to_thread(self.preprocessor.process, request)
+        except InvalidRequestError as exc:
+            return RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
 
     def metrics(self) -> MetricsSnapshot:
         return preprocess_snapshot(self.preprocessor.image_processor_calls)

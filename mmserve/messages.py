@@ -150,7 +150,12 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
 
 @dataclass(frozen=True)
 class RequestFailed:
-    """A request that a stage could not serve after accepting it; ends the request's stream."""
+    """A request that a stage could not serve after accepting it; ends the request's stream.
+
+    NOTE: in the Ray app a stage also *returns* (or yields) one for a client fault instead of raising
+    it: an exception raised out of a replica is logged there as a failed request with a traceback and
+    counted in Serve's error metrics, which should count our faults, not the client's bad image.
+    """
 
     request_id: str
     error: Exception  # an InvalidRequestError subclass for client faults (4xx), else a server fault

@@ -322,6 +322,7 @@ def request_outcomes(server: Server) -> dict[str, float]:
 def test_bad_requests_get_openai_errors(client, e2e_server, image_host: ImageHost):
     s = e2e_server
     outcomes_before = request_outcomes(s)
+    log_start = s.log_path.stat().st_size
 
     def ask(messages, **kwargs):
         kwargs.setdefault("max_tokens", 4)
@@ -350,12 +351,32 @@ def test_bad_requests_get_openai_errors(client, e2e_server, image_host: ImageHos
     expect_error(ask(user("Hi"), model="no-such-model"), 404, "model_not_found", "no-such-model")
 
     # the server is still fine
-    ok = complete(client, s, user("Describe.", png_url(501)), max_tokens=4)
+    marker = f"e2e-after-bad-{uuid.uuid4().hex[:8]}"
+    ok = complete(client, s, user("Describe.", png_url(501)), max_tokens=4, extra_headers={"x-request-id": marker})
     assert ok.choices[0].finish_reason in ("stop", "length") and ok.usage.completion_tokens >= 1
 
     outcomes = request_outcomes(s)
     assert {k: outcomes[k] - outcomes_before[k] for k in outcomes} == \
         {"ok": 1, "client_error": 10, "server_error": 0, "aborted": 0}
+
+    # the client's faults are not logged as the stages' failures (an ERROR line with a traceback each)
+    log = _serve_log_until(s, log_start, f"{marker} -- CALL generate OK")
+    failed = [line for line in log.splitlines() if "Request failed" in line or "Traceback" in line]
+    assert not failed, failed[:3]
+
+
+def _serve_log_until(s: Server, start: int, line: str, timeout_s: float = 30.0) -> str:
+    """The server's log from byte `start` once `line` is in it: Ray ships each replica's lines in order,
+    so the lines a replica logged before it are there too."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with s.log_path.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        if line in text:
+            return text
+        assert time.monotonic() < deadline, f"{line!r} not in the server log after {timeout_s:.0f} s"
+        time.sleep(0.5)
 
 
 # --- 6. models, health, metrics -------------------------------------------------------------------------
