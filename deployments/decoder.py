@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 import torch
 from ray import serve
 from transformers import AutoTokenizer
@@ -20,6 +19,7 @@ from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
 from mmserve.decoder.decoder import Decoder as DecoderEngine
 from mmserve.decoder.service import DecoderService
+from mmserve.embeddings_wire import from_wire
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
 from mmserve.metrics import MetricsSnapshot, decoder_snapshot
@@ -58,8 +58,7 @@ class Decoder:
             raise out.error
         if out.replica_id is not None:
             self._encoded_on[request.request_id] = out.replica_id
-        # NOTE: arrays from the object store are read-only views; torch needs its own (small) copy.
-        return [torch.from_numpy(np.array(a)) for a in out.embeddings]
+        return from_wire(out.embeddings, out.dtype)
 
     async def _release(self, request_id: str) -> None:
         replica_id = self._encoded_on.pop(request_id, None)

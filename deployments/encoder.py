@@ -19,8 +19,9 @@ from deployments.args import AppArgs
 from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
+from mmserve.embeddings_wire import to_wire
 from mmserve.encoder.runner import EncoderRunner
-from mmserve.encoder.service import EncoderService, to_numpy
+from mmserve.encoder.service import EncoderService
 from mmserve.encoder.stage import EncoderStage
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, RequestFailed
@@ -53,7 +54,8 @@ class Encoder:
             embeddings = await self.service.encode(request_id, features)
         except InvalidRequestError as exc:
             return RequestFailed(request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
-        return EncoderOutput(request_id, [to_numpy(e) for e in embeddings], replica_id=self.replica_id)
+        arrays, dtype = to_wire(embeddings)
+        return EncoderOutput(request_id, arrays, replica_id=self.replica_id, dtype=dtype)
 
     def release(self, request_id: str, replica_id: str | None = None) -> None:
         """The decoder is done with the request; `replica_id` only steers routing."""

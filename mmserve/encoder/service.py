@@ -10,23 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import numpy as np
-import torch
-
 from mmserve.encoder.stage import EncoderStage, Resolver, _identity
 from mmserve.messages import MultiModalFeatureSpec
 from mmserve.step_loop import StepLoop
-
-
-def to_numpy(embedding: torch.Tensor) -> np.ndarray:
-    """A CPU numpy copy of one (num_embeds, hidden) embedding, for the object store.
-
-    NOTE: numpy has no bfloat16; those travel as float32 (twice the bytes) and are cast back by the
-    decoder when it merges them.
-    """
-    if embedding.dtype == torch.bfloat16:
-        embedding = embedding.float()
-    return embedding.detach().cpu().numpy()
 
 
 class EncoderService:
