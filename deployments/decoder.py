@@ -15,6 +15,7 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from deployments.args import AppArgs
+from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
 from mmserve.decoder.decoder import Decoder as DecoderEngine
@@ -39,7 +40,7 @@ class Decoder:
         )
         family.release_unused()
         self.service = DecoderService(self.engine)
-        self.encoder = encoder
+        self.encoder = hold(encoder)
         self._encoded_on: dict[str, str] = {}  # request id -> encoder replica holding its references
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()

@@ -20,6 +20,7 @@ from ray import serve
 from ray.exceptions import RayTaskError
 
 from deployments.args import AppArgs
+from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from mmserve.messages import RequestFailed, RequestOutput
 from mmserve.metrics import IngressMetrics, RequestStatus
@@ -67,7 +68,7 @@ class Ingress:
         family = load_family(app_args.engine_config(model_dir).model)
         self.model_name = family.spec.model_id
         self.default_max_tokens = family.spec.max_model_len
-        self.preprocess, self.decoder, self.hub = preprocess, decoder, hub
+        self.preprocess, self.decoder, self.hub = hold(preprocess), hold(decoder), hold(hub)
         self.stats = IngressMetrics()
         self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()

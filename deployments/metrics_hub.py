@@ -18,6 +18,7 @@ from typing import Any
 from ray import serve
 from ray.util import metrics as ray_metrics
 
+from deployments.handles import hold
 from mmserve.metrics import HistogramValue, Metric, MetricsSnapshot, merge
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class MetricsReporter:
     def __init__(self, hub: Any, deployment: str, snapshot: Callable[[], MetricsSnapshot], interval_s: float):
         context = serve.get_replica_context()
         self.source = f"{deployment}#{context.replica_id.unique_id}"
-        self.hub, self.snapshot, self.interval_s = hub, snapshot, interval_s
+        self.hub, self.snapshot, self.interval_s = hold(hub), snapshot, interval_s
         self.mirror = _RayMirror(deployment)
         self._task: asyncio.Task | None = None
 

@@ -137,7 +137,11 @@ class SSEStream:
 def deploy(app: Any, *, name: str, route_prefix: str, timeout: float = 300) -> None:
     """`serve.run` with a deadline: a replica that can never be placed fails the test, not hangs it."""
     serve._run(app, name=name, route_prefix=route_prefix, _blocking=False)
+    wait_running(name, timeout)
 
+
+def wait_running(name: str, timeout: float = 300) -> None:
+    """Wait until app `name` is RUNNING; fail at once if its deploy failed."""
     def running() -> bool:
         status = serve.status().applications.get(name)
         if status is None:
