@@ -49,6 +49,13 @@ def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
                   if not any(state == "RUNNING" and n > 0 for state, n in d.replica_states.items()))
 
 
+def failure_status(exc: BaseException) -> RequestStatus:
+    """How the request metrics count a request that failed with `exc`: by the HTTP status it gets,
+    whether the failure came before the first token or after (then reported in-band)."""
+    status, _ = error_body(_unwrap(exc))
+    return "client_error" if status < 500 else "server_error"
+
+
 def _raise_failed(message: Any) -> Any:
     """`message`, unless a stage answered with the client's fault as a RequestFailed: then raise it."""
     if isinstance(message, RequestFailed):
@@ -110,9 +117,8 @@ class Ingress:
             outputs = self.decoder.options(stream=True).generate.remote(pre)
             first = _raise_failed(await outputs.__anext__())  # errors before the first token get a 4xx/5xx status
         except Exception as exc:
-            status, body_json = error_body(_unwrap(exc))
-            self._done("client_error" if status < 500 else "server_error", started)
-            return JSONResponse(body_json, status_code=status)
+            self._done(failure_status(exc), started)
+            return _error(exc)
         self.stats.observe_ttft(time.perf_counter() - started)
         if body.stream:
             stream = self._sse(chat.request_id, body.include_usage, first, outputs, started)
@@ -127,7 +133,7 @@ class Ingress:
             async for last in outputs:
                 builder.add(last)
         except Exception as exc:
-            self._done("server_error", started)
+            self._done(failure_status(exc), started)
             return _error(exc)
         finally:
             outputs.cancel()  # no-op when finished; aborts the request if this handler was cancelled
@@ -148,7 +154,7 @@ class Ingress:
                         yield event
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-            status = "server_error"
+            status = failure_status(exc)
             yield sse_error(_unwrap(exc))
         finally:
             outputs.cancel()  # the client disconnected: abort in the decoder, free KV and encoder refs

@@ -1,10 +1,11 @@
-"""The readiness rule behind GET /health: every deployment of the app has a running replica."""
+"""The ingress's rules: readiness behind GET /health (every deployment of the app has a running
+replica) and how a failed request is counted."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from deployments.ingress import deployments_without_replicas
+from deployments.ingress import deployments_without_replicas, failure_status
 
 
 def _status(**deployments: dict[str, int]) -> SimpleNamespace:
@@ -25,3 +26,10 @@ def test_a_rolling_update_keeps_it_ready_while_old_replicas_run():
 
 def test_unknown_app_is_not_ready():
     assert deployments_without_replicas(_status(Ingress={"RUNNING": 1}), "other") == ["application 'other'"]
+
+
+def test_a_failure_counts_by_the_status_it_gets_even_after_the_first_token():
+    from mmserve.errors import InvalidRequestError
+
+    assert failure_status(InvalidRequestError("bad image")) == "client_error"
+    assert failure_status(RuntimeError("step failed")) == "server_error"
