@@ -1,14 +1,17 @@
-"""Requests leave nothing behind in the object store under Ray's gRPC transport.
+"""The app as it runs for throughput on GPUs: Ray's gRPC transport default and bfloat16 weights.
 
-With `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (Ray's high-throughput mode) handles default to sending calls
-by value over gRPC (`RAY_SERVE_USE_GRPC_BY_DEFAULT=1`), and Ray pins every ObjectRef serialized into
-such a message for the sender's life. Our messages carry refs to each image's pixels, so every image
-request would leak its pixels; the app's handles pass refs by reference (`deployments/handles.py`).
+A second app on the session's Serve instance, deployed from a process with
+`RAY_SERVE_USE_GRPC_BY_DEFAULT=1` (what `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, Ray's high-throughput mode,
+sets; a handle takes its transport default from the process that deploys the app, as `serve run` under
+the variable does), every stage's replicas in that mode too, `dtype: bfloat16` as in
+`deployments/serve_config.yaml`, and the processor cache off (nothing kept on purpose).
 
-A second app on the session's Serve instance, deployed from a process in that mode (a handle takes
-its transport default from the process that deploys the app, as `serve run` under the variable does),
-every stage's replicas in it too, and the processor cache off (nothing kept on purpose): after a burst
-of unique images the object store goes back to what it held before.
+- In that mode handles send calls by value over gRPC, and Ray pins every ObjectRef serialized into such
+  a message for the sender's life. Our messages carry refs to each image's pixels, so every image request
+  would leak its pixels; the app's handles pass refs by reference (`deployments/handles.py`). After a
+  burst of unique images the object store goes back to what it held before.
+- bfloat16 embeddings cross from encoder to decoder as their int16 bits (`mmserve/embeddings_wire.py`):
+  the answer is the in-process bfloat16 engine's, token for token.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import pytest
 import ray
 
 from deployments.args import DEFAULT_STAGE_ENV
+from mmserve.engine import Engine
 from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
 from tests.integration.helpers import chat_body, data_url, post_json, wait_running, wait_until
+from tests.integration.test_cluster_serving import assert_same, engine_answer
 
 APP = "mm_grpc"
 GRPC_BY_VALUE = {**DEFAULT_STAGE_ENV, "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
@@ -40,6 +45,7 @@ def grpc_app(ray_cluster: ClusterInfo, tiny_ckpt_224: Path) -> Iterator[AppInfo]
     args = {
         "model": str(tiny_ckpt_224),
         "processor_cache_bytes": 0,
+        "dtype": "bfloat16",
         "ingress": stage, "decoder": stage, "encoder": stage, "preprocess": {**stage, "autoscaling": None},
     }
     started = time.perf_counter()
@@ -80,3 +86,23 @@ def test_image_requests_leave_no_pixels_pinned_under_grpc_handles(grpc_app: AppI
     # Pinned, the burst's pixels would stay: N_IMAGES * PIXEL_BYTES more than before, for good.
     wait_until(lambda: object_store_bytes(grpc_app.cluster) - before < PIXEL_BYTES, timeout=30,
                what=f"object store back within one image of its {before} B before the burst")
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(grpc_app: AppInfo, tiny_ckpt_224: Path) -> Iterator[Engine]:
+    """The in-process engine with the app's exact config (bfloat16)."""
+    from deployments.args import parse_args
+
+    engine = Engine(parse_args(grpc_app.args).engine_config(str(tiny_ckpt_224)))
+    assert engine.config.model.dtype == "bfloat16"
+    yield engine
+    engine.shutdown()
+
+
+def test_bfloat16_image_answer_matches_the_in_process_engine(grpc_app: AppInfo, bf16_engine: Engine):
+    body = chat_body(data_url(seed=720), text="Describe the picture.", max_tokens=12, ignore_eos=True)
+    status, answer = post_json(grpc_app.cluster.base_url + "/grpc", "/v1/chat/completions", body)
+    assert status == 200, answer
+    expected = engine_answer(bf16_engine, body)
+    assert len(expected.token_ids) == 12 and expected.text
+    assert_same(answer, expected)
