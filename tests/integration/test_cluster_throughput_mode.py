@@ -31,7 +31,7 @@ from tests.integration.helpers import chat_body, data_url, post_json, wait_runni
 from tests.integration.test_cluster_serving import assert_same, engine_answer
 
 APP = "mm_grpc"
-GRPC_BY_VALUE = {**DEFAULT_STAGE_ENV, "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+GRPC_MODE = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}  # what RAY_SERVE_THROUGHPUT_OPTIMIZED=1 sets for handles
 IMAGE_SIZE = 224  # the tiny checkpoint's crop size (px)
 PIXEL_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE * 4  # one processed image, float32 (bytes): a plasma object
 N_IMAGES = 6
@@ -41,7 +41,7 @@ N_IMAGES = 6
 def grpc_app(ray_cluster: ClusterInfo, tiny_ckpt_224: Path) -> Iterator[AppInfo]:
     from ray import serve
 
-    stage = {"num_replicas": 1, "env": GRPC_BY_VALUE}
+    stage = {"num_replicas": 1, "env": {**DEFAULT_STAGE_ENV, **GRPC_MODE}}
     args = {
         "model": str(tiny_ckpt_224),
         "processor_cache_bytes": 0,
@@ -58,7 +58,7 @@ def grpc_app(ray_cluster: ClusterInfo, tiny_ckpt_224: Path) -> Iterator[AppInfo]
         serve.delete(APP)
 
 
-@ray.remote(num_cpus=0, runtime_env={"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}})
+@ray.remote(num_cpus=0, runtime_env={"env_vars": GRPC_MODE})
 def _deploy_in_grpc_mode(args: dict[str, Any]) -> None:
     from ray import serve
 

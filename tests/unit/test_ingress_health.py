@@ -28,7 +28,7 @@ def test_unknown_app_is_not_ready():
     assert deployments_without_replicas(_status(Ingress={"RUNNING": 1}), "other") == ["application 'other'"]
 
 
-def test_a_failure_counts_by_the_status_it_gets_even_after_the_first_token():
+def test_a_failure_counts_by_the_http_status_its_error_maps_to():
     from mmserve.errors import InvalidRequestError
 
     assert failure_status(InvalidRequestError("bad image")) == "client_error"
