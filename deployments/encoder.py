@@ -36,7 +36,7 @@ class Encoder:
         config = app_args.engine_config(model_dir, stage=app_args.encoder)
         family = load_family(config.model)
         runner = EncoderRunner(family.load_vision(), max_batch_items=config.encoder.max_batch_items,
-                               device=torch.device(config.model.device), dtype=getattr(torch, config.model.dtype))
+                               device=torch.device(config.model.device))
         family.release_unused()
         self.stage = EncoderStage(runner, config.encoder)
         self.resolver = PixelResolver(cache_store)

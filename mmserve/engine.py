@@ -54,8 +54,7 @@ class Engine:
             config.model.model_dir, media=config.media, cache=self.processor_cache, rule=family.prompt_rule,
             model_id=self.spec.model_id, max_model_len=self.spec.max_model_len,
         )
-        runner = EncoderRunner(family.load_vision(), max_batch_items=config.encoder.max_batch_items,
-                               device=device, dtype=dtype)
+        runner = EncoderRunner(family.load_vision(), max_batch_items=config.encoder.max_batch_items, device=device)
         self.encoder = EncoderStage(runner, config.encoder)
         self.decoder = Decoder(family.load_text(), self.spec, self.preprocessor.tokenizer, config.scheduler,
                                config.kv_cache, dtype=dtype, device=device, on_logits=on_logits,

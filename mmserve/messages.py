@@ -62,7 +62,9 @@ class ChatRequest:
 class ProcessedItem:
     """The image processor's output for one item; cached by content hash."""
 
-    pixel_values: np.ndarray  # (n_tiles, 3, H, W) float32; tile 0 is the whole image, then its crops
+    # (n_tiles, 3, H, W) uint8: resized, before rescale/normalize (the encoder does those, see
+    # mmserve/models/pixels.py); tile 0 is the whole image, then its crops
+    pixel_values: np.ndarray
 
     @property
     def nbytes(self) -> int:

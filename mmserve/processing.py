@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import numpy as np
 from PIL import Image
 
 from mmserve.config import EngineConfig, MediaConfig
@@ -32,6 +31,7 @@ from mmserve.messages import (
     ProcessedItem,
 )
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
+from mmserve.models.pixels import DEFER_TO_ENCODER, as_uint8
 from mmserve.processor_cache import CachedItem, ItemCache, ProcessorCache
 
 ROLES = ("system", "user", "assistant")
@@ -147,10 +147,11 @@ class Preprocessor:
     def _run_image_processor(self, image: Image.Image, kwargs: dict[str, Any]) -> ProcessedItem:
         # NOTE: every output-changing kwarg is passed explicitly, so neither Gemma3Processor's class
         # defaults nor the saved config can silently disagree with the hash.
-        out = self.image_processor([image], return_tensors="np", **kwargs)
+        # NOTE: rescale and normalize are left to the encoder (mmserve/models/pixels.py): items stay uint8.
+        out = self.image_processor([image], return_tensors="np", **kwargs, **DEFER_TO_ENCODER)
         with self._lock:
             self._image_processor_calls += 1
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)  # (1 + n_crops, 3, H, W)
+        pixels = as_uint8(out["pixel_values"])  # (1 + n_crops, 3, H, W)
         if pixels.shape[0] != 1 + int(out["num_crops"][0]):
             raise RuntimeError(f"image processor returned {pixels.shape[0]} tiles for "
                                f"{int(out['num_crops'][0])} crops")

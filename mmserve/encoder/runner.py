@@ -1,9 +1,9 @@
 """Runs a model's vision encoder over a batch of processed image items.
 
-Owns: turning `ProcessedItem`s (numpy crops) into one batch on the runner's device and dtype,
+Owns: turning `ProcessedItem`s (uint8 numpy crops) into one batch on the runner's device,
 chunking it to `max_batch_items` crops per forward, splitting the output back per item, and the
 counters of what ran. Does not own: the model (it is handed a vision callable, e.g. for Gemma 3
-`lambda px: model.model.get_image_features(px).pooler_output`), caching, or scheduling.
+normalize-then-`get_image_features`), the pixels' normalization and dtype, caching, or scheduling.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class EncoderRunner:
         encode_images: VisionEncoder,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
         max_batch_items: int | None = None,  # None = by device: GPU_BATCH_ITEMS, CPU_BATCH_ITEMS on a CPU
     ) -> None:
         self.device = torch.device(device)
@@ -39,7 +38,6 @@ class EncoderRunner:
         if max_batch_items < 1:
             raise ValueError(f"max_batch_items must be >= 1, got {max_batch_items}")
         self.encode_images = encode_images
-        self.dtype = dtype
         self.threads = StepThreads(self.device)  # the count torch has now, re-applied in whatever thread runs us
         self.max_batch_items = max_batch_items  # crops per vision forward
         self.forward_passes = 0  # vision forwards run
@@ -75,9 +73,9 @@ class EncoderRunner:
     def _forward(self, crops: list[np.ndarray]) -> torch.Tensor:
         # NOTE: np.stack copies into a fresh writable array, so read-only arrays (zero-copy from
         # the Ray object store) never reach torch.from_numpy, which warns on them.
-        batch = torch.from_numpy(np.stack(crops))  # (n, 3, H, W), host
-        batch = batch.to(device=self.device, dtype=self.dtype)
-        out = self.encode_images(batch)  # (n, mm_tokens, hidden)
+        batch = torch.from_numpy(np.stack(crops))  # (n, 3, H, W) uint8, host
+        # NOTE: moved as uint8 (a quarter of float32's bytes); the vision callable normalizes and casts.
+        out = self.encode_images(batch.to(self.device))  # (n, mm_tokens, hidden)
         if out.dim() != 3 or out.shape[0] != len(crops):
             raise RuntimeError(
                 f"vision callable returned shape {tuple(out.shape)} for {len(crops)} images; "

@@ -98,10 +98,9 @@ class EncoderStage:
         config: EncoderConfig | None = None,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
     ) -> EncoderStage:
         config = config or EncoderConfig()
-        runner = EncoderRunner(encode_images, device=device, dtype=dtype, max_batch_items=config.max_batch_items)
+        runner = EncoderRunner(encode_images, device=device, max_batch_items=config.max_batch_items)
         return cls(runner, config)
 
     # ---- requests in and out ----

@@ -43,7 +43,8 @@ class ModelSpec:
     attention: AttentionPattern
 
 
-# A vision callable maps (n_images, 3, H, W) pixels to (n_images, mm_tokens, hidden) embeddings.
+# A vision callable maps (n_images, 3, H, W) uint8 pixels (a ProcessedItem's, on the encoder's device) to
+# (n_images, mm_tokens, hidden) embeddings; rescaling and normalizing them is its job.
 VisionEncoder = Callable[[torch.Tensor], torch.Tensor]
 
 

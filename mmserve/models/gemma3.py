@@ -19,6 +19,7 @@ from mmserve.config import ModelConfig
 from mmserve.models.base import FULL, SLIDING, AttentionPattern, ModelSpec, VisionEncoder
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.gemma3_text import Gemma3PagedText
+from mmserve.models.pixels import PixelNormalization
 
 
 def _eos_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
@@ -89,9 +90,11 @@ class Gemma3Family:
         device = torch.device(self.model_config.device)
         tower = inner.vision_tower.to(device)
         projector = inner.multi_modal_projector.to(device)
+        normalize, dtype = PixelNormalization.from_checkpoint(self.model_dir), self.dtype
 
-        def encode(pixel_values: torch.Tensor) -> torch.Tensor:
-            # (n_images, 3, H, W) -> (n_images, mm_tokens, text_hidden)
+        def encode(pixels: torch.Tensor) -> torch.Tensor:
+            # (n_images, 3, H, W) uint8 -> (n_images, mm_tokens, text_hidden)
+            pixel_values = normalize(pixels).to(dtype)  # (n_images, 3, H, W), what HF's processor gives
             hidden = tower(pixel_values=pixel_values).last_hidden_state  # (n_images, patches, vision_hidden)
             return projector(hidden)
 

@@ -33,7 +33,7 @@ from tests.integration.test_cluster_serving import assert_same, engine_answer
 APP = "mm_grpc"
 GRPC_MODE = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}  # what RAY_SERVE_THROUGHPUT_OPTIMIZED=1 sets for handles
 IMAGE_SIZE = 224  # the tiny checkpoint's crop size (px)
-PIXEL_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE * 4  # one processed image, float32 (bytes): a plasma object
+PIXEL_BYTES = 3 * IMAGE_SIZE * IMAGE_SIZE  # one processed image, uint8 (bytes): a plasma object (> 100 KiB)
 N_IMAGES = 6
 
 

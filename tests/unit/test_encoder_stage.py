@@ -15,6 +15,7 @@ from mmserve.encoder.runner import EncoderRunner
 from mmserve.encoder.stage import EncoderStage, EncoderStepError
 from mmserve.errors import CapacityError
 from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, ProcessedItem
+from mmserve.models.pixels import PixelNormalization
 
 MM_TOKENS = 4  # rows per crop of the fake vision model
 HIDDEN = 6
@@ -31,8 +32,8 @@ class FakeVision(torch.nn.Module):
             self.proj.weight.copy_(torch.randn(HIDDEN, 3, generator=gen))
             self.proj.bias.copy_(torch.randn(HIDDEN, generator=gen))
 
-    def forward(self, px: torch.Tensor) -> torch.Tensor:
-        pooled = torch.nn.functional.avg_pool2d(px, 4)  # (n, 3, 2, 2)
+    def forward(self, px: torch.Tensor) -> torch.Tensor:  # (n, 3, 8, 8) uint8, as a family's callable gets
+        pooled = torch.nn.functional.avg_pool2d(px.to(self.proj.weight.dtype), 4)  # (n, 3, 2, 2)
         return self.proj(pooled.flatten(2).transpose(1, 2))  # (n, 4, HIDDEN)
 
 
@@ -50,7 +51,7 @@ class Store:
 
 def _item(seed: int, n_crops: int = 1, size: int = 8) -> ProcessedItem:
     rng = np.random.default_rng(seed)
-    return ProcessedItem(rng.standard_normal((n_crops, 3, size, size), dtype=np.float32))
+    return ProcessedItem(rng.integers(0, 256, (n_crops, 3, size, size), dtype=np.uint8))
 
 
 def _spec(mm_hash: str, data: Any, num_embeds: int = MM_TOKENS) -> MultiModalFeatureSpec:
@@ -227,7 +228,7 @@ def test_read_only_arrays_encode_without_warnings() -> None:
     vision = FakeVision()
     item = _item(1, n_crops=2)
     item.pixel_values.flags.writeable = False  # as numpy arrays from the Ray object store
-    runner = EncoderRunner(vision, dtype=torch.float32)
+    runner = EncoderRunner(vision)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         (emb,) = runner.embed_multimodal([item])
@@ -235,9 +236,16 @@ def test_read_only_arrays_encode_without_warnings() -> None:
     assert not emb.is_inference() and emb.untyped_storage().nbytes() == emb.numel() * 4
 
 
-def test_runner_casts_to_its_dtype() -> None:
-    runner = EncoderRunner(FakeVision().to(torch.bfloat16), dtype=torch.bfloat16)
-    (emb,) = runner.embed_multimodal([_item(1)])
+def test_runner_hands_uint8_pixels_to_the_callable_which_owns_the_dtype() -> None:
+    seen: list[torch.dtype] = []
+    vision = FakeVision().to(torch.bfloat16)
+
+    def spy(px: torch.Tensor) -> torch.Tensor:
+        seen.append(px.dtype)
+        return vision(px)
+
+    (emb,) = EncoderRunner(spy).embed_multimodal([_item(1)])
+    assert seen == [torch.uint8]
     assert emb.dtype == torch.bfloat16 and emb.shape == (MM_TOKENS, HIDDEN)
 
 
@@ -245,9 +253,10 @@ def test_real_gemma3_vision_batches_like_alone(tiny_ckpt_224: Any) -> None:
     from transformers import Gemma3ForConditionalGeneration
 
     model = Gemma3ForConditionalGeneration.from_pretrained(tiny_ckpt_224).eval()
+    normalize = PixelNormalization.from_checkpoint(tiny_ckpt_224)
 
-    def vision(px: torch.Tensor) -> torch.Tensor:
-        return model.model.get_image_features(pixel_values=px).pooler_output  # (n, 16, text_hidden)
+    def vision(px: torch.Tensor) -> torch.Tensor:  # (n, 3, 224, 224) uint8 -> (n, 16, text_hidden)
+        return model.model.get_image_features(pixel_values=normalize(px)).pooler_output
 
     hidden = model.config.text_config.hidden_size
     a, b = _item(1, size=224), _item(2, size=224)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from mmserve.config import EngineConfig, MediaConfig, ModelConfig
@@ -26,6 +27,7 @@ from mmserve.errors import (
 from mmserve.image_runs import image_token_runs
 from mmserve.media import MediaLoader
 from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.models.pixels import DEFER_TO_ENCODER, PixelNormalization
 from mmserve.processing import Preprocessor
 from mmserve.processor_cache import ProcessorCache
 
@@ -124,8 +126,14 @@ def check_parity(pp: Preprocessor, case: str) -> None:
     if not images:
         return
     ours_pixels = np.concatenate([f.data.pixel_values for f in ours.features])  # (sum tiles, 3, H, W)
-    assert ours_pixels.dtype == np.float32
-    assert np.array_equal(ours_pixels, ref["pixel_values"])
+    assert ours_pixels.dtype == np.uint8  # resized only: the encoder rescales and normalizes
+    raw = pp.processor(text=rendered, images=images, add_special_tokens=False, do_pan_and_scan=pas,
+                       return_tensors="np", **DEFER_TO_ENCODER)
+    assert np.array_equal(ours_pixels, raw["pixel_values"])
+    # what the encoder's normalization makes of them is what transformers' processor gives, to 1 ulp
+    normalize = PixelNormalization.from_config(pp.image_processor.to_dict())
+    np.testing.assert_allclose(normalize(torch.from_numpy(ours_pixels)).numpy(), ref["pixel_values"],
+                               rtol=0, atol=2.5e-7)
     # placeholders: item i spans its (crops + 1) runs of image tokens, text between crops included
     runs = image_token_runs(ref_ids, pp.image_token_id)
     k = 0
@@ -194,7 +202,7 @@ def test_cached_pixels_are_read_only(pre224: Preprocessor) -> None:
 
 
 def test_byte_bound_evicts_in_lru_order(tiny_ckpt_224: Path) -> None:
-    tile_bytes = 3 * 224 * 224 * 4
+    tile_bytes = 3 * 224 * 224  # uint8
     pp = make(tiny_ckpt_224, capacity=2 * tile_bytes)
     keys = [pp.process(one_image(im)).features[0].identifier for im in (CAT, DOG)]
     pp.process(one_image(CAT))  # CAT becomes most recent

@@ -13,7 +13,7 @@ from mmserve.processor_cache import ProcessorCache
 
 
 def item(nbytes: int) -> ProcessedItem:
-    return ProcessedItem(pixel_values=np.zeros(nbytes // 4, dtype=np.float32))
+    return ProcessedItem(pixel_values=np.zeros(nbytes, dtype=np.uint8))
 
 
 def test_hit_miss_and_stats() -> None:

@@ -63,7 +63,7 @@ def test_encoder_runner_keeps_its_count_in_a_thread_started_after_a_decode_step_
         torch.set_num_threads(2)
         runner = EncoderRunner(vision)
         torch.set_num_threads(1)  # what a decode step's apply() leaves as the default for new threads
-        item = ProcessedItem(np.zeros((1, 3, 4, 4), dtype=np.float32))
+        item = ProcessedItem(np.zeros((1, 3, 4, 4), dtype=np.uint8))
         t = threading.Thread(target=lambda: runner.embed_multimodal([item]))
         t.start()
         t.join()
