@@ -58,5 +58,5 @@ def test_as_uint8_keeps_whole_values_and_refuses_others() -> None:
     whole = np.array([[0.0, 17.0, 255.0]], dtype=np.float32)
     assert as_uint8(whole).dtype == np.uint8 and as_uint8(whole).tolist() == [[0, 17, 255]]
     for bad in (np.array([0.5]), np.array([-1.0]), np.array([256.0])):
-        with pytest.raises(RuntimeError, match="0..255"):
+        with pytest.raises(RuntimeError, match=r"0\.\.255"):
             as_uint8(bad)
