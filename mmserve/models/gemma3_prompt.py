@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.errors import InvalidRequestError
+from mmserve.models.pixels import image_processor_config
 
 BOI_TOKEN = "<start_of_image>"  # the template's per-image placeholder, kept in the expansion
 IMAGE_TOKEN = "<image_soft_token>"  # one embedding row of an image
@@ -130,7 +131,7 @@ class Gemma3PromptRule:
         """Read the checkpoint's JSON files only (no tokenizer or processor is loaded)."""
         folder = Path(model_dir)
         processor_cfg = _read_json(folder / "processor_config.json")
-        image_cfg = _read_json(folder / "preprocessor_config.json") or processor_cfg.get("image_processor", {})
+        image_cfg = image_processor_config(folder)
         tokenizer_cfg = _read_json(folder / "tokenizer_config.json")
         if mm_tokens is None:
             mm_tokens = int(processor_cfg.get("image_seq_length") or image_cfg["image_seq_length"])

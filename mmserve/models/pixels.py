@@ -42,25 +42,30 @@ class PixelNormalization:
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> PixelNormalization:
-        folder = Path(model_dir)
-        path = folder / "preprocessor_config.json"
-        if path.is_file():
-            return cls.from_config(json.loads(path.read_text()))
-        processor = folder / "processor_config.json"
-        nested = json.loads(processor.read_text()).get("image_processor", {}) if processor.is_file() else {}
-        return cls.from_config(nested)
+        return cls.from_config(image_processor_config(model_dir))
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         """(n, C, H, W) uint8 -> (n, C, H, W) float32 on the same device, as the HF processor would give."""
         if pixels.dtype != torch.uint8:
             raise TypeError(f"expected uint8 pixels (the preprocess stage's output), got {pixels.dtype}")
         x = pixels.to(torch.float32)
-        scale = self.rescale_factor if self.rescale_factor is not None else 1.0
+        scale = 1.0 if self.rescale_factor is None else self.rescale_factor
         if self.mean is None or self.std is None:
-            return x * scale if self.rescale_factor is not None else x
+            return x.mul_(scale)
         mean = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1) * (1.0 / scale)  # (1, C, 1, 1)
         std = torch.tensor(self.std, device=x.device).view(1, -1, 1, 1) * (1.0 / scale)
         return x.sub_(mean).div_(std)
+
+
+def image_processor_config(model_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's image-processor config: `preprocessor_config.json`, else the `image_processor`
+    section of `processor_config.json` (where newer transformers save it), else empty."""
+    folder = Path(model_dir)
+    own = folder / "preprocessor_config.json"
+    if own.is_file():
+        return dict(json.loads(own.read_text()))
+    processor = folder / "processor_config.json"
+    return dict(json.loads(processor.read_text()).get("image_processor", {})) if processor.is_file() else {}
 
 
 def as_uint8(pixels: np.ndarray) -> np.ndarray:
