@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from mmserve.decoder.attention import SeqChunk, build_metadata, paged_attention
 from mmserve.models.base import FULL, AttentionPattern
+from tests.numerics import assert_close_ulps
 
 PATTERN = AttentionPattern(layer_kinds=(FULL,), sliding_window=None, bidirectional_images=True, scaling=0.5,
                            softcap=None)
@@ -56,7 +57,7 @@ def test_grouped_attention_equals_each_sequence_alone() -> None:
         end = c.start + c.num_new
         rows = slice(offset, offset + c.num_new)
         keys, values = cache[0][torch.from_numpy(c.slots)], cache[1][torch.from_numpy(c.slots)]  # (end, kv, d)
-        assert torch.equal(keys[c.start :], k[rows]) and torch.equal(values[c.start :], v[rows])
+        assert torch.equal(keys[c.start :], k[rows]) and torch.equal(values[c.start :], v[rows])  # copies
         qpos = torch.arange(c.start, end)[:, None]
         allowed = torch.arange(end)[None, :] <= qpos  # causal
         if c.image_groups is not None:
@@ -66,5 +67,7 @@ def test_grouped_attention_equals_each_sequence_alone() -> None:
             q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=allowed[None, None], scale=PATTERN.scaling, enable_gqa=True,
         )[0].transpose(0, 1)  # (num_new, heads, head_dim)
-        torch.testing.assert_close(out[rows], expected)
+        # NOTE: batched and padded against alone: other SDPA kernels sum the softmax and the weighted
+        # values (<= 10 keys, O(1) values) in another order; a few roundings each, 32 ulps in all.
+        assert_close_ulps(out[rows], expected, ulps=32)
         offset += c.num_new
