@@ -66,5 +66,11 @@ class Decoder:
         if replica_id is not None:
             await self.encoder.release.remote(request_id, replica_id=replica_id)
 
+    def __del__(self) -> None:
+        """Serve calls this on the replica's graceful shutdown: join the step thread (see StepLoop.stop)."""
+        for part in (getattr(self, "reporter", None), getattr(self, "service", None)):  # None: __init__ failed
+            if part is not None:
+                part.stop()
+
     def metrics(self) -> MetricsSnapshot:
         return decoder_snapshot(self.engine.stats())

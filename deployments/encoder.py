@@ -61,6 +61,12 @@ class Encoder:
         """The decoder is done with the request; `replica_id` only steers routing."""
         self.service.release(request_id)
 
+    def __del__(self) -> None:
+        """Serve calls this on the replica's graceful shutdown: join the step thread (see StepLoop.stop)."""
+        for part in (getattr(self, "reporter", None), getattr(self, "service", None)):  # None: __init__ failed
+            if part is not None:
+                part.stop()
+
     def metrics(self) -> MetricsSnapshot:
         return encoder_snapshot(self.stage.stats())
 

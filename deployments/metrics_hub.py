@@ -68,6 +68,10 @@ class MetricsReporter:
             return
         self._task = loop.create_task(self._loop())
 
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
     async def push(self) -> None:
         snapshot = self.snapshot()
         await self.hub.report.remote(self.source, snapshot)

@@ -50,10 +50,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     model_dir = args.model or str(default_tiny_checkpoint())
-    engine = Engine.from_model_dir(model_dir)
-    asyncio.run(_demo(engine, args.max_tokens))
-    print(engine.stats())
-    engine.shutdown()
+    with Engine.from_model_dir(model_dir) as engine:
+        asyncio.run(_demo(engine, args.max_tokens))
+        print(engine.stats())
 
 
 if __name__ == "__main__":

@@ -112,8 +112,18 @@ class Engine:
         )
 
     def shutdown(self) -> None:
+        """Stop and join the stages' step threads; requests still running fail. Idempotent.
+
+        An engine never shut down is stopped at interpreter exit (mmserve.step_loop's exit hook).
+        """
         self.encoder_service.stop()
         self.decoder_service.stop()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
 
 def new_request_id() -> str:

@@ -9,20 +9,32 @@ step does. Used alike by the in-process Engine and by the Ray deployments.
 Failure contract: an action's exception fails its request only. A step's exception with a
 `request_ids` attribute fails those requests only (the stage has already dropped them); any other
 step exception fails every waiting request and calls `abort_all`, and the loop carries on.
+
+Lifetime: `stop()` ends the thread after the step under way and joins it; requests still waiting then
+fail with `StageStopped`, and later submissions fail at once. A loop its owner never stopped is
+stopped at interpreter exit (an `atexit` hook), so no step thread is still inside torch while the
+interpreter tears down (which aborts the process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mmserve.messages import RequestFailed
 
 log = logging.getLogger(__name__)
+_LIVE: weakref.WeakSet[StepLoop] = weakref.WeakSet()  # loops with a thread, for the exit hook
+
+
+class StageStopped(RuntimeError):
+    """The stage's loop was stopped (shutdown) before the request finished."""
 
 
 class StepLoop:
@@ -52,12 +64,21 @@ class StepLoop:
         self._queues[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
 
     def submit(self, request_id: str | None, action: Callable[[], Any]) -> None:
-        """Run `action` in the loop thread before the next step; its exception fails `request_id`."""
+        """Run `action` in the loop thread before the next step; its exception fails `request_id`.
+
+        After `stop()` nothing runs: the request fails with StageStopped (an anonymous action is dropped).
+        """
         with self._lock:
-            self._actions.append((request_id, action))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
+            if not self._stopped:
+                self._actions.append((request_id, action))
+                if self._thread is None:
+                    # NOTE: a daemon, so a forgotten loop cannot keep the interpreter alive; the exit
+                    # hook joins it before teardown.
+                    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self._thread.start()
+                    _LIVE.add(self)
+        if self._stopped and request_id is not None:
+            self._deliver(request_id, RequestFailed(request_id, StageStopped(f"{self.name} is stopped")))
         self._wake.set()
 
     def busy(self) -> bool:
@@ -88,9 +109,20 @@ class StepLoop:
         finally:
             self._queues.pop(request_id, None)
 
-    def stop(self) -> None:
-        self._stopped = True
+    def stop(self, timeout_s: float | None = 30.0) -> None:
+        """End the loop after the step under way, join its thread, fail what still waits. Idempotent."""
+        with self._lock:
+            self._stopped = True
+            thread = self._thread
         self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("%s: step thread still running %s s after stop", self.name, timeout_s)
+        with self._lock:
+            self._actions.clear()  # never run: their requests fail below
+        for request_id in list(self._queues):
+            self._deliver(request_id, RequestFailed(request_id, StageStopped(f"{self.name} stopped")))
 
     # ---- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -147,3 +179,9 @@ class StepLoop:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the consumer's event loop has closed; it is gone
             self._queues.pop(request_id, None)
+
+
+@atexit.register
+def _stop_live_loops() -> None:
+    for loop in list(_LIVE):
+        loop.stop()

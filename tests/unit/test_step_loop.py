@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
 from mmserve.messages import RequestFailed, RequestOutput, merge_outputs
-from mmserve.step_loop import StepLoop
+from mmserve.step_loop import StageStopped, StepLoop
 
 
 def out(token: int, text: str, *, n: int, finished: bool = False) -> RequestOutput:
@@ -58,3 +60,43 @@ def test_a_failure_after_queued_outputs_delivers_them_then_raises() -> None:
     with pytest.raises(ValueError, match="boom"):
         asyncio.run(run())
     assert [o.new_token_ids for o in got] == [[1, 2]]
+
+
+def test_stop_joins_the_thread_and_fails_what_still_waits() -> None:
+    started = threading.Event()
+
+    def slow_step() -> list:
+        started.set()
+        time.sleep(0.05)
+        return []
+
+    async def run() -> tuple[StepLoop, BaseException | None]:
+        loop = StepLoop(slow_step, lambda: True, lambda: None)
+        loop.open("r")
+        loop.submit("r", lambda: None)
+        await asyncio.to_thread(started.wait, 5)
+        await asyncio.to_thread(loop.stop)
+        try:
+            async for _ in loop.outputs("r"):
+                pass
+        except StageStopped as exc:
+            return loop, exc
+        return loop, None
+
+    loop, error = asyncio.run(run())
+    assert isinstance(error, StageStopped)
+    assert loop._thread is not None and not loop._thread.is_alive()  # joined, not left to interpreter exit
+
+
+def test_a_submission_after_stop_fails_at_once() -> None:
+    async def run() -> None:
+        loop = idle_loop()
+        loop.stop()
+        loop.open("r")
+        loop.submit("r", lambda: None)
+        loop.submit(None, lambda: None)  # a release during shutdown: dropped, no error
+        async for _ in loop.outputs("r"):
+            pass
+
+    with pytest.raises(StageStopped):
+        asyncio.run(asyncio.wait_for(run(), 5))
