@@ -5,7 +5,7 @@
 #   docker tag mmserve:latest REGISTRY/mmserve:0.1.0 && docker push REGISTRY/mmserve:0.1.0
 #
 # One image serves every group: the CPU groups simply never touch the GPU. Nothing is uploaded at deploy
-# time, so the code is in the image. tests/unit/test_dockerfile.py checks these versions against
+# time, so the code is in the image. tests/unit/deployments/test_dockerfile.py checks these versions against
 # pyproject.toml and the configs: change them together.
 ARG RAY_VERSION=2.60.0
 ARG PYTHON_TAG=py311

@@ -12,7 +12,7 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
-from deployments.args import AppArgs, parse_args
+from deployments.args import parse_args
 from deployments.cache_store import ProcessorCacheStore
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder
@@ -20,13 +20,6 @@ from deployments.encoder_router import EncoderRouter
 from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.preprocess import Preprocess
-from mmserve.models.tiny_checkpoint import default_tiny_checkpoint
-
-
-def model_dir_of(app_args: AppArgs) -> str:
-    """The checkpoint folder: the user's, or the built-in tiny one (built on first use)."""
-    # NOTE: the tiny checkpoint is deterministic, so each node builds the same one into its own cache.
-    return app_args.model or str(default_tiny_checkpoint())
 
 
 def _deployment(decorated: Any) -> Deployment:
@@ -35,18 +28,17 @@ def _deployment(decorated: Any) -> Deployment:
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    app_args = parse_args(args or {})
-    model_dir = model_dir_of(app_args)
+    app_args = parse_args(args or {})  # NOTE: model None: each replica finds or builds the tiny checkpoint
     hub = _deployment(MetricsHub).bind()
-    store = _deployment(ProcessorCacheStore).bind(app_args.processor_cache_bytes, hub,
+    store = _deployment(ProcessorCacheStore).bind(app_args.engine.processor_cache.capacity_bytes, hub,
                                                   app_args.metrics_push_interval_s)
     preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options()).bind(
-        app_args, model_dir, store, hub)
+        app_args, store, hub)
     # NOTE: Ray types request_router_class as an import-path string; it takes the class itself too.
     router = RequestRouterConfig(request_router_class=EncoderRouter)  # type: ignore[arg-type]
     encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options(),
-                                           request_router_config=router).bind(app_args, model_dir, store, hub)
+                                           request_router_config=router).bind(app_args, store, hub)
     decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options()).bind(
-        app_args, model_dir, encoder, hub)
+        app_args, encoder, hub)
     ingress = _deployment(Ingress).options(**app_args.ingress.deployment_options())
-    return ingress.bind(app_args, model_dir, preprocess, decoder, hub)
+    return ingress.bind(app_args, preprocess, decoder, hub)

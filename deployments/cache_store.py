@@ -8,9 +8,9 @@ keeps the byte-bounded LRU index of its ObjectRefs (mmserve's ProcessorCache, wi
 handles). Resolving pixels for the encoder falls back to the store's copy if the maker is gone. Does not
 own the LRU policy (mmserve/processor_cache.py).
 
-NOTE: Ray 2.56 removed `ray.put(_owner=...)`, which would have let the store own the first copy.
-Measured on 2 cores: sending 9 MiB of pixels to the store and waiting for its ref took ~54 ms of the
-request's time; a local `ray.put` takes ~12 ms.
+NOTE: Ray 2.56 removed `ray.put(_owner=...)`, which would have let the store own the first copy. Sending
+the pixels to the store and waiting for its ref cost the request several times a local `ray.put`
+(docs/benchmarks.md, "What moved the figures").
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from ray.exceptions import ObjectLostError
 from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
 from mmserve.messages import MultiModalFeatureSpec, ProcessedItem, StoredItem
-from mmserve.metrics import MetricsSnapshot, processor_cache_snapshot
-from mmserve.processor_cache import CachedItem, InMemoryStorage, ProcessorCache
+from mmserve.preprocess.processor_cache import CachedItem, InMemoryStorage, ProcessorCache
+from mmserve.runtime.metrics import MetricsSnapshot, processor_cache_snapshot
 
 log = logging.getLogger(__name__)
 

@@ -12,34 +12,26 @@ from typing import Any
 
 import torch
 from ray import serve
-from transformers import AutoTokenizer
 
 from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
-from mmserve.decoder.decoder import Decoder as DecoderEngine
-from mmserve.decoder.service import DecoderService
-from mmserve.embeddings_wire import from_wire
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
-from mmserve.metrics import MetricsSnapshot, decoder_snapshot
-from mmserve.models.registry import load_family
+from mmserve.runtime.embeddings_wire import from_wire
+from mmserve.runtime.metrics import MetricsSnapshot, decoder_snapshot
+from mmserve.stages import StageFactory
 
 
 @serve.deployment
 class Decoder:
-    def __init__(self, app_args: AppArgs, model_dir: str, encoder: Any, hub: Any):
+    def __init__(self, app_args: AppArgs, encoder: Any, hub: Any):
         configure_step_process(app_args.decoder)
-        config = app_args.engine_config(model_dir, stage=app_args.decoder)
-        family = load_family(config.model)
-        self.engine = DecoderEngine(
-            family.load_text(), family.spec, AutoTokenizer.from_pretrained(model_dir), config.scheduler,
-            config.kv_cache, dtype=getattr(torch, config.model.dtype), device=config.model.device,
-            threads=config.decoder_threads,
-        )
-        family.release_unused()
-        self.service = DecoderService(self.engine)
+        stages = StageFactory(app_args.engine_config(app_args.decoder))
+        self.service = stages.decoder()
+        stages.release_unused()
+        self.engine = self.service.decoder
         self.encoder = hold(encoder)
         self._encoded_on: dict[str, str] = {}  # request id -> encoder replica holding its references
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)

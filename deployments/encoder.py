@@ -19,29 +19,22 @@ from deployments.args import AppArgs
 from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
-from mmserve.embeddings_wire import to_wire
-from mmserve.encoder.runner import EncoderRunner
-from mmserve.encoder.service import EncoderService
-from mmserve.encoder.stage import EncoderStage
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, RequestFailed
-from mmserve.metrics import MetricsSnapshot, encoder_snapshot
-from mmserve.models.registry import load_family
+from mmserve.runtime.embeddings_wire import to_wire
+from mmserve.runtime.metrics import MetricsSnapshot, encoder_snapshot
+from mmserve.stages import StageFactory
 
 
 @serve.deployment
 class Encoder:
-    def __init__(self, app_args: AppArgs, model_dir: str, cache_store: Any, hub: Any):
+    def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any):
         configure_step_process(app_args.encoder)
-        config = app_args.engine_config(model_dir, stage=app_args.encoder)
-        family = load_family(config.model)
-        runner = EncoderRunner(family.load_vision(), max_batch_items=config.encoder.max_batch_items,
-                               device=torch.device(config.model.device))
-        family.release_unused()
-        self.stage = EncoderStage(runner, config.encoder)
+        stages = StageFactory(app_args.engine_config(app_args.encoder))
         self.resolver = PixelResolver(cache_store)
-        self.service = EncoderService(self.stage, batch_wait_s=app_args.encoder.batch_wait_s(config.model.device),
-                                      resolve=self.resolver)
+        self.service = stages.encoder(resolve=self.resolver)
+        stages.release_unused()
+        self.stage = self.service.stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()

@@ -1,6 +1,6 @@
 """Ingress deployment: the OpenAI-compatible HTTP API (FastAPI on Serve).
 
-Owns the HTTP edge only: parse and validate the body (mmserve.protocol), ask Preprocess for token
+Owns the HTTP edge only: parse and validate the body (mmserve.api.protocol), ask Preprocess for token
 ids and FeatureSpecs, stream the Decoder's outputs back as JSON or server-sent events, map errors to
 OpenAI-shaped 4xx/5xx, time each request, and serve the metrics of every stage. No tensor passes
 through here: the ingress holds only small specs with ObjectRefs.
@@ -22,13 +22,13 @@ from ray.exceptions import RayTaskError
 from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
+from mmserve.api.errors import ModelNotFoundError, error_body
+from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
+from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.messages import RequestFailed, RequestOutput
-from mmserve.metrics import IngressMetrics, RequestStatus
-from mmserve.metrics_prometheus import CONTENT_TYPE, render_prometheus
-from mmserve.models.registry import load_family
-from mmserve.protocol import ChatCompletionRequest, ModelCard, ModelList
-from mmserve.protocol_errors import ModelNotFoundError, error_body
-from mmserve.protocol_stream import ChunkBuilder, CompletionBuilder, sse_error
+from mmserve.runtime.metrics import IngressMetrics, RequestStatus
+from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
+from mmserve.stages import StageFactory
 
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 
@@ -71,10 +71,10 @@ def _error(exc: BaseException) -> JSONResponse:
 @serve.deployment
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, app_args: AppArgs, model_dir: str, preprocess: Any, decoder: Any, hub: Any):
-        family = load_family(app_args.engine_config(model_dir).model)
-        self.model_name = family.spec.model_id
-        self.default_max_tokens = family.spec.max_model_len
+    def __init__(self, app_args: AppArgs, preprocess: Any, decoder: Any, hub: Any):
+        spec = StageFactory(app_args.engine_config()).spec  # NOTE: config files only, no weights
+        self.model_name = spec.model_id
+        self.default_max_tokens = spec.max_model_len
         self.preprocess, self.decoder, self.hub = hold(preprocess), hold(decoder), hold(hub)
         self.stats = IngressMetrics()
         self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot, app_args.metrics_push_interval_s)

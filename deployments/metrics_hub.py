@@ -19,7 +19,7 @@ from ray import serve
 from ray.util import metrics as ray_metrics
 
 from deployments.handles import hold
-from mmserve.metrics import HistogramValue, Metric, MetricsSnapshot, merge
+from mmserve.runtime.metrics import HistogramValue, Metric, MetricsSnapshot, merge
 
 log = logging.getLogger(__name__)
 STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges stop counting, its counters stay

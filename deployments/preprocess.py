@@ -14,21 +14,16 @@ from deployments.cache_store import SharedProcessorCache
 from deployments.metrics_hub import MetricsReporter
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed
-from mmserve.metrics import MetricsSnapshot, preprocess_snapshot
-from mmserve.models.registry import load_family
-from mmserve.processing import Preprocessor
+from mmserve.runtime.metrics import MetricsSnapshot, preprocess_snapshot
+from mmserve.stages import StageFactory
 
 
 @serve.deployment
 class Preprocess:
-    def __init__(self, app_args: AppArgs, model_dir: str, cache_store: Any, hub: Any):
-        config = app_args.engine_config(model_dir)
-        family = load_family(config.model)  # config files only; no weights are read here
+    def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any):
         self.cache = SharedProcessorCache(cache_store)
-        self.preprocessor = Preprocessor(
-            model_dir, media=config.media, cache=self.cache, rule=family.prompt_rule,
-            model_id=family.spec.model_id, max_model_len=family.spec.max_model_len,
-        )
+        # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
+        self.preprocessor = StageFactory(app_args.engine_config()).preprocessor(self.cache)
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 

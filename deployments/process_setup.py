@@ -14,9 +14,8 @@ import torch
 from deployments.args import StageArgs
 
 # NOTE: the step loop thread shares the GIL with Serve's event-loop threads, which hand every output on.
-# With CPython's 5 ms default a waiting thread can wait a whole interval per handoff: on 2 cores a decoder
-# replica's first output of a short text prompt took ~125 ms and each next token ~44 ms, against ~95 ms
-# and ~30 ms at 0.5 ms (the in-process engine: ~75 ms and ~33 ms). 50 ms was worse still (~135 / ~39 ms).
+# With CPython's 5 ms default a waiting thread can wait a whole interval per handoff; 0.5 ms cut a
+# replica's first output and its per-token time by about a quarter (docs/benchmarks.md).
 SWITCH_INTERVAL_S = 0.0005
 
 

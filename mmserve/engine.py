@@ -1,8 +1,9 @@
 """The in-process engine: preprocess -> encoder stage -> decoder, wired in one process.
 
-Owns: building the three stages from one `EngineConfig` and the library API (`generate`, `stream`,
-`stats`). The hand-offs are the same services the Ray deployments use (`EncoderService`,
-`DecoderService`), called directly instead of through handles. Does not own any stage's logic.
+Owns: the library API (`generate`, `stream`, `stats`, `shutdown`) over the three stages, which
+`StageFactory` builds from one `EngineConfig` exactly as the Ray deployments build theirs. The
+hand-offs are the same services the deployments use (`EncoderService`, `DecoderService`), called
+directly instead of through handles. Does not own any stage's logic.
 """
 
 from __future__ import annotations
@@ -12,18 +13,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import torch
-
-from mmserve.config import EngineConfig, ModelConfig
-from mmserve.decoder.decoder import Decoder, DecoderStats, LogitsObserver
-from mmserve.decoder.service import DecoderService
-from mmserve.encoder.runner import EncoderRunner
-from mmserve.encoder.service import EncoderService
-from mmserve.encoder.stage import EncoderStage, EncoderStats
+from mmserve.config import EngineConfig
+from mmserve.decoder.decoder import DecoderStats, LogitsObserver
+from mmserve.encoder.stage import EncoderStats
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestOutput
-from mmserve.models.registry import load_family
-from mmserve.processing import Preprocessor
-from mmserve.processor_cache import InMemoryStorage, ProcessorCache, ProcessorCacheStats
+from mmserve.preprocess.processor_cache import ProcessorCache, ProcessorCacheStats
+from mmserve.stages import StageFactory
 
 
 @dataclass(frozen=True)
@@ -46,26 +41,18 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, *, on_logits: LogitsObserver | None = None):
         self.config = config
-        family = load_family(config.model)
-        self.spec = family.spec
-        dtype, device = getattr(torch, config.model.dtype), torch.device(config.model.device)
-        self.processor_cache = ProcessorCache(config.processor_cache.capacity_bytes, InMemoryStorage())
-        self.preprocessor = Preprocessor(
-            config.model.model_dir, media=config.media, cache=self.processor_cache, rule=family.prompt_rule,
-            model_id=self.spec.model_id, max_model_len=self.spec.max_model_len,
-        )
-        runner = EncoderRunner(family.load_vision(), max_batch_items=config.encoder.max_batch_items, device=device)
-        self.encoder = EncoderStage(runner, config.encoder)
-        self.decoder = Decoder(family.load_text(), self.spec, self.preprocessor.tokenizer, config.scheduler,
-                               config.kv_cache, dtype=dtype, device=device, on_logits=on_logits,
-                               threads=config.decoder_threads)
-        family.release_unused()
-        self.encoder_service = EncoderService(self.encoder)
-        self.decoder_service = DecoderService(self.decoder)
+        stages = StageFactory(config)
+        self.spec = stages.spec
+        self.processor_cache = ProcessorCache.from_config(config.processor_cache)
+        self.preprocessor = stages.preprocessor(self.processor_cache)
+        self.encoder_service = stages.encoder()
+        self.decoder_service = stages.decoder(self.preprocessor.tokenizer, on_logits=on_logits)
+        stages.release_unused()
+        self.encoder, self.decoder = self.encoder_service.stage, self.decoder_service.decoder
 
     @classmethod
-    def from_model_dir(cls, model_dir: str, **model_kwargs) -> Engine:
-        return cls(EngineConfig(model=ModelConfig(model_dir=str(model_dir), **model_kwargs)))
+    def from_model_dir(cls, model_dir: str, **engine_kwargs) -> Engine:
+        return cls(EngineConfig(model=str(model_dir), **engine_kwargs))
 
     def preprocess(self, request: ChatRequest) -> PreprocessedRequest:
         """Front end (raises InvalidRequestError subclasses for bad input)."""
@@ -114,7 +101,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop and join the stages' step threads; requests still running fail. Idempotent.
 
-        An engine never shut down is stopped at interpreter exit (mmserve.step_loop's exit hook).
+        An engine never shut down is stopped at interpreter exit (mmserve.runtime.step_loop's exit hook).
         """
         self.encoder_service.stop()
         self.decoder_service.stop()

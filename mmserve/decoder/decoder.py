@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.config import KVCacheConfig, SchedulerConfig, StepThreadsConfig
+from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.detokenizer import IncrementalDetokenizer
 from mmserve.decoder.kv_cache import KVCache
@@ -21,10 +21,10 @@ from mmserve.decoder.model_runner import ModelRunner
 from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import Sequence
-from mmserve.image_runs import image_token_runs
 from mmserve.messages import DecodeRequest, RequestOutput
 from mmserve.models.base import ModelSpec, TextDecoder
-from mmserve.step_threads import StepThreads
+from mmserve.preprocess.image_runs import image_token_runs
+from mmserve.runtime.step_threads import StepThreads
 
 # Called with the request ids and their (n, vocab) logits of every step; tests use it for parity.
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
@@ -53,23 +53,20 @@ class Decoder:
         model: TextDecoder,
         spec: ModelSpec,
         tokenizer,
-        scheduler: SchedulerConfig,
-        kv_cache: KVCacheConfig,
+        config: DecoderConfig,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         on_logits: LogitsObserver | None = None,
-        threads: StepThreadsConfig | None = None,
     ):
         device = torch.device(device)
         self.spec, self.tokenizer, self.on_logits = spec, tokenizer, on_logits
-        self.pool = BlockPool(kv_cache.num_blocks)
-        self.scheduler = Scheduler(
-            scheduler, kv_cache, self.pool, max_model_len=spec.max_model_len, eos_token_ids=spec.eos_token_ids
-        )
-        self.kv = KVCache(spec, kv_cache, dtype=dtype, device=device)
+        self.pool = BlockPool(config.num_blocks)
+        self.scheduler = Scheduler(config, self.pool, max_model_len=spec.max_model_len,
+                                   eos_token_ids=spec.eos_token_ids)
+        self.kv = KVCache(spec, config, dtype=dtype, device=device)
         self.runner = ModelRunner(model, spec, self.kv, dtype=dtype, device=device,
-                                  threads=StepThreads(device, threads or StepThreadsConfig()))
+                                  threads=StepThreads(device, config))
         self.sampler = Sampler()
         self._states: dict[str, _OutputState] = {}
         self.steps = 0

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.config import KVCacheConfig
+from mmserve.config import DecoderConfig
 from mmserve.models.base import ModelSpec
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, config: KVCacheConfig, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: ModelSpec, config: DecoderConfig, *, dtype: torch.dtype, device: torch.device):
         self.block_size = config.block_size
         self.num_slots = config.num_blocks * config.block_size
         shape = (self.num_slots, spec.num_kv_heads, spec.head_dim)

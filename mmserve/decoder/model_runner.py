@@ -16,9 +16,9 @@ import torch
 from mmserve.decoder.attention import SeqChunk, build_metadata
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.sequence import Sequence
-from mmserve.image_runs import image_run_ids
 from mmserve.models.base import ModelSpec, TextDecoder
-from mmserve.step_threads import StepThreads
+from mmserve.preprocess.image_runs import image_run_ids
+from mmserve.runtime.step_threads import StepThreads
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from mmserve.config import KVCacheConfig, SchedulerConfig
+from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.sequence import Sequence, SequenceStatus
 from mmserve.errors import CapacityError, InvalidRequestError, PromptTooLongError
@@ -59,10 +59,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_config: KVCacheConfig,
-                 block_pool: BlockPool, max_model_len: int, eos_token_ids: tuple[int, ...]) -> None:
-        self.config = scheduler_config
-        self.block_size = kv_cache_config.block_size
+    def __init__(self, config: DecoderConfig, block_pool: BlockPool, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.block_size = config.block_size
         self.pool = block_pool
         self.max_model_len = max_model_len  # tokens the model's positions allow
         # NOTE: a sequence may never hold more tokens than the pool either; capping its length there

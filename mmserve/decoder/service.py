@@ -14,7 +14,7 @@ from typing import Any
 
 from mmserve.decoder.decoder import Decoder
 from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, merge_outputs
-from mmserve.step_loop import StepLoop
+from mmserve.runtime.step_loop import StepLoop
 
 EncodeFn = Callable[[PreprocessedRequest], Awaitable[list[Any]]]  # -> per-feature embeddings
 ReleaseFn = Callable[[str], Any]  # request id -> None or an awaitable

@@ -16,12 +16,20 @@ import torch
 
 from mmserve.messages import ProcessedItem
 from mmserve.models.base import VisionEncoder  # (n_images, 3, H, W) -> (n_images, mm_tokens, hidden)
-from mmserve.step_threads import StepThreads
+from mmserve.runtime.step_threads import StepThreads
 
-# NOTE: on a CPU a batch of images costs the same per image as one alone (bench checkpoint: 404 ms per
-# image at batch 1, ~430 at batch 4), so batching there only makes the first image wait for the last.
+# NOTE: on a CPU a batch of images costs about the same per image as one alone (docs/benchmarks.md,
+# "What moved the figures"), so batching there only makes the first image wait for the last.
 GPU_BATCH_ITEMS = 16  # crops per forward by default on an accelerator, where batching pays
 CPU_BATCH_ITEMS = 1
+GPU_BATCH_WAIT_MS = 5.0  # how long the first request waits for company on an accelerator; 0 on a CPU
+
+
+def batch_wait_s(batch_wait_ms: float | None, device: torch.device) -> float:
+    """The encoder's batching window in seconds: the configured one, else by device."""
+    if batch_wait_ms is None:
+        batch_wait_ms = GPU_BATCH_WAIT_MS if device.type != "cpu" else 0.0
+    return batch_wait_ms / 1000
 
 
 class EncoderRunner:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mmserve.encoder.stage import EncoderStage, Resolver, _identity
+from mmserve.encoder.stage import EncoderStage, Resolver, inline_pixels
 from mmserve.messages import MultiModalFeatureSpec
-from mmserve.step_loop import StepLoop
+from mmserve.runtime.step_loop import StepLoop
 
 
 class EncoderService:
-    def __init__(self, stage: EncoderStage, *, batch_wait_s: float = 0.0, resolve: Resolver = _identity):
+    def __init__(self, stage: EncoderStage, *, batch_wait_s: float = 0.0, resolve: Resolver = inline_pixels):
         self.stage = stage
         self.resolve = resolve
         self.loop = StepLoop(stage.step, stage.has_pending, stage.abort_all, batch_wait_s=batch_wait_s,

@@ -26,7 +26,8 @@ from mmserve.models.base import VisionEncoder
 Resolver = Callable[[MultiModalFeatureSpec], ProcessedItem]  # an item's pixels (ray.get in the Ray app)
 
 
-def _identity(spec: MultiModalFeatureSpec) -> ProcessedItem:
+def inline_pixels(spec: MultiModalFeatureSpec) -> ProcessedItem:
+    """The resolver of the in-process engine: the spec carries the item itself."""
     return spec.data
 
 
@@ -106,7 +107,7 @@ class EncoderStage:
     # ---- requests in and out ----
 
     def add_request(
-        self, request_id: str, features: list[MultiModalFeatureSpec], resolve: Resolver = _identity
+        self, request_id: str, features: list[MultiModalFeatureSpec], resolve: Resolver = inline_pixels
     ) -> None:
         """Queue a request; CapacityError if its items can never fit (nothing is queued then)."""
         if request_id in self._live:

@@ -8,11 +8,15 @@ model's own rules or weights (those live in `mmserve/models/<family>.py`), nor f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from mmserve.decoder.attention import AttentionMetadata
+    from mmserve.decoder.kv_cache import KVCache
 
 FULL = "full_attention"  # layer kind: attends to the whole context
 SLIDING = "sliding_attention"  # layer kind: attends to the last `sliding_window` positions only
@@ -53,16 +57,48 @@ class TextDecoder(Protocol):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # (T,) -> (T, hidden)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor: ...
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor: ...  # (T, hidden) -> (T, hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # (n, hidden) -> (n, vocab)
+
+
+class PromptRule(Protocol):
+    """How a family's prompt holds images; the preprocessor applies it without asking which model it is.
+
+    The chat template emits `placeholder` once per image; `expand` rewrites each into the item's
+    image-token runs (one run of `mm_tokens` image tokens per image or crop) and whatever text the
+    model puts around them.
+    """
+
+    @property
+    def placeholder(self) -> str: ...  # what the chat template emits for each {"type": "image"} part
+
+    @property
+    def image_token(self) -> str: ...  # the token of one embedding row
+
+    @property
+    def mm_tokens(self) -> int: ...  # image tokens per image or crop (tokens)
+
+    @property
+    def reserved_strings(self) -> tuple[str, ...]: ...  # user text may not contain these
+
+    def expand(self, text: str, crops_per_item: list[int]) -> str: ...  # crops per item, prompt order
+
+    def resolve_kwargs(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """Every output-changing image-processor kwarg: defaults updated by the request's, each checked
+        (InvalidRequestError naming a bad or unknown one)."""
+        ...
 
 
 class ModelFamily(Protocol):
     """What a model module provides; shared code never asks which model it is."""
 
-    spec: ModelSpec
-    prompt_rule: Any  # the family's placeholder rule (e.g. Gemma3PromptRule)
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def prompt_rule(self) -> PromptRule: ...
 
     def load_vision(self) -> VisionEncoder: ...
 

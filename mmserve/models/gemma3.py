@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from mmserve.config import ModelConfig
+from mmserve.config import EngineConfig
 from mmserve.models.base import FULL, SLIDING, AttentionPattern, ModelSpec, VisionEncoder
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.gemma3_text import Gemma3PagedText
@@ -33,13 +33,13 @@ def _eos_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def gemma3_spec(model_dir: Path, config: Any, model: ModelConfig) -> ModelSpec:
+def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec:
     text = config.text_config
     kinds = tuple(text.layer_types)
     assert set(kinds) <= {FULL, SLIDING}, f"unknown Gemma 3 layer types {set(kinds)}"
     return ModelSpec(
         family="gemma3",
-        model_id=model.served_name or model_dir.name,
+        model_id=engine.served_name or model_dir.name,
         image_token_id=int(config.image_token_id),
         mm_tokens_per_image=int(config.mm_tokens_per_image),
         vocab_size=int(text.vocab_size),
@@ -47,7 +47,7 @@ def gemma3_spec(model_dir: Path, config: Any, model: ModelConfig) -> ModelSpec:
         num_layers=int(text.num_hidden_layers),
         num_kv_heads=int(text.num_key_value_heads),
         head_dim=int(text.head_dim),
-        max_model_len=int(model.max_model_len or text.max_position_embeddings),
+        max_model_len=int(engine.max_model_len or text.max_position_embeddings),
         eos_token_ids=_eos_ids(model_dir, config),
         attention=AttentionPattern(
             layer_kinds=kinds,
@@ -62,17 +62,17 @@ def gemma3_spec(model_dir: Path, config: Any, model: ModelConfig) -> ModelSpec:
 class Gemma3Family:
     """A Gemma 3 checkpoint folder: its spec, prompt rule and loadable parts."""
 
-    def __init__(self, model: ModelConfig):
-        self.model_config = model
-        self.model_dir = Path(model.model_dir)
+    def __init__(self, model_dir: Path, config: EngineConfig):
+        self.engine_config = config
+        self.model_dir = model_dir
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.spec = gemma3_spec(self.model_dir, self.hf_config, model)
+        self.spec = gemma3_spec(self.model_dir, self.hf_config, config)
         self.prompt_rule = Gemma3PromptRule.from_checkpoint(self.model_dir, self.spec.mm_tokens_per_image)
         self._hf_model: Any = None
 
     @property
     def dtype(self) -> torch.dtype:
-        return getattr(torch, self.model_config.dtype)
+        return getattr(torch, self.engine_config.dtype)
 
     def _load(self) -> Any:
         # NOTE: the whole checkpoint is read once (transformers maps every checkpoint layout,
@@ -87,7 +87,7 @@ class Gemma3Family:
 
     def load_vision(self) -> VisionEncoder:
         inner = self._load().model
-        device = torch.device(self.model_config.device)
+        device = torch.device(self.engine_config.device)
         tower = inner.vision_tower.to(device)
         projector = inner.multi_modal_projector.to(device)
         normalize, dtype = PixelNormalization.from_checkpoint(self.model_dir), self.dtype
@@ -102,7 +102,7 @@ class Gemma3Family:
 
     def load_text(self) -> Gemma3PagedText:
         hf = self._load()
-        device = torch.device(self.model_config.device)
+        device = torch.device(self.engine_config.device)
         text = Gemma3PagedText(hf.model.language_model, hf.lm_head, self.spec.attention)
         return text.to(device).eval()
 

@@ -173,12 +173,12 @@ class EngineSystem:
         from mmserve.engine import Engine
 
         self.args = parse_args({"model": str(model_dir), **app_args})
-        self.engine = Engine(self.args.engine_config(str(model_dir)))
+        self.engine = Engine(self.args.engine_config())
         self.timers = StageTimers(self.engine) if timers else None
         self.request_ids: dict[str, str] = {}  # request key -> engine request id
 
     def chat_request(self, req: BenchRequest, request_id: str):
-        from mmserve.protocol import ChatCompletionRequest
+        from mmserve.api.protocol import ChatCompletionRequest
 
         body: dict[str, Any] = {"messages": openai_messages(req, _url), "max_tokens": req.max_tokens,
                                 "temperature": 0.0, "ignore_eos": True, "stream": True}

@@ -67,7 +67,7 @@ class Bench:
             self.inproc["engine"] = engine
         else:
             engine.shutdown()
-            engine.engine = None  # type: ignore[assignment]  # NOTE: frees the model; the timers stay
+            engine.engine = None  # NOTE: frees the model; the timers stay
             gc.collect()
 
     def bring_up(self, name: str) -> None:

@@ -34,7 +34,7 @@ MiB = 1 << 20
 MMSERVE_ARGS: dict[str, Any] = {
     "dtype": "float32",
     "device": "cpu",
-    "processor_cache_bytes": 256 * MiB,
+    "processor_cache.capacity_bytes": 256 * MiB,
     "ingress": {"num_replicas": 1, "num_cpus": 0},
     "preprocess": {"autoscaling": None, "num_replicas": 1, "num_cpus": 0},
     "encoder": {"num_replicas": 1, "num_cpus": 0, "cache_capacity_tokens": 256 * 64},

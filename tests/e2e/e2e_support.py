@@ -23,7 +23,7 @@ def make_image(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:
     """A smooth random RGB picture (8x8 noise upscaled), distinct per seed."""
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 256, size=(12, 16, 3), dtype=np.uint8)
-    return Image.fromarray(base).resize(size, Image.BILINEAR)
+    return Image.fromarray(base).resize(size, Image.Resampling.BILINEAR)
 
 
 def encode_image(image: Image.Image, fmt: str = "PNG", **save_kwargs) -> bytes:

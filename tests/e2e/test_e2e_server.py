@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import typing
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -62,15 +63,15 @@ def user(text: str, *image_urls: str) -> list[dict[str, Any]]:
 
 def complete(client: OpenAI, server: Server, messages: list[dict[str, Any]], max_tokens: int = 12,
              **kwargs: Any) -> Any:
-    return client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=max_tokens,
-                                          temperature=0, **kwargs)
+    return client.chat.completions.create(model=server.model_name, messages=typing.cast(Any, messages),
+                                          max_tokens=max_tokens, temperature=0, **kwargs)
 
 
 def stream(client: OpenAI, server: Server, messages: list[dict[str, Any]], max_tokens: int = 12) -> dict[str, Any]:
     """Text, finish reason and usage assembled from a streamed completion (usage requested)."""
     text, finish, usage, roles, ids = [], [], [], [], set()
-    with client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=max_tokens,
-                                        temperature=0, stream=True,
+    with client.chat.completions.create(model=server.model_name, messages=typing.cast(Any, messages),
+                                        max_tokens=max_tokens, temperature=0, stream=True,
                                         stream_options={"include_usage": True}) as chunks:
         for chunk in chunks:
             ids.add(chunk.id)
@@ -221,7 +222,8 @@ def test_url_outside_allowlist_is_refused(client, e2e_server):
     err = info.value
     assert err.status_code == 400
     assert err.code == "unsupported_url"
-    assert "example.invalid" in err.body["message"] and "allowed" in err.body["message"]
+    body = typing.cast(dict[str, Any], err.body)
+    assert "example.invalid" in body["message"] and "allowed" in body["message"]
 
 
 # --- 4. caches, as /metrics sees them ----------------------------------------------------------------
@@ -257,7 +259,7 @@ def settled(server: Server, names: tuple[str, ...], after: dict[str, float] | No
         values = {n: now.get(n) for n in names}
         moved = after is None or any(values[n] != after[n] for n in names)
         if values == previous and moved and None not in values.values():
-            return values
+            return {n: v for n, v in values.items() if v is not None}
         previous = values
         time.sleep(METRICS_SETTLE_S)
     pytest.fail(f"metrics did not settle within {METRICS_TIMEOUT_S:.0f} s: {previous}")

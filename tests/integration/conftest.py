@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,7 +167,8 @@ def preprocess_probes(mm_app: AppInfo) -> dict[str, Any]:
     """role -> a NodeProbe on that preprocess node, calling the app's Preprocess from there."""
     import ray
 
-    probes = {name: NodeProbe.options(resources={name: 0.01}).remote(mm_app.name, "Preprocess")
+    probe_actor = typing.cast(Any, NodeProbe)  # NOTE: a @ray.remote class; mypy sees the plain class
+    probes = {name: probe_actor.options(resources={name: 0.01}).remote(mm_app.name, "Preprocess")
               for name in PREPROCESS_NODES}
     for name, probe in probes.items():
         assert ray.get(probe.node_id.remote(), timeout=60) == mm_app.cluster.node_ids[name]
@@ -174,11 +176,11 @@ def preprocess_probes(mm_app: AppInfo) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def reference_engine(mm_app: AppInfo, tiny_ckpt_224: Path) -> Iterator[Any]:
+def reference_engine(mm_app: AppInfo) -> Iterator[Any]:
     """The in-process engine with the config every stage of the app runs with."""
     from deployments.args import parse_args
     from mmserve.engine import Engine
 
-    engine = Engine(parse_args(mm_app.args).engine_config(str(tiny_ckpt_224)))
+    engine = Engine(parse_args(mm_app.args).engine_config())  # the app names the checkpoint
     yield engine
     engine.shutdown()

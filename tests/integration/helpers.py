@@ -37,7 +37,7 @@ def make_png(width: int, height: int, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 255, size=(8, 8, 3), dtype=np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(base).resize((width, height), Image.BILINEAR).save(buf, format="PNG")
+    Image.fromarray(base).resize((width, height), Image.Resampling.BILINEAR).save(buf, format="PNG")
     return buf.getvalue()
 
 
@@ -160,7 +160,8 @@ def wait_running(name: str, timeout: float = 300) -> None:
 
 def replica_states(app: str, deployment: str) -> dict[str, int]:
     """Serve's replica counts of one deployment by state, e.g. {"RUNNING": 2}."""
-    return dict(serve.status().applications[app].deployments[deployment].replica_states)
+    states = serve.status().applications[app].deployments[deployment].replica_states
+    return {str(state): n for state, n in states.items()}  # NOTE: plain strings by now, whatever the annotation
 
 
 def replica_actors(app: str, deployment: str) -> list[dict[str, Any]]:

@@ -43,6 +43,7 @@ def test_closing_a_stream_midway_frees_kv_blocks_and_encoder_references(mm_app: 
     try:
         events = stream.events()
         chunks = [next(events) for _ in range(4)]
+        assert isinstance(chunks[0], dict), chunks
         request_id = chunks[0]["id"]
         # Mid-stream: the request runs in the decoder and one encoder replica holds its references.
         live = decoder_state(mm_app)

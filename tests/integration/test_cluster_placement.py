@@ -3,8 +3,10 @@ type its custom resource names, in the count its own arguments set."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
+from typing import Any
 
 from deployments.args import DEFAULT_STAGE_ENV
 from deployments.process_setup import SWITCH_INTERVAL_S
@@ -36,8 +38,8 @@ def test_each_stage_runs_its_own_replica_count_on_its_node_type(mm_app: AppInfo)
 def test_replicas_report_the_node_ray_placed_them_on(mm_app: AppInfo):
     """The replicas' own view (runtime context) agrees with the state API, replica by replica."""
     for deployment, count in (("Preprocess", 2), ("Encoder", 2)):
-        handle = mm_app.handle(deployment)
-        infos = info_of_every_replica(lambda h=handle: h.replica_info.remote(), count)
+        handle: Any = mm_app.handle(deployment)
+        infos = info_of_every_replica(functools.partial(lambda h: h.replica_info.remote(), handle), count)
         by_suffix = {a["name"].rsplit("#", 1)[-1]: a["node_id"] for a in replica_actors(mm_app.name, deployment)}
         assert {rid: info["node_id"] for rid, info in infos.items()} == by_suffix, deployment
 

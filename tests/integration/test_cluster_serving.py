@@ -7,8 +7,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mmserve.api.protocol import ChatCompletionRequest
 from mmserve.engine import Completion, Engine
-from mmserve.protocol import ChatCompletionRequest
 from tests.integration.conftest import AppInfo
 from tests.integration.helpers import SSEStream, chat_body, data_url, get_text, post_json
 

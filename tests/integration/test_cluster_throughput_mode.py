@@ -44,7 +44,7 @@ def grpc_app(ray_cluster: ClusterInfo, tiny_ckpt_224: Path) -> Iterator[AppInfo]
     stage = {"num_replicas": 1, "env": {**DEFAULT_STAGE_ENV, **GRPC_MODE}}
     args = {
         "model": str(tiny_ckpt_224),
-        "processor_cache_bytes": 0,
+        "processor_cache.capacity_bytes": 0,
         "dtype": "bfloat16",
         "ingress": stage, "decoder": stage, "encoder": stage, "preprocess": {**stage, "autoscaling": None},
     }
@@ -89,12 +89,12 @@ def test_image_requests_leave_no_pixels_pinned_under_grpc_handles(grpc_app: AppI
 
 
 @pytest.fixture(scope="module")
-def bf16_engine(grpc_app: AppInfo, tiny_ckpt_224: Path) -> Iterator[Engine]:
+def bf16_engine(grpc_app: AppInfo) -> Iterator[Engine]:
     """The in-process engine with the app's exact config (bfloat16)."""
     from deployments.args import parse_args
 
-    engine = Engine(parse_args(grpc_app.args).engine_config(str(tiny_ckpt_224)))
-    assert engine.config.model.dtype == "bfloat16"
+    engine = Engine(parse_args(grpc_app.args).engine_config())  # the app names the checkpoint
+    assert engine.config.dtype == "bfloat16"
     yield engine
     engine.shutdown()
 

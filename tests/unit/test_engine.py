@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
-from mmserve.config import EngineConfig, MediaConfig, ModelConfig
+from mmserve.config import EngineConfig, MediaConfig
 from mmserve.engine import Engine
 from mmserve.errors import (
     InvalidRequestError,
@@ -33,7 +34,7 @@ def chat(request_id: str, *urls: str, text: str = "What is this?", **sampling) -
 
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt_224):
-    config = EngineConfig(model=ModelConfig(model_dir=str(tiny_ckpt_224), max_model_len=2048),
+    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
                           media=MediaConfig(max_images_per_prompt=2))
     eng = Engine(config)
     yield eng
@@ -140,7 +141,8 @@ def test_stop_string_cuts_text(engine):
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
-    kw = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_tokens": 12, "ignore_eos": True}
+    kw: dict[str, Any] = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_tokens": 12,
+                          "ignore_eos": True}
     [alone] = engine.generate([chat("r1", IMAGE, **kw)])
     batch = engine.generate([chat("r2", IMAGE, **kw), chat("r3", text="other", **{**kw, "seed": 7})])
     assert batch[0].token_ids == alone.token_ids

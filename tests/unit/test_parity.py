@@ -15,10 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from mmserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.config import DecoderConfig, EngineConfig
 from mmserve.engine import Engine
-from mmserve.image_runs import image_token_runs
 from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.preprocess.image_runs import image_token_runs
 
 # Max |ours - reference| over the vocab, every step. NOTE: two implementations with their own kernels and
 # summation orders through every layer; logits are O(1..10), so this is ~1000 float32 ulps of the largest,
@@ -30,7 +30,7 @@ MAX_TOKENS = 10
 def make_image(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 255, size=(8, 8, 3), dtype=np.uint8)
-    return Image.fromarray(base).resize((width, height), Image.BILINEAR)
+    return Image.fromarray(base).resize((width, height), Image.Resampling.BILINEAR)
 
 
 def data_url(image: Image.Image) -> str:
@@ -86,7 +86,7 @@ class Recorder:
 
 def make_engine(model_dir, **scheduler) -> tuple[Engine, Recorder]:
     rec = Recorder()
-    config = EngineConfig(model=ModelConfig(model_dir=str(model_dir)), scheduler=SchedulerConfig(**scheduler))
+    config = EngineConfig(model=str(model_dir), decoder=DecoderConfig(**scheduler))
     return Engine(config, on_logits=rec), rec
 
 

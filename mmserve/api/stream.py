@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
+from mmserve.api.errors import error_body
+from mmserve.api.protocol import AssistantMessage, ChatCompletionResponse, Choice, Usage
 from mmserve.messages import RequestFailed, RequestOutput
-from mmserve.protocol import AssistantMessage, ChatCompletionResponse, Choice, Usage
-from mmserve.protocol_errors import error_body
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.hashing import hash_image
-from mmserve.image_decode import decode_image
 from mmserve.models.gemma3_prompt import PROCESSOR_DEFAULTS
+from mmserve.preprocess.hashing import hash_image
+from mmserve.preprocess.image_decode import decode_image
 
 RNG = np.random.default_rng(0)
 PIXELS = Image.fromarray(RNG.integers(0, 256, (24, 32, 3), dtype=np.uint8))
@@ -54,7 +55,7 @@ def test_explicit_defaults_hash_like_omitted_ones() -> None:
     {"do_pan_and_scan": True}, {"pan_and_scan_max_num_crops": 3}, {"pan_and_scan_min_crop_size": 128},
     {"pan_and_scan_min_ratio_to_activate": 1.5},
 ])
-def test_output_changing_kwargs_change_the_key(change: dict[str, object]) -> None:
+def test_output_changing_kwargs_change_the_key(change: dict[str, Any]) -> None:
     assert key(PIXELS, **change) != key(PIXELS)
 
 

@@ -1,4 +1,4 @@
-"""processing.py against transformers' own Gemma3Processor, plus the cache and every refusal.
+"""The preprocessor against transformers' own Gemma3Processor, plus the cache and every refusal.
 
 Uses the session fixtures `tiny_ckpt` (896 px / 256 tokens) and `tiny_ckpt_224` (224 px / 16 tokens).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmserve.config import EngineConfig, MediaConfig, ModelConfig
+from mmserve.config import EngineConfig, MediaConfig
 from mmserve.errors import (
     InvalidRequestError,
     InvalidSamplingError,
@@ -24,12 +25,14 @@ from mmserve.errors import (
     TooManyItemsError,
     UnsupportedURLError,
 )
-from mmserve.image_runs import image_token_runs
-from mmserve.media import MediaLoader
 from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, PixelNormalization
-from mmserve.processing import Preprocessor
-from mmserve.processor_cache import ProcessorCache
+from mmserve.preprocess.image_runs import image_token_runs
+from mmserve.preprocess.media import MediaLoader
+from mmserve.preprocess.preprocessor import Preprocessor
+from mmserve.preprocess.processor_cache import ProcessorCache
+from mmserve.stages import StageFactory
 from tests.numerics import assert_close_ulps
 
 GiB = 1 << 30
@@ -69,8 +72,13 @@ class SpyLoader(MediaLoader):
 
 def make(ckpt: Path, *, capacity: int = GiB, max_model_len: int = 8192, **media: Any) -> Preprocessor:
     config = MediaConfig(**media)
-    return Preprocessor(ckpt, media=config, cache=ProcessorCache(capacity), model_id="tiny",
-                        max_model_len=max_model_len, loader=SpyLoader(config))
+    return Preprocessor(ckpt, media=config, cache=ProcessorCache(capacity), rule=Gemma3PromptRule.from_checkpoint(ckpt),
+                        model_id="tiny", max_model_len=max_model_len, loader=SpyLoader(config))
+
+
+def cache_of(pp: Preprocessor) -> ProcessorCache:
+    """The in-memory ProcessorCache `make` gave the preprocessor."""
+    return typing.cast(ProcessorCache, pp.cache)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +123,7 @@ CASES = {
 
 
 def check_parity(pp: Preprocessor, case: str) -> None:
-    messages, hf_messages, images, pas = CASES[case]
+    messages, hf_messages, images, pas = typing.cast(tuple[Any, Any, list[Image.Image], bool], CASES[case])
     kwargs = {"do_pan_and_scan": True} if pas else {}
     ours = pp.process(request(messages, mm_processor_kwargs=kwargs))
     rendered = pp.processor.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
@@ -132,7 +140,7 @@ def check_parity(pp: Preprocessor, case: str) -> None:
                        return_tensors="np", **DEFER_TO_ENCODER)
     assert np.array_equal(ours_pixels, raw["pixel_values"])
     # what the encoder's normalization makes of them is what transformers' processor gives, to a few
-    # roundings per value (tests/unit/test_pixels.py says why 4 ulps)
+    # roundings per value (tests/unit/models/test_pixels.py says why 4 ulps)
     normalize = PixelNormalization.from_config(pp.image_processor.to_dict())
     assert_close_ulps(normalize(torch.from_numpy(ours_pixels)), ref["pixel_values"], ulps=4)
     # placeholders: item i spans its (crops + 1) runs of image tokens, text between crops included
@@ -166,7 +174,7 @@ def test_parity_with_transformers_224(pre224: Preprocessor, case: str) -> None:
 
 
 def test_prompt_starts_with_a_single_bos(pre: Preprocessor) -> None:
-    ids = pre.process(request(CASES["one_image"][0])).prompt_token_ids
+    ids = pre.process(request(typing.cast(list[dict[str, Any]], CASES["one_image"][0]))).prompt_token_ids
     assert ids[0] == pre.tokenizer.bos_token_id and ids[1] != pre.tokenizer.bos_token_id
 
 
@@ -192,7 +200,7 @@ def test_repeated_image_makes_no_new_processor_call(tiny_ckpt_224: Path) -> None
     other_kwarg = pp.process(one_image(DOG, mm_processor_kwargs={"do_pan_and_scan": True}))
     assert pp.image_processor_calls == 2 and other_kwarg.processor_cache_hits == 0
     assert other_kwarg.features[0].identifier != first.features[0].identifier
-    stats = pp.cache.stats()
+    stats = cache_of(pp).stats()
     assert (stats.queries, stats.hits, stats.entries) == (4, 2, 2)
 
 
@@ -208,8 +216,8 @@ def test_byte_bound_evicts_in_lru_order(tiny_ckpt_224: Path) -> None:
     keys = [pp.process(one_image(im)).features[0].identifier for im in (CAT, DOG)]
     pp.process(one_image(CAT))  # CAT becomes most recent
     keys.append(pp.process(one_image(WIDE)).features[0].identifier)  # evicts DOG, not CAT
-    assert pp.cache.keys() == [keys[0], keys[2]]
-    stats = pp.cache.stats()
+    assert cache_of(pp).keys() == [keys[0], keys[2]]
+    stats = cache_of(pp).stats()
     assert stats.evictions == 1 and stats.peak_bytes_held <= 2 * tile_bytes
     calls = pp.image_processor_calls
     assert pp.process(one_image(CAT)).processor_cache_hits == 1
@@ -260,7 +268,7 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_inputs(pre224: Preprocessor, case: str) -> None:
-    messages, error, message = BAD[case]
+    messages, error, message = typing.cast(tuple[list[dict[str, Any]], type[Exception], str], BAD[case])
     with pytest.raises(error, match=message):
         pre224.process(request(messages))
 
@@ -307,40 +315,6 @@ def test_sampling_is_validated(pre224: Preprocessor) -> None:
 
 
 def test_from_config(tiny_ckpt_224: Path) -> None:
-    pp = Preprocessor.from_config(EngineConfig(model=ModelConfig(model_dir=str(tiny_ckpt_224))))
+    pp = StageFactory(EngineConfig(model=str(tiny_ckpt_224))).preprocessor(ProcessorCache(GiB))
     assert pp.model_id == tiny_ckpt_224.name and pp.max_model_len > 1000
     assert pp.process(request(user(txt("hi")))).prompt_token_ids[0] == pp.tokenizer.bos_token_id
-
-
-# --- the Gemma 3 rule ----------------------------------------------------------------------------
-
-
-def test_rule_expansion_is_transformers_replacement(pre: Preprocessor) -> None:
-    text = "a<start_of_image>b<start_of_image>c"
-    expected = text.split("<start_of_image>")
-    replacements = [pre.processor.replace_image_token({"num_crops": [c]}, 0) for c in (0, 2)]
-    assert pre.rule.expand(text, [0, 2]) == (expected[0] + replacements[0] + expected[1]
-                                             + replacements[1] + expected[2])
-    with pytest.raises(ValueError, match="2 <start_of_image> placeholders for 1 items"):
-        pre.rule.expand(text, [0])
-
-
-def test_rule_from_checkpoint_matches_processor_and_reads_saved_defaults(tiny_ckpt_224: Path,
-                                                                         tmp_path: Path) -> None:
-    import json
-    import shutil
-
-    from mmserve.models.gemma3_prompt import Gemma3PromptRule
-
-    pp = make(tiny_ckpt_224)
-    assert Gemma3PromptRule.from_checkpoint(tiny_ckpt_224) == pp.rule
-    assert pp.rule.output_kwargs_defaults["do_pan_and_scan"] is False  # null in the saved config
-    ckpt = Path(shutil.copytree(tiny_ckpt_224, tmp_path / "pas"))
-    config_path = ckpt / "preprocessor_config.json"
-    config = json.loads(config_path.read_text())
-    config.update(do_pan_and_scan=True, pan_and_scan_max_num_crops=2)
-    config_path.write_text(json.dumps(config))
-    saved = make(ckpt)
-    assert Gemma3PromptRule.from_checkpoint(ckpt) == saved.rule
-    assert saved.rule.output_kwargs_defaults["pan_and_scan_max_num_crops"] == 2
-    assert saved.process(one_image(WIDE)).features[0].data.pixel_values.shape[0] == 3  # 2 crops + whole

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 
-from mmserve.config import KVCacheConfig, SchedulerConfig
+from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.scheduler import Scheduler, SchedulerOutput
 from mmserve.decoder.sequence import Sequence, SequenceStatus
@@ -20,8 +21,8 @@ TOKEN = 7  # what the fake model samples unless told otherwise
 
 def make_scheduler(*, budget: int = 64, seqs: int = 8, block_size: int = 4, blocks: int = 64,
                    max_model_len: int = 1024) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget),
-                     KVCacheConfig(block_size=block_size, num_blocks=blocks), BlockPool(blocks),
+    return Scheduler(DecoderConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=block_size,
+                                   num_blocks=blocks), BlockPool(blocks),
                      max_model_len, EOS)
 
 
@@ -76,6 +77,13 @@ class Driver:
         assert all(not s.block_table for s in self.sched.waiting)
         for seq in self.sched.running:
             assert len(seq.block_table) == -(-seq.num_computed_tokens // self.sched.block_size)
+
+
+def seq_of(sched: Scheduler, rid: str, lookup: Callable[[str], Sequence | None] | None = None) -> Sequence:
+    """The sequence `lookup(rid)` returns (default: the scheduler's own), which must exist."""
+    seq = (lookup or sched.get)(rid)
+    assert seq is not None, rid
+    return seq
 
 
 def ids(out: SchedulerOutput) -> list[str]:
@@ -207,7 +215,7 @@ def test_latest_arrival_preempts_itself_never_an_earlier_one() -> None:
     d.step()  # a at 5 computed (3 blocks), b at 4 (2 blocks): the pool is dry
     out = d.step()  # a fits its 3 blocks; b needs a 3rd and is the latest arrival: it yields
     assert out.preempted == ["b"] and ids(out) == ["a"]
-    assert sched.running == [sched.get("a")] and sched.get("b").status is SequenceStatus.WAITING
+    assert sched.running == [sched.get("a")] and seq_of(sched, "b").status is SequenceStatus.WAITING
     out = d.step()  # a needs a 4th block: b's freed ones; nobody is admitted while the pool is short
     assert ids(out) == ["a"] and out.preempted == []
 
@@ -231,9 +239,9 @@ def test_abort_waiting_running_and_mid_prefill_returns_every_block() -> None:
     d.step()
     long = sched.get("long")
     assert long is not None and 0 < long.num_computed_tokens < 40, "mid-prefill"
-    assert sched.get("wait").status is SequenceStatus.WAITING
-    assert sched.abort("wait").finish_reason == "abort"
-    assert sched.abort("long").status is SequenceStatus.FINISHED
+    assert seq_of(sched, "wait").status is SequenceStatus.WAITING
+    assert seq_of(sched, "wait", sched.abort).finish_reason == "abort"
+    assert seq_of(sched, "long", sched.abort).status is SequenceStatus.FINISHED
     out = sched.schedule()
     assert sched.abort("run") is not None  # aborted while its step runs
     assert sched.update(out, {"run": TOKEN}) == []

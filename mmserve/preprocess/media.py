@@ -2,7 +2,7 @@
 
 Owns: reading `data:` URLs, `http(s)://` URLs (timeouts, byte cap, domain allowlist, refusal of
 private addresses on every redirect hop, max 5 redirects) and `file://` URLs under one allowed
-folder, and handing the bytes to `image_decode`. Does not own: decoding (`mmserve.image_decode`),
+folder, and handing the bytes to `image_decode`. Does not own: decoding (`mmserve.preprocess.image_decode`),
 hashing, caching or the model's image processor.
 
 Every error names the item ("image 2: ...") and is a `MediaError` (bytes we cannot use) or an
@@ -29,7 +29,7 @@ from PIL import Image
 
 from mmserve.config import MediaConfig
 from mmserve.errors import InvalidRequestError, MediaError, UnsupportedURLError
-from mmserve.image_decode import decode_image
+from mmserve.preprocess.image_decode import decode_image
 
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP address strings
 Dialer = Callable[..., socket.socket]  # socket.create_connection's signature

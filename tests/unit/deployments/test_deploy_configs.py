@@ -28,7 +28,7 @@ from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
 from deployments.args import AppArgs, StageArgs, parse_args
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CLUSTER_YAML = ROOT / "cluster.yaml"
 SERVE_CONFIG = ROOT / "deployments" / "serve_config.yaml"
 SERVE_CONFIG_LOCAL = ROOT / "deployments" / "serve_config.local.yaml"
@@ -236,7 +236,7 @@ def test_cluster_serve_config_pins_each_stage_to_its_node_type(name: str) -> Non
     raw = SERVE_CONFIGS[name]()
     app = _app(raw)
     args = parse_args(app["args"])
-    assert args.model == "/models/gemma-3-4b-it"
+    assert args.engine.model == "/models/gemma-3-4b-it"
     node_types = _load(CLUSTER_YAML)["available_node_types"]
     group_pins = {g["groupName"]: _group_custom_resources(g) for g in _worker_groups()}
     for stage_name in STAGES:
@@ -295,7 +295,7 @@ def test_serve_config_local_is_cpu_only_and_fits_two_cores() -> None:
     raw = _load(SERVE_CONFIG_LOCAL)
     app = _app(raw)
     args: AppArgs = parse_args(app["args"])
-    assert args.model is None  # the built-in tiny checkpoint: nothing to download
+    assert args.engine.model is None  # the built-in tiny checkpoint: nothing to download
     cpus = 0.0
     for stage_name in STAGES:
         stage = getattr(args, stage_name)
@@ -306,7 +306,7 @@ def test_serve_config_local_is_cpu_only_and_fits_two_cores() -> None:
         assert not actor.get("num_gpus") and not actor.get("resources")
         cpus += actor.get("num_cpus", 0)
     assert cpus <= 2
-    assert args.engine_config("unused", stage=args.decoder).model.device == "cpu"
+    assert args.engine_config(args.decoder).device == "cpu"
 
 
 # --- KubeRay RayService -------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from deployments.args import DEFAULT_STAGE_ENV, StageArgs, parse_args
 from mmserve.config import EngineConfig
 
@@ -28,25 +30,28 @@ def test_replica_environment_reaches_ray_actor_options() -> None:
 
 
 def test_encoder_batches_on_a_gpu_and_takes_one_image_per_step_on_a_cpu() -> None:
-    from mmserve.encoder.runner import EncoderRunner
+    from mmserve.encoder.runner import EncoderRunner, batch_wait_s
 
-    def runner(config: EngineConfig) -> EncoderRunner:  # as deployments/encoder.py builds it
-        return EncoderRunner(lambda px: px, device=config.model.device, max_batch_items=config.encoder.max_batch_items)
+    def runner(config: EngineConfig) -> EncoderRunner:  # as StageFactory builds it
+        return EncoderRunner(lambda px: px, device=config.device, max_batch_items=config.encoder.max_batch_items)
+
+    def wait(config: EngineConfig) -> float:
+        return batch_wait_s(config.encoder.batch_wait_ms, torch.device(config.device))
 
     cpu = parse_args({})
-    assert runner(cpu.engine_config("m", stage=cpu.encoder)).max_batch_items == 1
-    assert cpu.encoder.batch_wait_s("cpu") == 0.0
+    config = cpu.engine_config(cpu.encoder)
+    assert runner(config).max_batch_items == 1 and wait(config) == 0.0
     gpu = parse_args({"encoder.num_gpus": "1"})
-    config = gpu.engine_config("m", stage=gpu.encoder)
-    assert config.model.device == "cuda" and runner(config).max_batch_items == 16
-    assert gpu.encoder.batch_wait_s("cuda") == 0.005
+    config = gpu.engine_config(gpu.encoder)
+    assert config.device == "cuda" and runner(config).max_batch_items == 16
+    assert wait(config) == 0.005
     pinned = parse_args({"encoder.max_batch_items": "4", "encoder.batch_wait_ms": "2"})
-    assert runner(pinned.engine_config("m", stage=pinned.encoder)).max_batch_items == 4
-    assert pinned.encoder.batch_wait_s("cpu") == 0.002
+    config = pinned.engine_config(pinned.encoder)
+    assert runner(config).max_batch_items == 4 and wait(config) == 0.002
 
 
 def test_decoder_small_step_threads_reach_the_engine_config() -> None:
     args = parse_args({"decoder.small_step_tokens": "8", "decoder.small_step_threads": "null"})
-    threads = args.engine_config("m", stage=args.decoder).decoder_threads
+    threads = args.engine_config(args.decoder).decoder
     assert (threads.small_step_tokens, threads.small_step_threads) == (8, None)
-    assert parse_args({}).engine_config("m").decoder_threads.small_step_threads == 1
+    assert parse_args({}).engine_config().decoder.small_step_threads == 1

@@ -6,26 +6,26 @@ import threading
 
 import torch
 
-from mmserve.config import StepThreadsConfig
-from mmserve.step_threads import StepThreads
+from mmserve.config import DecoderConfig
+from mmserve.runtime.step_threads import StepThreads
 
 CPU = torch.device("cpu")
 
 
 def test_small_steps_get_fewer_threads_big_steps_the_process_setting() -> None:
-    threads = StepThreads(CPU, StepThreadsConfig(small_step_tokens=16, small_step_threads=1))
+    threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1))
     threads.big = 4  # as if the stage had been configured with 4
     assert [threads.threads_for(n) for n in (1, 8, 16, 17, 300)] == [1, 1, 1, 4, 4]
-    for off in (StepThreads(CPU, StepThreadsConfig(small_step_threads=None)), StepThreads(CPU)):
+    for off in (StepThreads(CPU, DecoderConfig(small_step_threads=None)), StepThreads(CPU)):
         assert off.threads_for(1) == off.big
-    assert not StepThreads(torch.device("meta"), StepThreadsConfig()).enabled  # not CPU: never touched
+    assert not StepThreads(torch.device("meta"), DecoderConfig()).enabled  # not CPU: never touched
 
 
 def test_apply_changes_only_the_calling_threads_count() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        threads = StepThreads(CPU, StepThreadsConfig(small_step_tokens=16, small_step_threads=1))
+        threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1))
         seen: list[int] = []
 
         def step_thread() -> None:

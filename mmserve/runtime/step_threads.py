@@ -10,23 +10,20 @@ also changes the default that threads started later begin with. So every stage s
 its own step thread before each step: in the in-process Engine the encoder's step thread, started
 after a decode step chose 1, would otherwise run the vision tower on one thread.
 
-NOTE: a decode step multiplies a handful of rows by every weight matrix: it is bound by reading the
-weights from memory, and a second OpenMP thread does not make it faster (bench checkpoint on 2 cores:
-24.5 ms per batch-1 step with 1 or 2 threads; a 296-token prefill 205 ms with 2, 365 ms with 1). The
-extra thread only spins in barriers and takes the core from the stage beside it: with an encoder
-process busy on the same 2 cores, batch-8 decode steps took 118 ms with 2 threads and ~70 ms with 1,
-and the encoder ~845 ms per image against ~740 ms.
+NOTE: a decode step multiplies a handful of rows by every weight matrix and is mostly bound by reading
+the weights from memory; whether a second OpenMP thread helps it depends on the CPU (docs/benchmarks.md
+has the figures of two), while it takes a core from the stage beside it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mmserve.config import StepThreadsConfig
+from mmserve.config import DecoderConfig
 
 
 class StepThreads:
-    def __init__(self, device: torch.device, small: StepThreadsConfig | None = None):
+    def __init__(self, device: torch.device, small: DecoderConfig | None = None):
         self.enabled = device.type == "cpu"
         self.small = small  # None: every step gets the stage's count
         self.big = torch.get_num_threads()  # the stage's count: the process setting when it was built

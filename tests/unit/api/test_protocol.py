@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from mmserve.api.errors import ModelNotFoundError, UnsupportedParameterError, error_body, validation_error_body
+from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
+from mmserve.api.stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
 from mmserve.errors import InvalidRequestError, InvalidSamplingError, MediaError
 from mmserve.messages import RequestFailed, RequestOutput
-from mmserve.protocol import ChatCompletionRequest, ModelCard, ModelList
-from mmserve.protocol_errors import ModelNotFoundError, UnsupportedParameterError, error_body, validation_error_body
-from mmserve.protocol_stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
 
 openai = pytest.importorskip("openai")
 # NOTE: the HTTP library the installed client is built on (httpx, or httpx2 in recent releases).

@@ -3,7 +3,7 @@
 Owns: the pydantic models at the HTTP edge (nothing past `ChatCompletionRequest.to_chat_request` sees
 pydantic), OpenAI's defaults and aliases, and the rejection of OpenAI features we do not serve.
 Does not own: the error bodies (`protocol_errors.py`), deep message checks (reserved tokens,
-image count, chat template: `mmserve.processing`), assembling responses from engine outputs
+image count, chat template: `mmserve.preprocess.preprocessor`), assembling responses from engine outputs
 (`protocol_stream.py`), nor the HTTP server.
 """
 
@@ -23,9 +23,9 @@ from pydantic import (
     field_validator,
 )
 
+from mmserve.api.errors import UnsupportedParameterError, with_param
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
 from mmserve.messages import ChatRequest, SamplingParams
-from mmserve.protocol_errors import UnsupportedParameterError, with_param
 
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI documents; torch rejects seeds past uint64
 
@@ -54,7 +54,7 @@ class ImagePart(_Lenient):
     @field_validator("image_url", mode="before")
     @classmethod
     def _bare_url(cls, value: Any) -> Any:
-        return {"url": value} if isinstance(value, str) else value  # NOTE: as mmserve.processing accepts
+        return {"url": value} if isinstance(value, str) else value  # NOTE: as mmserve.preprocess.preprocessor accepts
 
 
 def _part_tag(value: Any) -> str | None:

@@ -15,7 +15,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from mmserve.metrics import HistogramValue, Metric, MetricsSnapshot
+from mmserve.runtime.metrics import HistogramValue, Metric, MetricsSnapshot
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric as PromFamily

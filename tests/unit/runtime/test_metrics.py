@@ -11,7 +11,8 @@ import pytest
 from mmserve.decoder.decoder import DecoderStats
 from mmserve.encoder.stage import EncoderStats
 from mmserve.engine import EngineStats
-from mmserve.metrics import (
+from mmserve.preprocess.processor_cache import ProcessorCacheStats
+from mmserve.runtime.metrics import (
     BATCH_SIZE_BUCKETS,
     Histogram,
     HistogramValue,
@@ -25,8 +26,7 @@ from mmserve.metrics import (
     preprocess_snapshot,
     processor_cache_snapshot,
 )
-from mmserve.metrics_prometheus import CONTENT_TYPE, render_prometheus
-from mmserve.processor_cache import ProcessorCacheStats
+from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 
 parser = pytest.importorskip("prometheus_client.parser")
 

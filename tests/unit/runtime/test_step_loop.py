@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mmserve.messages import RequestFailed, RequestOutput, merge_outputs
-from mmserve.step_loop import StageStopped, StepLoop
+from mmserve.runtime.step_loop import StageStopped, StepLoop
 
 
 def out(token: int, text: str, *, n: int, finished: bool = False) -> RequestOutput:

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 from mmserve.models import tiny_checkpoint as tc
 from mmserve.models import tiny_tokenizer as tt
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this image?"}]},
@@ -149,7 +149,7 @@ def test_224_variant(tiny_ckpt_224: Path) -> None:
     out = processor(text=_prompt(processor), images=[_image(2)], add_special_tokens=False, return_tensors="pt")
     assert tuple(out["pixel_values"].shape) == (1, 3, 224, 224)
     assert int((out["input_ids"] == processor.tokenizer.image_token_id).sum()) == 16
-    features = model.get_image_features(out["pixel_values"]).pooler_output
+    features = model.get_image_features(out["pixel_values"]).pooler_output  # type: ignore[operator]
     assert tuple(features.shape) == (1, 16, model.config.text_config.hidden_size)
 
 

@@ -6,6 +6,7 @@ import base64
 import io
 import threading
 import time
+import typing
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,8 +16,8 @@ from PIL import Image
 
 from mmserve.config import MediaConfig
 from mmserve.errors import MediaError, UnsupportedURLError
-from mmserve.image_decode import decode_image
-from mmserve.media import MediaLoader, is_public_address
+from mmserve.preprocess.image_decode import decode_image
+from mmserve.preprocess.media import MediaLoader, is_public_address
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **save: object) -> bytes:
@@ -155,7 +156,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        path, port = self.path, self.server.server_address[1]
+        path, port = self.path, typing.cast(tuple[str, int], self.server.server_address)[1]
         if path == "/img.png":
             self._send(200, PNG)
         elif path.startswith("/redirect/"):

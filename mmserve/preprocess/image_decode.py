@@ -1,7 +1,7 @@
 """Image bytes -> an RGB PIL image, refusing what a public endpoint must not decode.
 
 Owns: the accepted formats, the pixel cap checked from the header before any pixel is decoded, EXIF
-orientation, and alpha composited on white. Does not own: where the bytes come from (`mmserve.media`),
+orientation, and alpha composited on white. Does not own: where the bytes come from (`mmserve.preprocess.media`),
 hashing or the model's image processor. Every error is a `MediaError`.
 """
 

@@ -3,26 +3,22 @@
 Owns: validating the request's shape (roles, content parts, item count, mm kwargs), rendering the
 chat template, loading/hashing/processing each image through the ProcessorCache, expanding the
 placeholders with the model's prompt rule, tokenizing, and locating each item's placeholder range.
-Does not own: fetching and decoding bytes (media.py), the hash (hashing.py), the LRU
-(processor_cache.py), the model's own token rule (models/gemma3_prompt.py), nor encoding.
+Does not own: the message shape (chat_messages.py), fetching and decoding bytes (media.py), the hash
+(hashing.py), the LRU (processor_cache.py), the model's own placeholder rule (its family's
+`PromptRule`), nor encoding.
 """
 
 from __future__ import annotations
 
-import json
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from PIL import Image
 
-from mmserve.config import EngineConfig, MediaConfig
+from mmserve.config import MediaConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
-from mmserve.hashing import hash_image
-from mmserve.image_runs import image_token_runs
-from mmserve.media import MediaLoader
 from mmserve.messages import (
     ChatRequest,
     MultiModalFeatureSpec,
@@ -30,31 +26,26 @@ from mmserve.messages import (
     PreprocessedRequest,
     ProcessedItem,
 )
-from mmserve.models.gemma3_prompt import Gemma3PromptRule
+from mmserve.models.base import PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, as_uint8
-from mmserve.processor_cache import CachedItem, ItemCache, ProcessorCache
-
-ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class ParsedMessages:
-    template_messages: list[dict[str, Any]]  # what the chat template reads; images as {"type": "image"}
-    image_urls: list[str]  # in prompt order
+from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages
+from mmserve.preprocess.hashing import hash_image
+from mmserve.preprocess.image_runs import image_token_runs
+from mmserve.preprocess.media import MediaLoader
+from mmserve.preprocess.processor_cache import CachedItem, ItemCache
 
 
 class Preprocessor:
     """Turns requests into token ids and processed items; thread-safe."""
 
-    def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, model_id: str,
-                 max_model_len: int, rule: Gemma3PromptRule | None = None,
-                 loader: MediaLoader | None = None) -> None:
+    def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, rule: PromptRule,
+                 model_id: str, max_model_len: int, loader: MediaLoader | None = None) -> None:
         from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes ~2 s
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.tokenizer = self.processor.tokenizer  # the decoder's detokenizer uses this one too
         self.image_processor = self.processor.image_processor
-        self.rule = rule or Gemma3PromptRule.from_processor(self.processor)
+        self.rule = rule
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.rule.image_token))
         self.media = media
         self.loader = loader or MediaLoader(media)
@@ -63,15 +54,6 @@ class Preprocessor:
         self.max_model_len = max_model_len
         self._lock = threading.Lock()  # counters and the (Rust) tokenizer, which is not re-entrant
         self._image_processor_calls = 0
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, cache: ProcessorCache | None = None) -> Preprocessor:
-        model = config.model
-        model_dir = Path(model.model_dir)
-        max_len = model.max_model_len or _max_positions(model_dir)
-        return cls(model_dir, media=config.media,
-                   cache=cache or ProcessorCache.from_config(config.processor_cache),
-                   model_id=model.served_name or model_dir.name, max_model_len=max_len)
 
     @property
     def image_processor_calls(self) -> int:
@@ -173,78 +155,3 @@ class Preprocessor:
                 num_embeds=sum(e - s for s, e in mine), data=item))
         return features
 
-
-def _max_positions(model_dir: Path) -> int:
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("text_config", config)["max_position_embeddings"])
-
-
-# --- message validation ---------------------------------------------------------------------
-
-
-def parse_messages(messages: Any, *, reserved: tuple[str, ...]) -> ParsedMessages:
-    """Check the OpenAI message shape and collect image URLs; nothing is fetched here."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list")
-    out: list[dict[str, Any]] = []
-    urls: list[str] = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise InvalidRequestError(f"{where} must be an object")
-        role = message.get("role")
-        if role not in ROLES:
-            raise InvalidRequestError(f"{where}.role must be one of {list(ROLES)}, got {role!r}")
-        content = _parse_content(message.get("content"), where, reserved, urls)
-        if role == "system":
-            content = _system_text(content, where)
-        out.append({"role": role, "content": content})
-    return ParsedMessages(out, urls)
-
-
-def _parse_content(content: Any, where: str, reserved: tuple[str, ...],
-                   urls: list[str]) -> str | list[dict[str, Any]]:
-    if isinstance(content, str):
-        _check_text(content, f"{where}.content", reserved)
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"{where}.content must be a string or a list of parts")
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise InvalidRequestError(f"{at}.text must be a string")
-            _check_text(text, f"{at}.text", reserved)
-            parts.append({"type": "text", "text": text})
-        elif kind == "image_url":
-            urls.append(_image_url(part.get("image_url"), at))
-            parts.append({"type": "image"})
-        else:
-            raise InvalidRequestError(f"{at} has unsupported part type {kind!r}; "
-                                      "supported: 'text', 'image_url'")
-    return parts
-
-
-def _image_url(value: Any, at: str) -> str:
-    url = value.get("url") if isinstance(value, dict) else value  # NOTE: a bare string is accepted
-    if not isinstance(url, str) or not url:
-        raise InvalidRequestError(f"{at}.image_url.url must be a non-empty string")
-    return url
-
-
-def _check_text(text: str, at: str, reserved: tuple[str, ...]) -> None:
-    for token in reserved:
-        if token in text:
-            raise InvalidRequestError(f"{at} contains the reserved image token {token!r}")
-
-
-def _system_text(content: str | list[dict[str, Any]], where: str) -> str:
-    """NOTE: Gemma's template reads only a system message's first part; we join all text parts."""
-    if isinstance(content, str):
-        return content
-    if any(p["type"] != "text" for p in content):
-        raise InvalidRequestError(f"{where}: a system message may contain text only")
-    return "\n".join(p["text"] for p in content)

@@ -9,7 +9,7 @@ import numpy as np
 
 from mmserve.config import ProcessorCacheConfig
 from mmserve.messages import ProcessedItem
-from mmserve.processor_cache import ProcessorCache
+from mmserve.preprocess.processor_cache import CachedItem, ProcessorCache
 
 
 def item(nbytes: int) -> ProcessedItem:
@@ -79,16 +79,16 @@ class RecordingStorage:
     """Handles are ints, as a remote store's references would be opaque."""
 
     def __init__(self) -> None:
-        self.values: dict[int, ProcessedItem] = {}
+        self.values: dict[int, CachedItem] = {}
         self.freed: list[int] = []
         self._next = 0
 
-    def put(self, key: str, value: ProcessedItem) -> int:
+    def put(self, key: str, value: CachedItem) -> int:
         self._next += 1
         self.values[self._next] = value
         return self._next
 
-    def get(self, handle: int) -> ProcessedItem:
+    def get(self, handle: int) -> CachedItem:
         return self.values[handle]
 
     def free(self, handle: int) -> None:

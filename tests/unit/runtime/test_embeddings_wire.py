@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmserve.embeddings_wire import from_wire, to_wire
+from mmserve.runtime.embeddings_wire import from_wire, to_wire
 
 
 def _read_only(arrays: list[np.ndarray]) -> list[np.ndarray]:

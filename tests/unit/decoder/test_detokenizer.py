@@ -22,7 +22,8 @@ def local_tokenizer() -> Any:
     vocab: dict[str, int] = {}
     for token in (*SPECIALS, *[f"<0x{b:02X}>" for b in range(256)], *pieces):
         vocab.setdefault(token, len(vocab))
-    tok = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False)
+    # NOTE: merges as pairs, as the tokenizers library takes them (transformers' annotation says list[str])
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False)  # type: ignore[arg-type]
     tok.add_special_tokens({"extra_special_tokens": list(SPECIALS[5:])})
     return tok
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # NOTE: type-only, so the ingress can import this module with
     from mmserve.decoder.decoder import DecoderStats
     from mmserve.encoder.stage import EncoderStats
     from mmserve.engine import EngineStats
-    from mmserve.processor_cache import ProcessorCacheStats
+    from mmserve.preprocess.processor_cache import ProcessorCacheStats
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 RequestStatus = Literal["ok", "client_error", "server_error", "aborted"]

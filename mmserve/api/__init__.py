@@ -1,0 +1,1 @@
+"""The OpenAI-compatible edge: request and response schemas, error bodies, stream chunks (pydantic)."""

@@ -1,0 +1,1 @@
+"""Stage 1, the preprocessor: chat messages and image URLs -> prompt token ids and processed items."""

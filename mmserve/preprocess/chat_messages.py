@@ -1,0 +1,89 @@
+"""The OpenAI chat messages a request carries, checked and reshaped for the chat template.
+
+Owns: the message shape (roles, content parts, text and image_url parts), the refusal of reserved
+image-token strings in user text, and collecting the image URLs in prompt order. Nothing is fetched
+or tokenized here (preprocessor.py does that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.errors import InvalidRequestError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ParsedMessages:
+    template_messages: list[dict[str, Any]]  # what the chat template reads; images as {"type": "image"}
+    image_urls: list[str]  # in prompt order
+
+
+def parse_messages(messages: Any, *, reserved: tuple[str, ...]) -> ParsedMessages:
+    """Check the OpenAI message shape and collect image URLs; nothing is fetched here."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    out: list[dict[str, Any]] = []
+    urls: list[str] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"{where} must be an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequestError(f"{where}.role must be one of {list(ROLES)}, got {role!r}")
+        content = _parse_content(message.get("content"), where, reserved, urls)
+        if role == "system":
+            content = _system_text(content, where)
+        out.append({"role": role, "content": content})
+    return ParsedMessages(out, urls)
+
+
+def _parse_content(content: Any, where: str, reserved: tuple[str, ...],
+                   urls: list[str]) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        _check_text(content, f"{where}.content", reserved)
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where}.content must be a string or a list of parts")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"{at}.text must be a string")
+            _check_text(text, f"{at}.text", reserved)
+            parts.append({"type": "text", "text": text})
+        elif kind == "image_url":
+            urls.append(_image_url(part.get("image_url"), at))
+            parts.append({"type": "image"})
+        else:
+            raise InvalidRequestError(f"{at} has unsupported part type {kind!r}; "
+                                      "supported: 'text', 'image_url'")
+    return parts
+
+
+def _image_url(value: Any, at: str) -> str:
+    url = value.get("url") if isinstance(value, dict) else value  # NOTE: a bare string is accepted
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError(f"{at}.image_url.url must be a non-empty string")
+    return url
+
+
+def _check_text(text: str, at: str, reserved: tuple[str, ...]) -> None:
+    for token in reserved:
+        if token in text:
+            raise InvalidRequestError(f"{at} contains the reserved image token {token!r}")
+
+
+def _system_text(content: str | list[dict[str, Any]], where: str) -> str:
+    """NOTE: Gemma's template reads only a system message's first part; we join all text parts."""
+    if isinstance(content, str):
+        return content
+    if any(p["type"] != "text" for p in content):
+        raise InvalidRequestError(f"{where}: a system message may contain text only")
+    return "\n".join(p["text"] for p in content)

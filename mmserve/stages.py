@@ -1,0 +1,63 @@
+"""Builds each stage from one `EngineConfig`: the single wiring of the pipeline.
+
+Owns: what each stage is made of (the model family's parts, the device and dtype, the by-device
+defaults) and how the config reaches them. The in-process `Engine` and every Ray deployment build
+their stage here, so the two can never be wired differently. Does not own any stage's logic, how
+stages talk (direct calls or Ray handles), nor the processor cache's storage (the caller's choice).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.decoder.decoder import Decoder, LogitsObserver
+from mmserve.decoder.service import DecoderService
+from mmserve.encoder.runner import batch_wait_s
+from mmserve.encoder.service import EncoderService
+from mmserve.encoder.stage import EncoderStage, Resolver, inline_pixels
+from mmserve.models.base import ModelFamily, ModelSpec
+from mmserve.models.registry import checkpoint_dir, load_family
+from mmserve.preprocess.preprocessor import Preprocessor
+from mmserve.preprocess.processor_cache import ItemCache
+
+
+class StageFactory:
+    """One checkpoint's stages; the weights are read on the first `encoder` / `decoder` call only."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = checkpoint_dir(config.model)
+        self.family: ModelFamily = load_family(self.model_dir, config)
+        self.device = torch.device(config.device)
+        self.dtype: torch.dtype = getattr(torch, config.dtype)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.family.spec
+
+    def preprocessor(self, cache: ItemCache) -> Preprocessor:
+        spec = self.spec
+        return Preprocessor(self.model_dir, media=self.config.media, cache=cache, rule=self.family.prompt_rule,
+                            model_id=spec.model_id, max_model_len=spec.max_model_len)
+
+    def encoder(self, resolve: Resolver = inline_pixels) -> EncoderService:
+        stage = EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device)
+        return EncoderService(stage, batch_wait_s=batch_wait_s(self.config.encoder.batch_wait_ms, self.device),
+                              resolve=resolve)
+
+    def decoder(self, tokenizer: Any = None, on_logits: LogitsObserver | None = None) -> DecoderService:
+        """`tokenizer`: one already loaded (the preprocessor's, in one process), else the checkpoint's."""
+        if tokenizer is None:
+            from transformers import AutoTokenizer  # NOTE: deferred; importing transformers takes ~2 s
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        decoder = Decoder(self.family.load_text(), self.spec, tokenizer, self.config.decoder, dtype=self.dtype,
+                          device=self.device, on_logits=on_logits)
+        return DecoderService(decoder)
+
+    def release_unused(self) -> None:
+        """Drop what loading kept beyond the parts handed out (call once every stage is built)."""
+        self.family.release_unused()

@@ -1,0 +1,98 @@
+"""The app's arguments are mmserve's EngineConfig tree: every field settable by its dotted path, as
+`serve run deployments.app:build_app k=v` passes it, and an unknown argument refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.args import AppArgs, StageArgs, parse_args
+from mmserve.config import EngineConfig
+
+
+def _leaves(cls: type, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, type, default) of every non-dataclass field of the config tree under `cls`."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out += _leaves(typing.cast(type, kind), f"{prefix}{f.name}.")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            out.append((prefix + f.name, kind, default))
+    return out
+
+
+def _other_value(kind: Any, default: Any) -> Any:
+    """A valid value of `kind` that differs from `default`."""
+    options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    base = next(t for t in options if t is not type(None))
+    if typing.get_origin(base) is tuple:
+        return ("example.com",)
+    if base is bool:
+        return not default
+    if base is str:
+        return "bfloat16" if default == "float32" else "/some/folder"
+    if base in (int, float):
+        return base((default or 1) * 3 + 1)
+    raise AssertionError(f"no sample value for {kind}")
+
+
+def _get(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+LEAVES = _leaves(EngineConfig)
+
+
+def test_the_tree_has_the_knobs_users_set() -> None:
+    paths = {path for path, _, _ in LEAVES}
+    assert {"model", "dtype", "media.max_image_pixels", "processor_cache.capacity_bytes",
+            "encoder.cache_capacity_tokens", "decoder.max_num_seqs", "decoder.num_blocks"} <= paths
+
+
+@pytest.mark.parametrize(("path", "kind", "default"), LEAVES, ids=[p for p, _, _ in LEAVES])
+def test_every_engine_field_is_an_argument(path: str, kind: Any, default: Any) -> None:
+    value = _other_value(kind, default)
+    raw = json.dumps(list(value)) if isinstance(value, tuple) else json.dumps(value)
+    if isinstance(value, str):
+        raw = value  # as a shell passes it: a plain string, not JSON
+    args = parse_args({path: raw})
+    assert _get(args.engine_config(), path) == value
+    assert _get(parse_args({}).engine_config(), path) == (default if path != "device" else "cpu")
+
+
+def test_a_stage_section_holds_serve_and_engine_keys_apart() -> None:
+    args = parse_args({"encoder.num_gpus": "1", "encoder.cache_capacity_tokens": "512",
+                       "decoder.max_ongoing_requests": "9", "decoder.max_num_seqs": "3"})
+    assert args.encoder.num_gpus == 1 and args.engine.encoder.cache_capacity_tokens == 512
+    assert args.decoder.max_ongoing_requests == 9 and args.engine.decoder.max_num_seqs == 3
+    assert args.engine_config(args.encoder).device == "cuda" and args.engine_config(args.decoder).device == "cpu"
+    for stage in ("encoder", "decoder"):  # one name, one meaning
+        engine = {f.name for f in dataclasses.fields(_get(EngineConfig(), stage))}
+        serve = set(typing.cast(type[StageArgs], AppArgs.model_fields[stage].annotation).model_fields)
+        assert not engine & serve
+
+
+@pytest.mark.parametrize("name", ["decoder.max_num_seq", "media.max_pixels", "modell", "encoder.foo.bar"])
+def test_an_unknown_argument_is_refused_by_name(name: str) -> None:
+    with pytest.raises(ValueError, match=name.split(".")[-1] if name.count(".") < 2 else "foo"):
+        parse_args({name: "1"})
+
+
+def test_a_bad_value_is_refused_with_its_path() -> None:
+    with pytest.raises(ValidationError, match=r"engine\.decoder\.num_blocks|decoder\.num_blocks"):
+        parse_args({"decoder.num_blocks": "0"})
+    with pytest.raises(ValidationError, match="max_image_bytes"):
+        parse_args({"media.max_image_bytes": "lots"})
+    with pytest.raises(ValueError, match="must be >= 1"):  # the engine checks its own bounds too
+        dataclasses.replace(EngineConfig().decoder, num_blocks=0)

@@ -1,0 +1,45 @@
+"""Gemma 3's prompt rule: the placeholder expansion is transformers' own, the rule read from the checkpoint's
+files equals the one a loaded Gemma3Processor implies, and saved kwarg defaults are honoured."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mmserve.models.gemma3_prompt import Gemma3PromptRule
+from mmserve.preprocess.preprocessor import Preprocessor
+from tests.unit.preprocess.test_preprocessor import WIDE, make, one_image
+
+
+@pytest.fixture(scope="module")
+def pre(tiny_ckpt: Path) -> Preprocessor:
+    return make(tiny_ckpt)
+
+
+def test_rule_expansion_is_transformers_replacement(pre: Preprocessor) -> None:
+    text = "a<start_of_image>b<start_of_image>c"
+    expected = text.split("<start_of_image>")
+    replacements = [pre.processor.replace_image_token({"num_crops": [c]}, 0) for c in (0, 2)]
+    assert pre.rule.expand(text, [0, 2]) == (expected[0] + replacements[0] + expected[1]
+                                             + replacements[1] + expected[2])
+    with pytest.raises(ValueError, match="2 <start_of_image> placeholders for 1 items"):
+        pre.rule.expand(text, [0])
+
+
+def test_rule_from_checkpoint_matches_processor_and_reads_saved_defaults(tiny_ckpt_224: Path,
+                                                                         tmp_path: Path) -> None:
+    rule = Gemma3PromptRule.from_checkpoint(tiny_ckpt_224)
+    assert rule == Gemma3PromptRule.from_processor(make(tiny_ckpt_224).processor)
+    assert rule.output_kwargs_defaults["do_pan_and_scan"] is False  # null in the saved config
+    ckpt = Path(shutil.copytree(tiny_ckpt_224, tmp_path / "pas"))
+    config_path = ckpt / "preprocessor_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(do_pan_and_scan=True, pan_and_scan_max_num_crops=2)
+    config_path.write_text(json.dumps(config))
+    saved, rule = make(ckpt), Gemma3PromptRule.from_checkpoint(ckpt)
+    assert rule == Gemma3PromptRule.from_processor(saved.processor)
+    assert rule.output_kwargs_defaults["pan_and_scan_max_num_crops"] == 2
+    assert saved.process(one_image(WIDE)).features[0].data.pixel_values.shape[0] == 3  # 2 crops + whole
