@@ -69,9 +69,10 @@ class DecoderConfig(_Bounded):
     max_num_batched_tokens: int = at_least(1, 4096)  # tokens (prefill chunk + decode) in one step
     block_size: int = at_least(1, 16)  # tokens per KV block
     num_blocks: int = at_least(1, 2048)  # KV blocks in the pool, shared by all sequences
-    # torch's intra-op CPU threads per step, sized to the step's work (CPU devices only):
-    small_step_tokens: int = at_least(0, 16)  # a step computing at most this many new tokens is small
-    small_step_threads: int | None = at_least(1, 1)  # threads of a small step; None = as big steps
+    # torch's intra-op CPU threads per step, by the step's work (CPU devices only; None = measured at start-up):
+    small_step_tokens: int = at_least(0, 16)  # a step computing at most this many new tokens is small (decodes)
+    small_step_threads: int | None = at_least(1, None)  # threads of a small step
+    big_step_threads: int | None = at_least(1, None)  # threads of the other steps (prefill chunks)
 
 
 @dataclass(frozen=True)

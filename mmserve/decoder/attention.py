@@ -1,15 +1,20 @@
-"""Paged attention for a whole decoder step: decodes batched in one call, prefill chunks one call each.
+"""Paged attention for a whole decoder step, reading only the pages each layer kind keeps.
 
-Owns: the step's attention metadata (where each new token's K/V goes, which slots each sequence
-reads, the masks of each layer kind) and the attention computation over the paged KV cache.
-Does not own: which tokens run (the scheduler), the tensors' memory (KVCache), or the model's
-projections (the model module).
+Owns: the step's attention metadata, built once per step for all layers of a kind (the cache row of
+each new token's K/V on every layer, the pages each group reads per layer, the masks), and attention
+over the paged cache. Does not own: which tokens run (scheduler), which pages a sequence holds
+(kv_blocks.py), the tensors (KVCache), or the model's projections (the model module).
 
-Layout: the step's T new tokens are flat, sequence after sequence. For attention, sequences are
-split into groups, each one scaled-dot-product call over a padded (B, Qmax) query grid and (B, Lmax)
-context slots: all decodes together (Qmax = 1), and each prefill chunk alone (B = 1, no padding).
-NOTE: one grid for a whole mixed step would pad every decode to the longest prefill chunk: with 7
-decodes beside a 300-token chunk that is ~8x the chunk's attention work.
+Layout: the step's T new tokens are flat, sequence after sequence. Sequences are attended in groups,
+one `scaled_dot_product_attention` per group and layer: all decodes together, each prefill chunk
+alone. A group gathers its sequences' pages of the layer (a full layer every block, a sliding layer
+the blocks of its window) into (B, rows) keys and values; a lone sequence then slices the rows it
+attends to and needs no mask unless its chunk is causal past position 0 or holds an image.
+NOTE: one grid for a whole mixed step would pad every decode to the longest prefill chunk.
+NOTE: a decode's query heads that share a kv head go in as that head's query rows, so its GQA needs no
+expansion and no `enable_gqa` (which with a boolean mask falls back to the math kernel on CUDA). A
+prefill chunk uses `enable_gqa`: on CUDA, PyTorch's FlexAttention is the kernel to move to
+(docs/benchmarks.md has why not on the CPU).
 """
 
 from __future__ import annotations
@@ -20,136 +25,187 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmserve.models.base import FULL, SLIDING, AttentionPattern
+from mmserve.decoder.kv_blocks import KindTable, LayerKind
+from mmserve.decoder.kv_cache import KVCache
+from mmserve.models.base import AttentionPattern
 
 
 @dataclass(frozen=True)
-class SeqChunk:
-    """One sequence's share of a step, as attention needs it."""
+class SeqStep:
+    """One sequence's share of a step, as attention needs it (host data)."""
 
-    start: int  # position of the first new token (= tokens already in the cache)
-    num_new: int  # new tokens this step
-    slots: np.ndarray  # (start + num_new,) int64 cache slot of every context position
-    image_groups: np.ndarray | None  # (start + num_new,) image-run id per position, -1 = text; None = no image
+    start: int  # position of its first new token = tokens already in the cache (tokens)
+    num_new: int  # new tokens this step (tokens)
+    tables: list[KindTable]  # its pages, per layer kind (kv_blocks.SeqBlocks.tables)
+    image_runs: np.ndarray | None  # (num_prompt,) image run per prompt position, -1 text; None = no image
+
+
+@dataclass(frozen=True)
+class KindRead:
+    """What one group reads on the layers of one kind."""
+
+    pages: torch.Tensor  # (layers of the kind, B * blocks) page ids per layer; padding repeats a held page
+    rows: int  # gathered key rows per sequence: blocks * block_size
+    keys: tuple[int, int]  # [a, b): the gathered rows attended to (B > 1: all rows, the mask decides)
+    mask: torch.Tensor | None  # (B, 1, Q, b - a) bool, True = may attend; None = all of [a, b)
+    causal: bool  # True: SDPA's own causal mask (a lone chunk from position 0 over rows [0, end))
 
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Sequences attended in one call."""
-
-    token_index: torch.Tensor  # (n,) positions among the step's T new tokens of this group's queries
-    query_index: torch.Tensor  # (B, Qmax) index into the T new tokens; padded with 0
-    query_valid: torch.Tensor  # (B, Qmax) bool, False on padding
-    kv_slots: torch.Tensor  # (B, Lmax) cache slots of each sequence's context; padded with 0
-    masks: dict[str, torch.Tensor]  # layer kind -> (B, 1, Qmax, Lmax) bool, True = may attend
+    token_index: torch.Tensor | None  # (B * Q,) this group's rows among the step's T; None = all, in order
+    batch: int  # sequences B
+    queries: int  # new tokens Q per sequence (1 for the decode group)
+    reads: tuple[KindRead, ...]  # per layer kind, in `kinds` order
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) cache slot each new token's K/V is written to
+    slots: torch.Tensor  # (num_layers, T) cache row (page * block_size + offset) of each new token's K/V
     groups: list[AttentionGroup]  # every new token is a query of exactly one group
+    kind_of: tuple[int, ...]  # layer -> index of its kind in `kinds`
+    rank_of: tuple[int, ...]  # layer -> its index among the layers of its kind
+    max_position: int  # the step's largest position (tokens)
 
 
-def build_metadata(chunks: list[SeqChunk], pattern: AttentionPattern, device: torch.device) -> AttentionMetadata:
-    """Everything attention needs for one step, built once and shared by all layers."""
-    offsets = np.concatenate(([0], np.cumsum([c.num_new for c in chunks])))  # (B + 1,)
-    decodes = [i for i, c in enumerate(chunks) if c.num_new == 1]
-    members = ([decodes] if decodes else []) + [[i] for i, c in enumerate(chunks) if c.num_new != 1]
-    return AttentionMetadata(
-        slot_mapping=torch.from_numpy(np.concatenate([c.slots[c.start : c.start + c.num_new] for c in chunks]))
-        .to(device),
-        groups=[_group([chunks[i] for i in idx], offsets[idx], pattern, device) for idx in members],
-    )
+def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_size: int,
+                   pattern: AttentionPattern, device: torch.device) -> AttentionMetadata:
+    """Everything attention needs for one step, built once on the host and moved in a few copies."""
+    num_layers = sum(len(k.layers) for k in kinds)
+    offsets = np.concatenate(([0], np.cumsum([s.num_new for s in steps])))  # (B + 1,)
+    slots = np.empty((num_layers, int(offsets[-1])), dtype=np.int64)
+    for s, offset in zip(steps, offsets, strict=False):
+        pos = np.arange(s.start, s.start + s.num_new)
+        for kind, table in zip(kinds, s.tables, strict=True):
+            rows = table.pages[pos // block_size]  # (n, layers of the kind)
+            slots[list(kind.layers), offset : offset + s.num_new] = (rows * block_size + (pos % block_size)[:, None]).T
+    decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
+    members = ([decodes] if decodes else []) + [[i] for i, s in enumerate(steps) if s.num_new != 1]
+    groups = [_group([steps[i] for i in idx], offsets[idx], kinds, block_size, pattern, device,
+                     whole=len(members) == 1) for idx in members]
+    kind_of, rank_of = [0] * num_layers, [0] * num_layers
+    for k, kind in enumerate(kinds):
+        for rank, layer in enumerate(kind.layers):
+            kind_of[layer], rank_of[layer] = k, rank
+    return AttentionMetadata(torch.from_numpy(slots).to(device), groups, tuple(kind_of), tuple(rank_of),
+                             max(s.start + s.num_new for s in steps) - 1)
 
 
-def _group(chunks: list[SeqChunk], offsets: np.ndarray, pattern: AttentionPattern,
-           device: torch.device) -> AttentionGroup:
-    b = len(chunks)
-    q_max = max(c.num_new for c in chunks)
-    l_max = max(c.start + c.num_new for c in chunks)
-    query_index = np.zeros((b, q_max), dtype=np.int64)
-    query_valid = np.zeros((b, q_max), dtype=bool)
-    q_pos = np.full((b, q_max), -1, dtype=np.int64)
-    kv_slots = np.zeros((b, l_max), dtype=np.int64)
-    kv_len = np.zeros((b,), dtype=np.int64)
-    groups = np.full((b, l_max), -1, dtype=np.int64)
-    q_groups = np.full((b, q_max), -1, dtype=np.int64)
-    for i, (c, offset) in enumerate(zip(chunks, offsets, strict=True)):
-        end = c.start + c.num_new
-        query_index[i, : c.num_new] = np.arange(offset, offset + c.num_new)
-        query_valid[i, : c.num_new] = True
-        q_pos[i, : c.num_new] = np.arange(c.start, end)
-        kv_slots[i, :end] = c.slots
-        kv_len[i] = end
-        if c.image_groups is not None and pattern.bidirectional_images:
-            groups[i, :end] = c.image_groups
-            q_groups[i, : c.num_new] = c.image_groups[c.start : end]
-    masks = _masks(q_pos, query_valid, kv_len, groups, q_groups, l_max, pattern)
-    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return AttentionGroup(
-        token_index=as_tensor(query_index[query_valid]),
-        query_index=as_tensor(query_index),
-        query_valid=as_tensor(query_valid),
-        kv_slots=as_tensor(kv_slots),
-        masks={kind: as_tensor(m) for kind, m in masks.items()},
-    )
+def _group(steps: list[SeqStep], offsets: np.ndarray, kinds: tuple[LayerKind, ...], block_size: int,
+           pattern: AttentionPattern, device: torch.device, *, whole: bool) -> AttentionGroup:
+    q = steps[0].num_new
+    index = np.concatenate([np.arange(o, o + s.num_new) for s, o in zip(steps, offsets, strict=True)])
+    reads = tuple(_read(steps, k, kind, block_size, pattern, device) for k, kind in enumerate(kinds))
+    return AttentionGroup(None if whole else torch.from_numpy(index).to(device), len(steps), q, reads)
 
 
-def _masks(q_pos, query_valid, kv_len, groups, q_groups, l_max, pattern) -> dict[str, np.ndarray]:
-    kv_pos = np.arange(l_max)[None, None, :]  # (1, 1, Lmax)
-    qp = q_pos[:, :, None]  # (B, Qmax, 1)
-    in_context = kv_pos < kv_len[:, None, None]
-    same_image = (q_groups[:, :, None] == groups[:, None, :]) & (q_groups[:, :, None] >= 0)
-    full = in_context & ((kv_pos <= qp) | same_image)  # (B, Qmax, Lmax)
-    masks = {FULL: full}
-    if SLIDING in pattern.layer_kinds:
-        assert pattern.sliding_window is not None
-        # NOTE: as in transformers: AND(window, OR(causal, same image)); future image tokens pass.
-        masks[SLIDING] = full & (kv_pos > qp - pattern.sliding_window)
-    for m in masks.values():
-        m[~query_valid, 0] = True  # padding rows attend somewhere, so softmax stays finite
-    return {kind: m[:, None] for kind, m in masks.items()}
+def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, pattern: AttentionPattern,
+          device: torch.device) -> KindRead:
+    window = kind.window
+    first_key = [max(s.start - window + 1, 0) if window is not None else 0 for s in steps]  # (B,) positions
+    lo = [f // block_size for f in first_key]  # first block each sequence reads
+    hi = [-(-(s.start + s.num_new) // block_size) for s in steps]
+    blocks = max(h - b for b, h in zip(lo, hi, strict=True))
+    pages = np.empty((len(kind.layers), len(steps), blocks), dtype=np.int64)
+    for i, s in enumerate(steps):
+        held = s.tables[k].pages[lo[i] : hi[i]].T  # (layers, n)
+        pages[:, i, : held.shape[1]] = held
+        pages[:, i, held.shape[1] :] = held[:, -1:]  # padding: any page the sequence holds; masked
+    rows = blocks * block_size
+    flat = torch.from_numpy(pages.reshape(len(kind.layers), -1)).to(device)
+    if len(steps) > 1:  # decodes: a mask per sequence over its rows
+        base = np.asarray(lo)[:, None] * block_size + np.arange(rows)[None]  # (B, rows) positions
+        ends = np.asarray([s.start + 1 for s in steps])[:, None]
+        valid = (base >= np.asarray(first_key)[:, None]) & (base < ends)
+        return KindRead(flat, rows, (0, rows), torch.from_numpy(valid[:, None, None]).to(device), False)
+    s = steps[0]
+    a, b = first_key[0] - lo[0] * block_size, s.start + s.num_new - lo[0] * block_size
+    images = s.image_runs is not None and pattern.bidirectional_images and s.start < len(s.image_runs)
+    if s.num_new == 1 or (not images and window is None and s.start == 0):
+        return KindRead(flat, rows, (a, b), None, causal=s.num_new > 1)
+    return KindRead(flat, rows, (a, b), _chunk_mask(s, first_key[0], window, images, device), False)
+
+
+def _chunk_mask(s: SeqStep, first_key: int, window: int | None, images: bool,
+                device: torch.device) -> torch.Tensor:
+    """(1, 1, Q, keys) bool for a prefill chunk: causal OR same image, AND within the window."""
+    q_pos = torch.arange(s.start, s.start + s.num_new, device=device)[:, None]  # (Q, 1)
+    k_pos = torch.arange(first_key, s.start + s.num_new, device=device)[None, :]  # (1, keys)
+    allowed = k_pos <= q_pos
+    if images:
+        assert s.image_runs is not None
+        runs = torch.from_numpy(_runs_at(s.image_runs, first_key, s.start + s.num_new)).to(device)
+        q_runs = runs[s.start - first_key :][:, None]
+        allowed = allowed | ((q_runs == runs[None, :]) & (q_runs >= 0))  # an image's tokens see each other
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)  # NOTE: as transformers: AND(window, OR(causal, image))
+    return allowed[None, None]
+
+
+def _runs_at(image_runs: np.ndarray, start: int, end: int) -> np.ndarray:
+    """Image run of positions [start, end): the prompt's, -1 past it (outputs are text)."""
+    out = np.full(end - start, -1, dtype=np.int64)
+    stop = min(end, len(image_runs))
+    if stop > start:
+        out[: stop - start] = image_runs[start:stop]
+    return out
 
 
 def paged_attention(
     q: torch.Tensor,  # (T, heads, head_dim), rotary applied
     k: torch.Tensor,  # (T, kv_heads, head_dim), rotary applied
     v: torch.Tensor,  # (T, kv_heads, head_dim)
-    cache: tuple[torch.Tensor, torch.Tensor],  # layer's (num_slots, kv_heads, head_dim) keys, values
+    kv: KVCache,
     meta: AttentionMetadata,
-    kind: str,
+    layer: int,
     pattern: AttentionPattern,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, attend over each sequence's context; (T, heads, head_dim)."""
-    key_cache, value_cache = cache
-    key_cache.index_copy_(0, meta.slot_mapping, k)
-    value_cache.index_copy_(0, meta.slot_mapping, v)
-    if len(meta.groups) == 1:
-        return _attend_group(q, key_cache, value_cache, meta.groups[0], kind, pattern)
+    """Write this step's K/V of `layer` into the cache, attend over what each group reads; (T, heads, head_dim)."""
+    slots = meta.slots[layer]
+    kv.key_rows.index_copy_(0, slots, k)
+    kv.value_rows.index_copy_(0, slots, v)
+    kind, rank = meta.kind_of[layer], meta.rank_of[layer]
+    if len(meta.groups) == 1 and meta.groups[0].token_index is None:
+        return _attend(q, kv, meta.groups[0], meta.groups[0].reads[kind], rank, pattern)
     out = torch.empty_like(q)
     for group in meta.groups:
-        out[group.token_index] = _attend_group(q, key_cache, value_cache, group, kind, pattern)
+        assert group.token_index is not None
+        rows = q.index_select(0, group.token_index)
+        out.index_copy_(0, group.token_index, _attend(rows, kv, group, group.reads[kind], rank, pattern))
     return out
 
 
-def _attend_group(q, key_cache, value_cache, group: AttentionGroup, kind: str,
-                  pattern: AttentionPattern) -> torch.Tensor:
-    """(n, heads, head_dim) outputs of the group's queries, in `token_index` order."""
-    qb = q[group.query_index].transpose(1, 2)  # (B, heads, Qmax, head_dim)
-    kb = key_cache[group.kv_slots].transpose(1, 2)  # (B, kv_heads, Lmax, head_dim)
-    vb = value_cache[group.kv_slots].transpose(1, 2)  # (B, kv_heads, Lmax, head_dim)
-    mask = group.masks[kind]  # (B, 1, Qmax, Lmax)
+def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead, rank: int,
+            pattern: AttentionPattern) -> torch.Tensor:
+    """(B * Q, heads, head_dim) queries of one group -> their outputs, same shape and order."""
+    b, n = group.batch, group.queries
+    heads, kv_heads, d = q.shape[1], kv.keys.shape[2], q.shape[2]
+    pages = read.pages[rank]
+    lo, hi = read.keys
+    keys = kv.keys.index_select(0, pages).view(b, read.rows, kv_heads, d)[:, lo:hi].transpose(1, 2)
+    values = kv.values.index_select(0, pages).view(b, read.rows, kv_heads, d)[:, lo:hi].transpose(1, 2)
+    gqa = n > 1 and kv_heads != heads
+    # decodes: (B, kv_heads, heads per kv head, d), each kv head's query heads as its query rows;
+    # one prefill chunk: (1, heads, Q, d)
+    queries = q.reshape(b, kv_heads, heads // kv_heads, d) if n == 1 else q.transpose(0, 1)[None]
     if pattern.softcap is None:
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=pattern.scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=read.mask, is_causal=read.causal,
+                                             scale=pattern.scaling, enable_gqa=gqa)
     else:
-        out = _softcapped_attention(qb, kb, vb, mask, pattern.scaling, pattern.softcap)
-    return out.transpose(1, 2)[group.query_valid]  # (n, heads, head_dim)
+        if gqa:
+            keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+            values = values.repeat_interleave(heads // kv_heads, dim=1)
+        out = _softcapped_attention(queries, keys, values, read.mask, read.causal, pattern.scaling, pattern.softcap)
+    if n == 1:
+        return out.reshape(b, heads, d)
+    return out[0].transpose(0, 1)  # (Q, heads, d)
 
 
-def _softcapped_attention(qb, kb, vb, mask, scaling: float, softcap: float) -> torch.Tensor:
-    rep = qb.shape[1] // kb.shape[1]
-    kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(qb, kb.transpose(-1, -2)) * scaling  # (B, heads, Qmax, Lmax)
+def _softcapped_attention(q, k, v, mask, causal: bool, scaling: float, softcap: float) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # (..., Q, keys)
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(vb.dtype), vb)
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)

@@ -20,10 +20,9 @@ from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.model_runner import ModelRunner
 from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
-from mmserve.decoder.sequence import Sequence
-from mmserve.messages import DecodeRequest, RequestOutput
+from mmserve.decoder.sequence import PromptImages, Sequence
+from mmserve.messages import DecodeRequest, RequestOutput, SamplingParams
 from mmserve.models.base import ModelSpec, TextDecoder
-from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.runtime.step_threads import StepThreads
 
 # Called with the request ids and their (n, vocab) logits of every step; tests use it for parity.
@@ -41,8 +40,8 @@ class _OutputState:
 class DecoderStats:
     running: int  # sequences holding KV blocks (requests)
     waiting: int  # sequences queued or preempted (requests)
-    free_blocks: int  # KV blocks in the pool (blocks)
-    total_blocks: int  # KV blocks overall (blocks)
+    free_blocks: int  # KV pages in the pool (pages: one layer's block each)
+    total_blocks: int  # KV pages overall (pages)
     steps: int  # forwards run since start (steps)
     kv_cache_bytes: int  # bytes of KV tensors (bytes)
 
@@ -61,26 +60,30 @@ class Decoder:
     ):
         device = torch.device(device)
         self.spec, self.tokenizer, self.on_logits = spec, tokenizer, on_logits
-        self.pool = BlockPool(config.num_blocks)
-        self.scheduler = Scheduler(config, self.pool, max_model_len=spec.max_model_len,
-                                   eos_token_ids=spec.eos_token_ids)
         self.kv = KVCache(spec, config, dtype=dtype, device=device)
-        self.runner = ModelRunner(model, spec, self.kv, dtype=dtype, device=device,
+        self.pool = BlockPool(self.kv.num_pages)
+        self.scheduler = Scheduler(config, self.pool, spec.attention, max_model_len=spec.max_model_len,
+                                   eos_token_ids=spec.eos_token_ids)
+        self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, dtype=dtype, device=device,
                                   threads=StepThreads(device, config))
         self.sampler = Sampler()
         self._states: dict[str, _OutputState] = {}
         self.steps = 0
+        if self.runner.threads.needs_calibration:
+            self._calibrate_threads()
 
     def add(self, request: DecodeRequest) -> None:
         """Queue a request; raises CapacityError if it can never be scheduled."""
+        images = PromptImages.of(request.prompt_token_ids, request.features, self.spec.image_token_id) \
+            if request.features else None
         seq = Sequence(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=request.sampling,
             features=list(request.features),
             embeddings=list(request.embeddings),
-            atomic_spans=image_token_runs(request.prompt_token_ids, self.spec.image_token_id)
-            if self.spec.attention.bidirectional_images else [],
+            atomic_spans=images.spans() if images is not None and self.spec.attention.bidirectional_images else [],
+            images=images,
         )
         self.scheduler.add(seq)
         self._states[seq.request_id] = _OutputState(
@@ -150,6 +153,24 @@ class Decoder:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
         )
+
+    def _calibrate_threads(self, prompt_tokens: int = 128) -> None:
+        """Time a prefill chunk and a decode step of a scratch sequence to choose the threads of each."""
+        n = min(prompt_tokens, self.scheduler.config.max_num_batched_tokens, self.scheduler.max_seq_len - 1)
+        seq = Sequence("thread-calibration", [self.spec.eos_token_ids[0]] * n, SamplingParams())
+        seq.blocks = self.scheduler.kv.new_blocks()
+        if not self.pool.can_allocate(self.scheduler.kv.pages_to_grow(seq.blocks, n)):
+            return  # a pool too small to spare a scratch prompt: counts stay open (all threads)
+        self.scheduler.kv.grow(seq.blocks, n)
+
+        def run(start: int) -> None:
+            seq.num_computed_tokens = start
+            self.runner.execute([(seq, n - start)])
+
+        try:
+            self.runner.threads.calibrate(small_step=lambda: run(n - 1), big_step=lambda: run(0))
+        finally:
+            self.scheduler.kv.release(seq.blocks)
 
     def stats(self) -> DecoderStats:
         s = self.scheduler.stats()

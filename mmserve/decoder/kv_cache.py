@@ -1,7 +1,10 @@
-"""The KV cache tensors: one key and one value tensor per decoder layer, addressed by slot.
+"""The KV cache tensors: pages of keys and values, shared by every decoder layer.
 
-Owns: the memory. A slot is `block_id * block_size + offset`; which blocks a sequence holds is the
-BlockPool's and the scheduler's business, not this module's. Does not own: attention math.
+Owns: the memory. A page holds one layer's keys (and, in the other tensor, values) of `block_size`
+positions; a cache row is `page * block_size + offset`. Which pages a sequence holds on which layer
+is `kv_blocks.py`'s business; which rows a step reads is attention's. The pool holds
+`num_blocks * num_layers` pages: the memory of `num_blocks` blocks on every layer, which the layer
+kinds share (a sliding layer keeps only its window).
 """
 
 from __future__ import annotations
@@ -15,17 +18,13 @@ from mmserve.models.base import ModelSpec
 class KVCache:
     def __init__(self, spec: ModelSpec, config: DecoderConfig, *, dtype: torch.dtype, device: torch.device):
         self.block_size = config.block_size
-        self.num_slots = config.num_blocks * config.block_size
-        shape = (self.num_slots, spec.num_kv_heads, spec.head_dim)
-        # NOTE: sliding-window layers keep every position too; freeing blocks that fell out of the
-        # window is a later optimisation (it needs per-layer-kind block tables).
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of one layer, each (num_slots, kv_heads, head_dim)."""
-        return self.keys[index], self.values[index]
+        self.num_pages = config.num_blocks * spec.num_layers
+        shape = (self.num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (pages, block_size, kv_heads, head_dim)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        rows = (self.num_pages * self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.key_rows, self.value_rows = self.keys.view(rows), self.values.view(rows)  # (rows, kv_heads, head_dim)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))

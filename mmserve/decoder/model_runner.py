@@ -1,9 +1,10 @@
 """Turns one scheduler step into one batched model forward and the logits to sample from.
 
-Owns: assembling the step's flat inputs (token ids, positions, KV slots, image runs), merging image
-embeddings into the token embeddings at the placeholder positions (`masked_scatter_`), and
-picking the rows to sample. Does not own: what runs (scheduler), model internals (model module),
-sampling (sampler).
+Owns: assembling the step's flat inputs (token ids, positions, the attention metadata), merging image
+embeddings into the token embeddings at their placeholder positions (`masked_scatter_`), and picking
+the rows to sample. Everything is built on the host from the sequences' state and moved in a few
+copies; nothing here reads a device value back (the one sync of a step is the sampler's tokens).
+Does not own: what runs (scheduler), model internals (model module), sampling (sampler).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mmserve.decoder.attention import SeqChunk, build_metadata
+from mmserve.decoder.attention import SeqStep, build_metadata
+from mmserve.decoder.kv_blocks import LayerKind
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.sequence import Sequence
 from mmserve.models.base import ModelSpec, TextDecoder
-from mmserve.preprocess.image_runs import image_run_ids
 from mmserve.runtime.step_threads import StepThreads
 
 
@@ -28,9 +29,9 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: TextDecoder, spec: ModelSpec, kv: KVCache, *, dtype: torch.dtype, device: torch.device,
-                 threads: StepThreads):
-        self.model, self.spec, self.kv = model, spec, kv
+    def __init__(self, model: TextDecoder, spec: ModelSpec, kv: KVCache, kinds: tuple[LayerKind, ...], *,
+                 dtype: torch.dtype, device: torch.device, threads: StepThreads):
+        self.model, self.spec, self.kv, self.kinds = model, spec, kv, kinds
         self.dtype, self.device = dtype, device
         self.threads = threads
 
@@ -38,64 +39,43 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """Run the step where each (seq, n) computes tokens [seq.num_computed_tokens, +n)."""
         self.threads.apply(sum(n for _, n in scheduled))
-        chunks, ids, images = [], [], []
-        for seq, n in scheduled:
-            chunk, chunk_ids, rows = self._prepare(seq, n)
-            chunks.append(chunk)
-            ids.append(chunk_ids)
-            images.extend(rows)
-        input_ids = torch.from_numpy(np.concatenate(ids)).to(self.device)  # (T,)
-        positions = torch.from_numpy(
-            np.concatenate([np.arange(c.start, c.start + c.num_new) for c in chunks])
-        ).to(self.device)  # (T,)
-        embeds = self.model.embed(input_ids)  # (T, hidden)
-        if images:
-            self._merge_images(embeds, input_ids, images)
-        meta = build_metadata(chunks, self.spec.attention, self.device)
-        hidden = self.model.forward(embeds, positions, meta, self.kv)  # (T, hidden)
-        ends = np.cumsum([n for _, n in scheduled]) - 1
-        sample = [(seq, end) for (seq, n), end in zip(scheduled, ends, strict=True)
+        steps = [SeqStep(seq.num_computed_tokens, n, seq.blocks.tables,
+                         seq.images.runs if seq.images is not None else None) for seq, n in scheduled]
+        ids = np.concatenate([seq.token_ids[s.start : s.start + s.num_new] for seq, s in
+                              zip((seq for seq, _ in scheduled), steps, strict=True)])
+        positions = np.concatenate([np.arange(s.start, s.start + s.num_new) for s in steps])
+        embeds = self.model.embed(torch.from_numpy(ids).to(self.device))  # (T, hidden)
+        self._merge_images(embeds, scheduled, steps)
+        meta = build_metadata(steps, self.kinds, self.kv.block_size, self.spec.attention, self.device)
+        hidden = self.model.forward(embeds, torch.from_numpy(positions).to(self.device), meta, self.kv)  # (T, hidden)
+        ends = np.cumsum([s.num_new for s in steps]) - 1
+        sample = [(seq, int(end)) for (seq, n), end in zip(scheduled, ends, strict=True)
                   if seq.num_computed_tokens + n == seq.num_tokens]
-        picked = torch.tensor([end for _, end in sample], dtype=torch.long, device=self.device)
-        logits = self.model.logits(hidden[picked]) if sample else hidden.new_zeros((0, self.spec.vocab_size))
-        return StepLogits(seqs=[seq for seq, _ in sample], logits=logits)
+        if not sample:
+            return StepLogits([], hidden.new_zeros((0, self.spec.vocab_size)))
+        picked = torch.tensor([e for _, e in sample], device=self.device)
+        rows = hidden if len(sample) == len(ids) else hidden.index_select(0, picked)
+        return StepLogits([seq for seq, _ in sample], self.model.logits(rows))
 
-    def _prepare(self, seq: Sequence, n: int) -> tuple[SeqChunk, np.ndarray, list[torch.Tensor]]:
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        chunk_ids = np.asarray(seq.token_ids[start:end], dtype=np.int64)
-        has_image = bool((chunk_ids == self.spec.image_token_id).any())
-        context = np.asarray(seq.token_ids[:end], dtype=np.int64) if has_image else None
-        chunk = SeqChunk(
-            start=start,
-            num_new=n,
-            slots=self._slots(seq.block_table, end),
-            image_groups=image_run_ids(context, self.spec.image_token_id) if context is not None else None,
-        )
-        rows = self._image_rows(seq, context, start, end) if context is not None else []
-        return chunk, chunk_ids, rows
-
-    def _slots(self, block_table: list[int], length: int) -> np.ndarray:
-        bs = self.kv.block_size
-        pos = np.arange(length)
-        return np.asarray(block_table, dtype=np.int64)[pos // bs] * bs + pos % bs  # (length,)
-
-    def _image_rows(self, seq: Sequence, context: np.ndarray, start: int, end: int) -> list[torch.Tensor]:
-        """Embedding rows of every image token in [start, end), in prompt order."""
-        is_image = context == self.spec.image_token_id
-        rows = []
-        for feature, emb in zip(seq.features, seq.embeddings, strict=True):
-            lo, hi = feature.placeholder.offset, feature.placeholder.offset + feature.placeholder.length
-            a, b = max(lo, start), min(hi, end)
-            if a >= b:
-                continue
-            first = int(is_image[lo:a].sum())  # rows of this item already consumed by earlier chunks
-            count = int(is_image[a:b].sum())
-            rows.append(torch.as_tensor(emb)[first : first + count])  # (count, hidden)
-        return rows
-
-    def _merge_images(self, embeds: torch.Tensor, input_ids: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        mask = input_ids == self.spec.image_token_id  # (T,)
-        gathered = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)  # (n_image_tokens, hidden)
-        if gathered.shape[0] != int(mask.sum()):
-            raise RuntimeError(f"{int(mask.sum())} image tokens in the step but {gathered.shape[0]} embedding rows")
-        embeds.masked_scatter_(mask[:, None], gathered)
+    def _merge_images(self, embeds: torch.Tensor, scheduled: list[tuple[Sequence, int]],
+                      steps: list[SeqStep]) -> None:
+        """Put the embedding rows of this step's image positions into `embeds` (host-known positions)."""
+        mask = np.zeros(embeds.shape[0], dtype=bool)  # (T,)
+        rows: list[torch.Tensor] = []
+        offset = 0
+        for (seq, _), s in zip(scheduled, steps, strict=True):
+            images = seq.images
+            stop = min(s.start + s.num_new, seq.num_prompt_tokens)
+            if images is not None and stop > s.start:
+                feature, row = images.feature[s.start : stop], images.row[s.start : stop]
+                at = np.flatnonzero(feature >= 0)  # image positions of this chunk, in order
+                mask[offset + at] = True
+                for f in np.unique(feature[at]):  # NOTE: sorted = prompt order; an item's rows are contiguous
+                    mine = row[feature == f]
+                    rows.append(torch.as_tensor(seq.embeddings[f])[int(mine[0]) : int(mine[-1]) + 1])
+            offset += s.num_new
+        if rows:
+            gathered = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)  # (n_image_tokens, hidden)
+            if gathered.shape[0] != int(mask.sum()):
+                raise RuntimeError(f"{int(mask.sum())} image positions in the step, {gathered.shape[0]} rows")
+            embeds.masked_scatter_(torch.from_numpy(mask).to(self.device)[:, None], gathered)

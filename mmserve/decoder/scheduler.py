@@ -1,9 +1,10 @@
 """Continuous-batching FCFS scheduler of the decoder: who computes which tokens in the next step.
 
-Owns: the waiting and running queues, admission, chunked prefill, KV-block allocation per step,
-preemption (recompute policy), and finishing on eos / stop tokens / max_tokens / max_model_len.
-Does not own: the model forward and sampling (the model runner), stop strings (the output processor
-calls `finish`), nor the K/V tensors (only block ids, through `BlockPool`).
+Owns: the waiting and running queues, admission, chunked prefill, KV-page allocation per step (what
+each layer kind needs, through `KVBlockManager`), returning pages that fell out of the sliding
+window after each step, preemption (recompute policy), and finishing on eos / stop tokens /
+max_tokens / max_model_len. Does not own: the model forward and sampling (the model runner), stop
+strings (the output processor calls `finish`), nor the K/V tensors (only page ids).
 
 One rule covers every case: a sequence computes its `num_tokens - num_computed_tokens` remaining
 tokens, as many per step as the budget allows; when a step reaches `num_tokens` a token is sampled.
@@ -18,9 +19,11 @@ from dataclasses import dataclass, field
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.kv_blocks import KVBlockManager
 from mmserve.decoder.sequence import Sequence, SequenceStatus
 from mmserve.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from mmserve.messages import FinishReason
+from mmserve.models.base import AttentionPattern
 
 
 @dataclass(frozen=True)
@@ -52,23 +55,24 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    running: int  # sequences holding KV blocks
+    running: int  # sequences holding KV pages
     waiting: int  # queued or preempted sequences
-    free_blocks: int  # KV blocks in the pool's free list
-    total_blocks: int  # KV blocks in the pool
+    free_blocks: int  # KV pages in the pool's free list (pages: one layer's block each)
+    total_blocks: int  # KV pages in the pool
 
 
 class Scheduler:
-    def __init__(self, config: DecoderConfig, block_pool: BlockPool, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: DecoderConfig, block_pool: BlockPool, pattern: AttentionPattern,
+                 max_model_len: int, eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.block_size = config.block_size
         self.pool = block_pool
+        self.kv = KVBlockManager(block_pool, pattern, config.block_size)
         self.max_model_len = max_model_len  # tokens the model's positions allow
         # NOTE: a sequence may never hold more tokens than the pool either; capping its length there
         # means a sequence alone in the pool always fits, so preemption can never livelock. It then
         # finishes with "length" when it fills the pool.
-        self.max_seq_len = min(max_model_len, block_pool.num_blocks * self.block_size)
+        self.max_seq_len = self.kv.max_tokens_alone(config.max_num_batched_tokens, max_model_len)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by arrival_order; preempted ones go back in place
         self.running: list[Sequence] = []  # sorted by arrival_order; the tail is preempted first
@@ -82,6 +86,7 @@ class Scheduler:
         if seq.request_id in self._seqs:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         self._check_schedulable(seq)
+        seq.blocks = self.kv.new_blocks()
         seq.arrival_order = self._next_arrival
         self._next_arrival += 1
         seq.status = SequenceStatus.WAITING
@@ -148,6 +153,7 @@ class Scheduler:
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.kv.trim(seq.blocks, seq.num_computed_tokens)  # the next query sits there
             if not item.samples:
                 continue
             if seq.request_id not in sampled:
@@ -169,8 +175,9 @@ class Scheduler:
             raise PromptTooLongError(f"the prompt has {n} tokens; this model accepts at most "
                                      f"{self.max_model_len}")
         if n > self.max_seq_len:
-            raise CapacityError(f"the prompt needs {-(-n // self.block_size)} KV blocks; the pool has "
-                                f"{self.pool.num_blocks} ({self.max_seq_len} tokens)")
+            raise CapacityError(f"the prompt needs {self.kv.peak_pages(n, self.config.max_num_batched_tokens)} "
+                                f"KV blocks (of one layer each); the pool has {self.pool.num_blocks} "
+                                f"({self.max_seq_len} tokens)")
         budget = self.config.max_num_batched_tokens
         longest = max((end - start for start, end in seq.atomic_spans), default=0)
         if longest > budget:
@@ -186,23 +193,22 @@ class Scheduler:
             end = _end_outside_spans(seq, end)
         return max(end - start, 0)
 
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = -(-(seq.num_computed_tokens + num_new) // self.block_size)
-        return max(total - len(seq.block_table), 0)
+    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+        return self.kv.pages_to_grow(seq.blocks, seq.num_computed_tokens + num_new)
 
     def _grow_or_preempt(self, seq: Sequence, num_new: int, preempted: list[str]) -> bool:
         """Give a running `seq` the blocks for `num_new` tokens, preempting the latest arrivals.
 
         Returns False when `seq` itself had to be preempted (it was the latest arrival left).
         """
-        needed = self._blocks_needed(seq, num_new)
+        needed = self._pages_needed(seq, num_new)
         while not self.pool.can_allocate(needed):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is seq:
                 return False
-        seq.block_table += self.pool.allocate(needed)
+        self.kv.grow(seq.blocks, seq.num_computed_tokens + num_new)
         return True
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
@@ -211,11 +217,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._num_new_tokens(seq, budget)
-            needed = self._blocks_needed(seq, n)
+            needed = self._pages_needed(seq, n)
             if n == 0 or not self.pool.can_allocate(needed):
                 break  # NOTE: strict FCFS: nobody overtakes the head of the queue
             self.waiting.pop(0)
-            seq.block_table += self.pool.allocate(needed)
+            self.kv.grow(seq.blocks, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             admitted.append(ScheduledSeq(seq, n))
@@ -230,8 +236,7 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=_arrival)
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.kv.release(seq.blocks)
 
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
         token = seq.token_ids[-1]

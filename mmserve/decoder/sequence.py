@@ -1,4 +1,4 @@
-"""One request's state inside the decoder: tokens, KV block table, progress, image embeddings.
+"""One request's state inside the decoder: tokens, KV block tables, progress, image embeddings.
 
 Owns: the per-request bookkeeping shared by the scheduler (which advances it), the model runner
 (which reads it) and the output processor (which appends tokens). Does not own: scheduling policy,
@@ -8,10 +8,49 @@ KV memory, or tensors' computation.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from mmserve.decoder.kv_blocks import SeqBlocks
 from mmserve.messages import FinishReason, MultiModalFeatureSpec, SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """Where a prompt's image embedding rows sit: the image tokens inside the features' placeholders.
+
+    NOTE: found from the placeholders, not by token id alone, so an image token anywhere else (a sampled
+    output, which is always text) is just a token.
+    """
+
+    runs: np.ndarray  # (num_prompt,) int64: the run (one image or crop) of each position, -1 for text
+    feature: np.ndarray  # (num_prompt,) int64: the feature whose embeddings fill the position, -1 for text
+    row: np.ndarray  # (num_prompt,) int64: the position's row in that feature's embeddings, -1 for text
+
+    @classmethod
+    def of(cls, prompt: list[int], features: list[MultiModalFeatureSpec], image_token_id: int) -> PromptImages:
+        ids = np.asarray(prompt, dtype=np.int64)
+        feature = np.full(len(ids), -1, dtype=np.int64)
+        row = np.full(len(ids), -1, dtype=np.int64)
+        for f, spec in enumerate(features):
+            lo, hi = spec.placeholder.offset, spec.placeholder.offset + spec.placeholder.length
+            at = lo + np.flatnonzero(ids[lo:hi] == image_token_id)
+            if len(at) != spec.num_embeds:
+                raise ValueError(f"feature {spec.identifier} has {spec.num_embeds} embeddings for {len(at)} "
+                                 f"image tokens in its placeholder [{lo}, {hi})")
+            feature[at], row[at] = f, np.arange(len(at))
+        is_image = feature >= 0
+        starts = is_image & ~np.concatenate(([False], is_image[:-1]))
+        return cls(np.where(is_image, np.cumsum(starts) - 1, -1), feature, row)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """[start, end) of each run, in order."""
+        padded = np.concatenate(([-1], self.runs, [-1]))
+        bounds = np.flatnonzero(padded[1:] != padded[:-1]).tolist()  # positions where the run changes
+        return [(a, b) for a, b in itertools.pairwise(bounds) if self.runs[a] >= 0]
 
 
 class SequenceStatus(enum.Enum):
@@ -30,9 +69,10 @@ class Sequence:
     # [start, end) prompt ranges a prefill chunk must hold whole: runs of image tokens that attend to
     # each other both ways (tokens); empty for a model whose images attend causally
     atomic_spans: list[tuple[int, int]] = field(default_factory=list)
+    images: PromptImages | None = None  # where the prompt's image rows go; None = a prompt without images
     token_ids: list[int] = field(default_factory=list)  # prompt + generated (tokens)
     num_computed_tokens: int = 0  # leading tokens whose K/V sit in the cache (tokens)
-    block_table: list[int] = field(default_factory=list)  # KV block ids, in position order
+    blocks: SeqBlocks = field(default_factory=SeqBlocks)  # KV pages held, per layer kind (the scheduler's)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_order: int = 0  # admission order, FCFS tie-break (count)

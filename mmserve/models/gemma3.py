@@ -103,8 +103,8 @@ class Gemma3Family:
     def load_text(self) -> Gemma3PagedText:
         hf = self._load()
         device = torch.device(self.engine_config.device)
-        text = Gemma3PagedText(hf.model.language_model, hf.lm_head, self.spec.attention)
-        return text.to(device).eval()
+        language_model, lm_head = hf.model.language_model.to(device), hf.lm_head.to(device)
+        return Gemma3PagedText(language_model, lm_head, self.spec.attention)
 
     def release_unused(self) -> None:
         """Drop the reference to the whole HF model; parts handed out stay alive."""

@@ -1,82 +1,117 @@
 """Gemma 3's text decoder run over our paged KV cache.
 
-Owns: the per-layer forward of Gemma 3 (sandwich RMSNorms, q/k norms, two RoPE bases chosen by
-layer kind, GeGLU MLP) on flat varlen tokens. The weights are transformers' own modules
-(`Gemma3TextModel` + `lm_head`); only attention goes through `mmserve.decoder.attention`.
-Does not own: batching, masks, KV memory, sampling.
+Owns: the per-layer forward of Gemma 3 (sandwich RMSNorms, q/k norms, two RoPE bases chosen by layer
+kind, GeGLU MLP) on flat varlen tokens, from transformers' own weights (`Gemma3TextModel` + `lm_head`)
+re-laid for few kernels per step: q, k and v projected by one matrix, gate and up by one, the
+RMSNorm gains stored as (1 + w), q and k normed and rotated as one tensor. Only attention goes through
+`mmserve.decoder.attention`. Does not own: batching, masks, KV memory, sampling.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 
 from mmserve.decoder.attention import AttentionMetadata, paged_attention
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.models.base import AttentionPattern
+from mmserve.models.layers import RMSNorm, RopeTable
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass(frozen=True)
+class _LayerWeights:
+    kind: str  # the layer's attention kind: which RoPE table it uses
+    input_norm: RMSNorm  # over hidden
+    qkv: torch.Tensor  # ((heads + 2 kv_heads) * head_dim, hidden): q, k, v projections stacked
+    qk_norm: RMSNorm  # over head_dim, gains (heads + kv_heads, head_dim): q_norm's per query head, then k_norm's
+    o: torch.Tensor  # (hidden, heads * head_dim)
+    post_attention_norm: RMSNorm
+    pre_feedforward_norm: RMSNorm
+    gate_up: torch.Tensor  # (2 * intermediate, hidden): gate then up
+    down: torch.Tensor  # (hidden, intermediate)
+    post_feedforward_norm: RMSNorm
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (T, heads, head_dim); cos/sin (T, head_dim)
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+def _gain(norm: Any) -> torch.Tensor:
+    """Gemma3RMSNorm's multiplier (1 + weight), float32 as it computes it."""
+    return 1.0 + norm.weight.detach().float()
 
 
-class Gemma3PagedText(nn.Module):
-    def __init__(self, text_model: nn.Module, lm_head: nn.Module, pattern: AttentionPattern):
-        super().__init__()
-        self.text: Any = text_model  # transformers Gemma3TextModel (embed_tokens, layers, norm, rotary_emb)
-        self.lm_head: Any = lm_head
+def _layer_weights(layer: Any, kind: str, heads: int, kv_heads: int, eps: float) -> _LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(m.bias is not None for m in linears):
+        raise ValueError("Gemma 3 layers have no biases; this checkpoint's do")
+    q_gain, k_gain = _gain(attn.q_norm), _gain(attn.k_norm)  # each (head_dim,)
+    return _LayerWeights(
+        kind=kind,
+        input_norm=RMSNorm(_gain(layer.input_layernorm), eps),
+        qkv=torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)).detach(),
+        qk_norm=RMSNorm(torch.cat((q_gain.expand(heads, -1), k_gain.expand(kv_heads, -1))), eps),
+        o=attn.o_proj.weight.detach(),
+        post_attention_norm=RMSNorm(_gain(layer.post_attention_layernorm), eps),
+        pre_feedforward_norm=RMSNorm(_gain(layer.pre_feedforward_layernorm), eps),
+        gate_up=torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)).detach(),
+        down=mlp.down_proj.weight.detach(),
+        post_feedforward_norm=RMSNorm(_gain(layer.post_feedforward_layernorm), eps),
+    )
+
+
+class Gemma3PagedText:
+    """Gemma 3's text model over the paged cache; built on the device its HF modules are on."""
+
+    def __init__(self, text_model: Any, lm_head: Any, pattern: AttentionPattern):
+        cfg = text_model.config
         self.pattern = pattern
-        cfg: Any = text_model.config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        self.embed_tokens = text_model.embed_tokens  # scales by sqrt(hidden) itself
+        self.lm_head = lm_head.weight.detach()  # (vocab, hidden), tied to the embeddings
+        self.final_norm = RMSNorm(_gain(text_model.norm), eps)
+        self.layers = [_layer_weights(layer, kind, self.heads, self.kv_heads, eps)
+                       for layer, kind in zip(text_model.layers, pattern.layer_kinds, strict=True)]
+        weight = self.lm_head
+        rotary = text_model.rotary_emb
+
+        def table(kind: str) -> RopeTable:
+            def compute(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                probe = torch.empty(1, device=weight.device, dtype=torch.float32)
+                cos, sin = rotary(probe, positions[None], kind)  # each (1, n, head_dim), float32
+                return cos[0], sin[0]
+
+            return RopeTable(compute, self.head_dim, weight.device, weight.dtype)
+
+        self.rope = {kind: table(kind) for kind in dict.fromkeys(pattern.layer_kinds)}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, hidden), scaled by sqrt(hidden) inside the embedding module."""
-        return self.text.embed_tokens(input_ids)
+        return self.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden) final hidden states -> (n, vocab) float32 logits."""
         # NOTE: Gemma3ForConditionalGeneration applies no final soft-capping; neither do we.
-        return self.lm_head(hidden).float()
+        return F.linear(hidden, self.lm_head).float()
 
-    def forward(
-        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache
-    ) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
         """(T, hidden) input embeddings at (T,) positions -> (T, hidden) final-normed hidden states."""
+        rope = {kind: table.lookup(positions, meta.max_position) for kind, table in self.rope.items()}
         h = embeds
-        rope = {
-            kind: self.text.rotary_emb(h[None], positions[None], kind)  # each (1, T, head_dim)
-            for kind in set(self.pattern.layer_kinds)
-        }
-        for i, layer in enumerate(self.text.layers):
-            kind = self.pattern.layer_kinds[i]
-            cos, sin = rope[kind]
-            h = self._layer(layer, h, cos[0], sin[0], meta, kv.layer(i), kind)
-        return self.text.norm(h)
+        for i, layer in enumerate(self.layers):
+            h = self._layer(i, layer, h, rope[layer.kind], meta, kv)
+        return self.final_norm(h)
 
-    def _layer(self, layer, h, cos, sin, meta, cache, kind) -> torch.Tensor:
-        residual = h
-        x = layer.input_layernorm(h)
-        attn_out = self._attention(layer.self_attn, x, cos, sin, meta, cache, kind)
-        h = residual + layer.post_attention_layernorm(attn_out)
-        residual = h
-        x = layer.mlp(layer.pre_feedforward_layernorm(h))
-        return residual + layer.post_feedforward_layernorm(x)
-
-    def _attention(self, attn, x, cos, sin, meta, cache, kind) -> torch.Tensor:
-        t = x.shape[0]
-        q = attn.q_norm(attn.q_proj(x).view(t, self.num_heads, self.head_dim))  # (T, heads, head_dim)
-        k = attn.k_norm(attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # (T, kv_heads, head_dim)
-        v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, cache, meta, kind, self.pattern)  # (T, heads, head_dim)
-        return attn.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+    def _layer(self, index: int, w: _LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        t, heads, kv_heads, d = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(w.input_norm(h), w.qkv)  # (T, (heads + 2 kv_heads) * d)
+        qk = w.qk_norm(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d))
+        qk = self.rope[w.kind].rotate(qk, *rope)  # (T, heads + kv_heads, d)
+        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+        out = paged_attention(qk[:, :heads], qk[:, heads:], v, kv, meta, index, self.pattern)  # (T, heads, d)
+        h = h + w.post_attention_norm(F.linear(out.reshape(t, heads * d), w.o))
+        gate, up = F.linear(w.pre_feedforward_norm(h), w.gate_up).chunk(2, dim=-1)
+        return h + w.post_feedforward_norm(F.linear(F.gelu(gate, approximate="tanh") * up, w.down))

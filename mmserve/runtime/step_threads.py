@@ -1,39 +1,48 @@
-"""How many CPU threads torch may use for one step of a stage (encoder or decoder).
+"""How many CPU threads torch may use for one step of a stage, measured rather than guessed.
 
-Owns: the choice, per step, between the stage's intra-op thread count (the process setting when
-the stage was built) and fewer for a small step, and applying it in the calling thread. Does not
-own what a step computes (the runners) nor the process-wide default (set by whoever starts the
-stage, e.g. a Ray replica from its stage's `torch_threads`).
+Owns: the count per step (a small step, i.e. decodes, and a big one, i.e. prefill chunks, may differ),
+choosing a count the config leaves open by timing a few steps at 1 and at all of the stage's threads
+on the loaded model, and applying it in the calling thread. Does not own what a step computes (the
+runners) nor the process-wide default (set by whoever starts the stage, e.g. a Ray replica from its
+stage's `torch_threads`).
 
 NOTE: torch's thread count is per calling thread (OpenMP's nthreads ICV), but `torch.set_num_threads`
 also changes the default that threads started later begin with. So every stage sets its count in
 its own step thread before each step: in the in-process Engine the encoder's step thread, started
 after a decode step chose 1, would otherwise run the vision tower on one thread.
 
-NOTE: a decode step multiplies a handful of rows by every weight matrix and is mostly bound by reading
-the weights from memory; whether a second OpenMP thread helps it depends on the CPU (docs/benchmarks.md
-has the figures of two), while it takes a core from the stage beside it.
+NOTE: whether a second thread speeds up a decode step depends on the CPU (memory bandwidth per core,
+the cost of waking a thread per kernel): the same VM kind has measured either way (docs/benchmarks.md).
+Hence a measurement on the machine and model at hand, not a constant.
 """
 
 from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 
 from mmserve.config import DecoderConfig
 
+log = logging.getLogger(__name__)
+CLOSE = 0.05  # a count this much slower than the fastest still wins if it uses fewer threads (a core saved)
+
 
 class StepThreads:
-    def __init__(self, device: torch.device, small: DecoderConfig | None = None):
+    def __init__(self, device: torch.device, config: DecoderConfig | None = None):
         self.enabled = device.type == "cpu"
-        self.small = small  # None: every step gets the stage's count
-        self.big = torch.get_num_threads()  # the stage's count: the process setting when it was built
+        self.available = torch.get_num_threads()  # the stage's count: the process setting when it was built
+        self.small_step_tokens = config.small_step_tokens if config is not None else 0
+        self.small = config.small_step_threads if config is not None else self.available
+        self.big = config.big_step_threads if config is not None else self.available
 
     def threads_for(self, num_new_tokens: int) -> int:
         """Threads for a step computing `num_new_tokens` tokens (all sequences together)."""
-        small = self.small
-        if small is None or small.small_step_threads is None or num_new_tokens > small.small_step_tokens:
-            return self.big
-        return min(small.small_step_threads, self.big)
+        chosen = self.small if num_new_tokens <= self.small_step_tokens else self.big
+        return min(chosen or self.available, self.available)
 
     def apply(self, num_new_tokens: int) -> None:
         """Set torch's threads for the coming step in the calling thread (no-op off CPU)."""
@@ -42,3 +51,33 @@ class StepThreads:
         wanted = self.threads_for(num_new_tokens)
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.enabled and (self.small is None or self.big is None)
+
+    def calibrate(self, small_step: Callable[[], object], big_step: Callable[[], object]) -> None:
+        """Fill each open count with the fastest of 1 and all threads for that kind of step."""
+        if self.small is None:
+            self.small = _fastest(small_step, self.available)
+        if self.big is None:
+            self.big = _fastest(big_step, self.available)
+        torch.set_num_threads(self.available)
+        log.info("step threads: %d for steps of <= %d new tokens, %d for bigger ones (of %d)",
+                 self.small, self.small_step_tokens, self.big, self.available)
+
+
+def _fastest(step: Callable[[], object], available: int, warmup: int = 2, runs: int = 5) -> int:
+    timings: dict[int, float] = {}
+    for count in sorted({1, available}):
+        torch.set_num_threads(count)
+        for _ in range(warmup):
+            step()
+        samples = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - started)
+        timings[count] = statistics.median(samples)
+    best = min(timings.values())
+    return min(count for count, t in timings.items() if t <= best * (1 + CLOSE))

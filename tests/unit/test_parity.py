@@ -25,6 +25,9 @@ from mmserve.preprocess.image_runs import image_token_runs
 # and a real bug (a missing image mask, a wrong position) moves them by 1e-2 or more.
 LOGITS_ATOL = 1e-3
 MAX_TOKENS = 10
+# Generations several sliding windows long (the tiny checkpoints' window is 64 tokens): every sliding layer
+# has dropped blocks by then, and each step reads only the window's.
+LONG_GENERATION = 160
 
 
 def make_image(width: int, height: int, seed: int) -> Image.Image:
@@ -48,7 +51,13 @@ CASES = {
     "pan_and_scan": ([(1024, 400, 4)], "What is written here?", {"do_pan_and_scan": True}),
     "long_text": ([], LONG_TEXT, {}),  # far past the sliding window
     "long_with_image": ([(500, 500, 5)], LONG_TEXT, {}),
+    "long_generation": ([], "Write a very long story.", {}),
+    "long_generation_with_image": ([(400, 300, 6)], LONG_TEXT, {}),
 }
+
+
+def max_tokens(case: str) -> int:
+    return LONG_GENERATION if case.startswith("long_generation") else MAX_TOKENS
 
 
 def build_request(case: str, request_id: str | None = None) -> tuple[ChatRequest, list[Image.Image]]:
@@ -56,7 +65,7 @@ def build_request(case: str, request_id: str | None = None) -> tuple[ChatRequest
     images = [make_image(w, h, s) for w, h, s in specs]
     parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
     messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=max_tokens(case), temperature=0.0, ignore_eos=True)
     return ChatRequest(request_id or case, messages, sampling, mm_kwargs), images
 
 
@@ -69,7 +78,7 @@ def reference(model_dir, processor, model, case: str) -> tuple[list[int], list[t
                                              add_generation_prompt=True)
     inputs = processor(text=rendered, images=images or None, add_special_tokens=False, return_tensors="pt",
                        **mm_kwargs)
-    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+    out = model.generate(**inputs, max_new_tokens=max_tokens(case), do_sample=False, output_logits=True,
                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     n_prompt = inputs["input_ids"].shape[1]
     return out.sequences[0, n_prompt:].tolist(), [s[0] for s in out.logits], n_prompt

@@ -1,5 +1,6 @@
-"""attention.py: a mixed step is attended per group (decodes together, each prefill chunk alone), and the
-result equals attending each sequence on its own with its plain causal / image mask."""
+"""attention.py: a mixed step is attended per group (decodes together, each prefill chunk alone) over the
+pages each layer kind keeps, and equals attending each sequence alone over its dense context with its
+causal / image / window mask."""
 
 from __future__ import annotations
 
@@ -7,67 +8,118 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmserve.decoder.attention import SeqChunk, build_metadata, paged_attention
-from mmserve.models.base import FULL, AttentionPattern
+from mmserve.config import DecoderConfig
+from mmserve.decoder.attention import SeqStep, build_metadata, paged_attention
+from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.kv_blocks import KVBlockManager
+from mmserve.decoder.kv_cache import KVCache
+from mmserve.models.base import FULL, SLIDING, AttentionPattern, ModelSpec
 from tests.numerics import assert_close_ulps
 
-PATTERN = AttentionPattern(layer_kinds=(FULL,), sliding_window=None, bidirectional_images=True, scaling=0.5,
-                           softcap=None)
+WINDOW, BLOCK = 5, 4
+PATTERN = AttentionPattern(layer_kinds=(FULL, SLIDING), sliding_window=WINDOW, bidirectional_images=True,
+                           scaling=0.5, softcap=None)
 HEADS, KV_HEADS, DIM = 4, 2, 8
+SPEC = ModelSpec("gemma3", "m", 9, 4, 50, 16, 2, KV_HEADS, DIM, 1024, (1,), PATTERN)
 
 
-def chunk(start: int, num_new: int, first_slot: int, images: list[tuple[int, int]] | None = None) -> SeqChunk:
-    end = start + num_new
-    groups = None
-    if images is not None:
-        groups = np.full(end, -1, dtype=np.int64)
-        for i, (a, b) in enumerate(images):
-            groups[a:b] = i
-    return SeqChunk(start, num_new, np.arange(first_slot, first_slot + end, dtype=np.int64), groups)
+def runs_of(length: int, images: list[tuple[int, int]]) -> np.ndarray:
+    runs = np.full(length, -1, dtype=np.int64)
+    for i, (a, b) in enumerate(images):
+        runs[a:b] = i
+    return runs
+
+
+# (start, new tokens, image runs of the prompt or None): a decode, a first chunk with an image run
+# [1, 4), a decode far past the window, a later chunk of a prompt (its image is in the earlier part)
+SEQS = [(6, 1, None), (0, 5, [(1, 4)]), (12, 1, None), (5, 4, [(1, 4)])]
 
 
 def test_decodes_share_one_group_and_each_prefill_chunk_has_its_own() -> None:
-    chunks = [chunk(6, 1, 0), chunk(0, 5, 100), chunk(3, 1, 200), chunk(2, 4, 300), chunk(9, 1, 400)]
-    meta = build_metadata(chunks, PATTERN, torch.device("cpu"))
-    shapes = [tuple(g.query_index.shape) for g in meta.groups]
-    assert shapes == [(3, 1), (1, 5), (1, 4)]  # no decode padded to a 5-token chunk
-    assert [g.kv_slots.shape[1] for g in meta.groups] == [10, 5, 6]
-    flat = torch.cat([g.token_index for g in meta.groups]).sort().values
+    _, manager = _cache()
+    steps = [_step(manager, start, n, None) for start, n in [(6, 1), (0, 5), (3, 1), (2, 4), (9, 1)]]
+    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
+    assert [(g.batch, g.queries) for g in meta.groups] == [(3, 1), (1, 5), (1, 4)]  # no decode padded
+    flat = torch.cat([g.token_index for g in meta.groups if g.token_index is not None]).sort().values
     assert flat.tolist() == list(range(1 + 5 + 1 + 4 + 1))  # every new token is a query exactly once
-    assert meta.groups[0].token_index.tolist() == [0, 6, 11]
+    assert meta.slots.shape == (2, 12) and meta.max_position == 9
+    sliding = meta.groups[0].reads[1]
+    assert sliding.pages.shape[0] == 1 and sliding.rows <= 3 * BLOCK  # the window's blocks, not all of them
 
 
 def test_grouped_attention_equals_each_sequence_alone() -> None:
     gen = torch.Generator().manual_seed(0)
-    # a decode, a prefill chunk with an image run [1, 4), a decode, a later chunk of a prompt
-    chunks = [chunk(6, 1, 0), chunk(0, 5, 100, images=[(1, 4)]), chunk(3, 1, 200), chunk(2, 4, 300)]
-    slots = 400
-    key_cache = torch.randn(slots, KV_HEADS, DIM, generator=gen)
-    value_cache = torch.randn(slots, KV_HEADS, DIM, generator=gen)
-    t = sum(c.num_new for c in chunks)
+    kv, manager = _cache()
+    steps, history = [], []
+    for start, n, images in SEQS:
+        runs = runs_of(start + n, images) if images is not None else None
+        steps.append(_step(manager, start, n, runs))
+        keys = torch.randn(2, start + n, KV_HEADS, DIM, generator=gen)  # (layers, positions, kv, d)
+        values = torch.randn(2, start + n, KV_HEADS, DIM, generator=gen)
+        history.append((keys, values))
+        _write_past(kv, manager, steps[-1], keys, values)
+    t = sum(n for _, n, _ in SEQS)
     q = torch.randn(t, HEADS, DIM, generator=gen)  # (T, heads, head_dim)
-    k = torch.randn(t, KV_HEADS, DIM, generator=gen)
-    v = torch.randn(t, KV_HEADS, DIM, generator=gen)
-    meta = build_metadata(chunks, PATTERN, torch.device("cpu"))
-    cache = (key_cache.clone(), value_cache.clone())
-    out = paged_attention(q, k, v, cache, meta, FULL, PATTERN)  # (T, heads, head_dim)
+    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
+    for layer, kind in enumerate(PATTERN.layer_kinds):
+        new_k = torch.cat([k[layer, s.start :] for s, (k, _) in zip(steps, history, strict=True)])
+        new_v = torch.cat([v[layer, s.start :] for s, (_, v) in zip(steps, history, strict=True)])
+        out = paged_attention(q, new_k, new_v, kv, meta, layer, PATTERN)  # (T, heads, head_dim)
+        offset = 0
+        for s, (keys, values) in zip(steps, history, strict=True):
+            rows = slice(offset, offset + s.num_new)
+            expected = _reference(q[rows], keys[layer], values[layer], s, kind)
+            # NOTE: batched, padded and sliced against dense: other SDPA kernels sum the softmax and the
+            # weighted values (<= 9 keys, O(1) values) in another order; a few roundings each, 32 ulps.
+            assert_close_ulps(out[rows], expected, ulps=32)
+            offset += s.num_new
 
-    offset = 0
-    for c in chunks:
-        end = c.start + c.num_new
-        rows = slice(offset, offset + c.num_new)
-        keys, values = cache[0][torch.from_numpy(c.slots)], cache[1][torch.from_numpy(c.slots)]  # (end, kv, d)
-        assert torch.equal(keys[c.start :], k[rows]) and torch.equal(values[c.start :], v[rows])  # copies
-        qpos = torch.arange(c.start, end)[:, None]
-        allowed = torch.arange(end)[None, :] <= qpos  # causal
-        if c.image_groups is not None:
-            g = torch.from_numpy(c.image_groups)
-            allowed |= (g[c.start :, None] == g[None, :]) & (g[c.start :, None] >= 0)  # both ways in an image
-        expected = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=allowed[None, None], scale=PATTERN.scaling, enable_gqa=True,
-        )[0].transpose(0, 1)  # (num_new, heads, head_dim)
-        # NOTE: batched and padded against alone: other SDPA kernels sum the softmax and the weighted
-        # values (<= 10 keys, O(1) values) in another order; a few roundings each, 32 ulps in all.
-        assert_close_ulps(out[rows], expected, ulps=32)
-        offset += c.num_new
+
+def test_a_sliding_layer_reads_only_its_window_far_into_a_sequence() -> None:
+    _, manager = _cache()
+    step = _step(manager, 40, 1, None)
+    meta = build_metadata([step], manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
+    full, sliding = meta.groups[0].reads
+    assert full.keys == (0, 41) and full.pages.shape[1] == 11  # every block of a full layer
+    lo, hi = sliding.keys  # a window of 5 keys inside at most 2 blocks, no mask
+    assert hi - lo == WINDOW and sliding.pages.shape[1] <= 2 and sliding.mask is None
+
+
+def _cache() -> tuple[KVCache, KVBlockManager]:
+    kv = KVCache(SPEC, DecoderConfig(block_size=BLOCK, num_blocks=32), dtype=torch.float32, device=torch.device("cpu"))
+    return kv, KVBlockManager(BlockPool(kv.num_pages), PATTERN, BLOCK)
+
+
+def _step(manager: KVBlockManager, start: int, n: int, runs: np.ndarray | None) -> SeqStep:
+    blocks = manager.new_blocks()
+    manager.grow(blocks, start + n)
+    manager.trim(blocks, start)  # as after the previous step: sliding blocks out of the window are gone
+    return SeqStep(start, n, blocks.tables, runs)
+
+
+def _write_past(kv: KVCache, manager: KVBlockManager, step: SeqStep, keys: torch.Tensor,
+                values: torch.Tensor) -> None:
+    """Put positions [0, start) of each layer where its table says, as earlier steps would have."""
+    for kind, table in zip(manager.kinds, step.tables, strict=True):
+        for rank, layer in enumerate(kind.layers):
+            for pos in range(step.start):
+                page = table.pages[pos // BLOCK, rank]
+                if page >= 0:  # blocks freed from a sliding layer hold nothing any more
+                    kv.keys[page, pos % BLOCK] = keys[layer, pos]
+                    kv.values[page, pos % BLOCK] = values[layer, pos]
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: SeqStep, kind: str) -> torch.Tensor:
+    end = s.start + s.num_new
+    qpos = torch.arange(s.start, end)[:, None]
+    kpos = torch.arange(end)[None, :]
+    allowed = kpos <= qpos  # causal
+    if s.image_runs is not None:
+        g = torch.from_numpy(s.image_runs)
+        allowed |= (g[s.start : end, None] == g[None, :end]) & (g[s.start : end, None] >= 0)
+    if kind == SLIDING:
+        allowed &= kpos > qpos - WINDOW
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=allowed[None, None], scale=PATTERN.scaling, enable_gqa=True,
+    )[0].transpose(0, 1)  # (num_new, heads, head_dim)

@@ -14,16 +14,19 @@ from mmserve.decoder.scheduler import Scheduler, SchedulerOutput
 from mmserve.decoder.sequence import Sequence, SequenceStatus
 from mmserve.errors import CapacityError, PromptTooLongError
 from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, SamplingParams
+from mmserve.models.base import FULL, AttentionPattern
 
 EOS = (1, 106)
+# One full-attention layer: a page is a block, as the block arithmetic of these tests counts them.
+ONE_FULL_LAYER = AttentionPattern(layer_kinds=(FULL,), sliding_window=None, bidirectional_images=True,
+                                  scaling=1.0, softcap=None)
 TOKEN = 7  # what the fake model samples unless told otherwise
 
 
 def make_scheduler(*, budget: int = 64, seqs: int = 8, block_size: int = 4, blocks: int = 64,
                    max_model_len: int = 1024) -> Scheduler:
     return Scheduler(DecoderConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=block_size,
-                                   num_blocks=blocks), BlockPool(blocks),
-                     max_model_len, EOS)
+                                   num_blocks=blocks), BlockPool(blocks), ONE_FULL_LAYER, max_model_len, EOS)
 
 
 def make_seq(rid: str, n: int, *, spans: tuple[tuple[int, int], ...] = (), **sampling) -> Sequence:
@@ -52,7 +55,7 @@ class Driver:
         for item in out.scheduled:
             seq = item.seq
             assert item.num_new_tokens > 0 and seq.status is SequenceStatus.RUNNING
-            assert len(seq.block_table) == -(-(item.start + item.num_new_tokens) // self.sched.block_size)
+            assert seq.blocks.num_pages == -(-(item.start + item.num_new_tokens) // self.sched.block_size)
             self.chunks.setdefault(seq.request_id, []).append((item.start, item.start + item.num_new_tokens))
         self.preempted += out.preempted
         sampled = {s.seq.request_id: (tokens or {}).get(s.seq.request_id, TOKEN)
@@ -71,12 +74,12 @@ class Driver:
         return steps
 
     def check_blocks(self) -> None:
-        held = [b for s in self.sched.running for b in s.block_table]
+        held = [int(p) for s in self.sched.running for t in s.blocks.tables for p in t.pages[t.lo : t.hi].ravel()]
         assert len(held) == len(set(held))
         assert len(held) + self.sched.pool.num_free == self.sched.pool.num_blocks
-        assert all(not s.block_table for s in self.sched.waiting)
+        assert all(s.blocks.num_pages == 0 for s in self.sched.waiting)
         for seq in self.sched.running:
-            assert len(seq.block_table) == -(-seq.num_computed_tokens // self.sched.block_size)
+            assert seq.blocks.num_pages == -(-seq.num_computed_tokens // self.sched.block_size)
 
 
 def seq_of(sched: Scheduler, rid: str, lookup: Callable[[str], Sequence | None] | None = None) -> Sequence:
@@ -196,7 +199,7 @@ def test_preemption_under_a_tiny_pool_then_completion() -> None:
     assert victims[0] == "c", "the latest-arrived running sequence is preempted"
     b = sched.get("c")
     assert b is not None and b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
-    assert not b.block_table and len(b.output_token_ids) > 0, "outputs kept for recompute"
+    assert b.blocks.num_pages == 0 and len(b.output_token_ids) > 0, "outputs kept for recompute"
     assert set(d.preempted) <= {"b", "c"}, "a, the oldest, is never preempted"
     d.run()
     assert {rid: len(s.output_token_ids) for rid, s in d.finished.items()} == dict.fromkeys("abc", 12)
@@ -302,7 +305,7 @@ def test_finish_by_stop_string_frees_blocks() -> None:
     sched.add(make_seq("a", 5, max_tokens=40))
     d.step()
     seq = sched.finish("a", "stop")
-    assert seq is not None and seq.finish_reason == "stop" and seq.is_finished and not seq.block_table
+    assert seq is not None and seq.finish_reason == "stop" and seq.is_finished and seq.blocks.num_pages == 0
     assert sched.finish("a", "stop") is None
     assert sched.stats().free_blocks == 64 and sched.schedule().is_empty
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -12,13 +13,33 @@ from mmserve.runtime.step_threads import StepThreads
 CPU = torch.device("cpu")
 
 
-def test_small_steps_get_fewer_threads_big_steps_the_process_setting() -> None:
-    threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1))
-    threads.big = 4  # as if the stage had been configured with 4
+def test_small_steps_and_big_steps_take_their_own_counts() -> None:
+    threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1, big_step_threads=4))
+    threads.available = 4  # as if the stage had been configured with 4
     assert [threads.threads_for(n) for n in (1, 8, 16, 17, 300)] == [1, 1, 1, 4, 4]
-    for off in (StepThreads(CPU, DecoderConfig(small_step_threads=None)), StepThreads(CPU)):
-        assert off.threads_for(1) == off.big
+    unset = StepThreads(CPU, DecoderConfig())
+    assert unset.needs_calibration and unset.threads_for(1) == unset.threads_for(300) == unset.available
+    assert not StepThreads(CPU).needs_calibration  # the encoder's: every step at the stage's count
     assert not StepThreads(torch.device("meta"), DecoderConfig()).enabled  # not CPU: never touched
+
+
+def test_calibration_picks_the_faster_count_and_fewer_threads_on_a_tie() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = StepThreads(CPU, DecoderConfig())
+
+        def big_step() -> None:  # twice as fast on 2 threads
+            time.sleep(0.02 / torch.get_num_threads())
+
+        def small_step() -> None:  # the same on 1 or 2
+            time.sleep(0.01)  # NOTE: long enough that timer and scheduler jitter stay under 5%
+
+        threads.calibrate(small_step=small_step, big_step=big_step)
+        assert (threads.small, threads.big) == (1, 2)
+        assert not threads.needs_calibration and torch.get_num_threads() == 2  # the stage's count restored
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_apply_changes_only_the_calling_threads_count() -> None:
