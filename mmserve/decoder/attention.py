@@ -19,6 +19,7 @@ prefill chunk uses `enable_gqa`: on CUDA, PyTorch's FlexAttention is the kernel 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,24 +72,30 @@ class AttentionMetadata:
 def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_size: int,
                    pattern: AttentionPattern, device: torch.device) -> AttentionMetadata:
     """Everything attention needs for one step, built once on the host and moved in a few copies."""
-    num_layers = sum(len(k.layers) for k in kinds)
+    kind_of, rank_of, layers_of = _layer_map(kinds)
     offsets = np.concatenate(([0], np.cumsum([s.num_new for s in steps])))  # (B + 1,)
-    slots = np.empty((num_layers, int(offsets[-1])), dtype=np.int64)
+    slots = np.empty((len(kind_of), int(offsets[-1])), dtype=np.int64)
     for s, offset in zip(steps, offsets, strict=False):
-        pos = np.arange(s.start, s.start + s.num_new)
-        for kind, table in zip(kinds, s.tables, strict=True):
-            rows = table.pages[pos // block_size]  # (n, layers of the kind)
-            slots[list(kind.layers), offset : offset + s.num_new] = (rows * block_size + (pos % block_size)[:, None]).T
+        block, within = np.divmod(np.arange(s.start, s.start + s.num_new), block_size)
+        for layers, table in zip(layers_of, s.tables, strict=True):
+            slots[layers, offset : offset + s.num_new] = (table.pages[block] * block_size + within[:, None]).T
     decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
     members = ([decodes] if decodes else []) + [[i] for i, s in enumerate(steps) if s.num_new != 1]
     groups = [_group([steps[i] for i in idx], offsets[idx], kinds, block_size, pattern, device,
                      whole=len(members) == 1) for idx in members]
+    return AttentionMetadata(torch.from_numpy(slots).to(device), groups, kind_of, rank_of,
+                             max(s.start + s.num_new for s in steps) - 1)
+
+
+@functools.cache
+def _layer_map(kinds: tuple[LayerKind, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[np.ndarray, ...]]:
+    """(layer -> its kind's index, layer -> its rank within the kind, each kind's layers as an index array)."""
+    num_layers = sum(len(k.layers) for k in kinds)
     kind_of, rank_of = [0] * num_layers, [0] * num_layers
     for k, kind in enumerate(kinds):
         for rank, layer in enumerate(kind.layers):
             kind_of[layer], rank_of[layer] = k, rank
-    return AttentionMetadata(torch.from_numpy(slots).to(device), groups, tuple(kind_of), tuple(rank_of),
-                             max(s.start + s.num_new for s in steps) - 1)
+    return tuple(kind_of), tuple(rank_of), tuple(np.asarray(k.layers) for k in kinds)
 
 
 def _group(steps: list[SeqStep], offsets: np.ndarray, kinds: tuple[LayerKind, ...], block_size: int,

@@ -54,18 +54,18 @@ class RopeTable:
                  device: torch.device, dtype: torch.dtype) -> None:
         self._compute = compute  # (n,) int64 positions -> ((n, head_dim) cos, (n, head_dim) sin)
         self.head_dim, self.device, self.dtype = head_dim, device, dtype
-        self._cos = torch.empty(0, head_dim, device=device, dtype=dtype)
-        self._sin = self._cos
+        self._table = torch.empty(0, 2, head_dim, device=device, dtype=dtype)  # (positions, cos|sin, head_dim)
         half = head_dim // 2
         self._sign = torch.cat((-torch.ones(half), torch.ones(head_dim - half))).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """((T, 1, head_dim) cos, (T, 1, head_dim) signed sin) at `positions` (all <= max_position)."""
-        if max_position >= self._cos.shape[0]:
-            n = max(max_position + 1, 2 * self._cos.shape[0], 256)
+        if max_position >= self._table.shape[0]:
+            n = max(max_position + 1, 2 * self._table.shape[0], 256)
             cos, sin = self._compute(torch.arange(n, device=self.device))
-            self._cos, self._sin = cos.to(self.dtype), (sin * self._sign).to(self.dtype)
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+            self._table = torch.stack((cos.to(self.dtype), (sin * self._sign).to(self.dtype)), dim=1)
+        both = self._table.index_select(0, positions)  # (T, 2, head_dim)
+        return both[:, :1], both[:, 1:]
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(T, heads, head_dim) -> the same, rotated."""

@@ -57,27 +57,29 @@ class StepThreads:
         return self.enabled and (self.small is None or self.big is None)
 
     def calibrate(self, small_step: Callable[[], object], big_step: Callable[[], object]) -> None:
-        """Fill each open count with the fastest of 1 and all threads for that kind of step."""
+        """Fill each open count with the fastest of 1 and all threads for that kind of step.
+
+        NOTE: the counts are tried in interleaved rounds (1, N, 1, N, ...), so that the machine's drift
+        during the measurement hits both alike; the step applies the count under test itself.
+        """
         if self.small is None:
-            self.small = _fastest(small_step, self.available)
+            self.small = self._fastest(small_step, "small")
         if self.big is None:
-            self.big = _fastest(big_step, self.available)
+            self.big = self._fastest(big_step, "big")
         torch.set_num_threads(self.available)
         log.info("step threads: %d for steps of <= %d new tokens, %d for bigger ones (of %d)",
                  self.small, self.small_step_tokens, self.big, self.available)
 
-
-def _fastest(step: Callable[[], object], available: int, warmup: int = 2, runs: int = 5) -> int:
-    timings: dict[int, float] = {}
-    for count in sorted({1, available}):
-        torch.set_num_threads(count)
-        for _ in range(warmup):
-            step()
-        samples = []
-        for _ in range(runs):
-            started = time.perf_counter()
-            step()
-            samples.append(time.perf_counter() - started)
-        timings[count] = statistics.median(samples)
-    best = min(timings.values())
-    return min(count for count, t in timings.items() if t <= best * (1 + CLOSE))
+    def _fastest(self, step: Callable[[], object], which: str, warmup: int = 2, rounds: int = 7) -> int:
+        counts = sorted({1, self.available})
+        timings: dict[int, list[float]] = {count: [] for count in counts}
+        for round_ in range(warmup + rounds):
+            for count in counts:
+                setattr(self, which, count)
+                started = time.perf_counter()
+                step()
+                if round_ >= warmup:
+                    timings[count].append(time.perf_counter() - started)
+        medians = {count: statistics.median(t) for count, t in timings.items()}
+        best = min(medians.values())
+        return min(count for count, t in medians.items() if t <= best * (1 + CLOSE))

@@ -29,10 +29,12 @@ def test_calibration_picks_the_faster_count_and_fewer_threads_on_a_tie() -> None
     try:
         threads = StepThreads(CPU, DecoderConfig())
 
-        def big_step() -> None:  # twice as fast on 2 threads
+        def big_step() -> None:  # twice as fast on 2 threads; applies its count as the model runner does
+            threads.apply(300)
             time.sleep(0.02 / torch.get_num_threads())
 
         def small_step() -> None:  # the same on 1 or 2
+            threads.apply(1)
             time.sleep(0.01)  # NOTE: long enough that timer and scheduler jitter stay under 5%
 
         threads.calibrate(small_step=small_step, big_step=big_step)

@@ -1,0 +1,118 @@
+"""The decoder step measured in one process: mmserve's Decoder against transformers' own generate.
+
+Owns: per-token decode time of each at a batch size and context on one checkpoint (the same random
+prompt token ids for both), the engine's fixed cost per step on the tiny model, and the KV memory a
+sequence holds (per-layer-kind pages against every layer keeping every block). Does not own printing.
+
+transformers' time per token is taken inside `generate`: a logits processor stamps the clock at each
+generated token, and the median gap between stamps (after the first, which follows the prefill) is
+its decode step. Ours is the median time of `Decoder.step()` once every sequence is decoding.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmserve.config import DecoderConfig, EngineConfig
+from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.decoder import Decoder
+from mmserve.decoder.scheduler import Scheduler
+from mmserve.decoder.sequence import Sequence
+from mmserve.messages import DecodeRequest, SamplingParams
+from mmserve.models.base import FULL, AttentionPattern
+from mmserve.stages import StageFactory
+
+
+@dataclass(frozen=True)
+class StepTime:
+    ms: float  # median time of one decode step: one token for each of `batch` sequences (ms)
+    threads: str  # torch threads it ran with
+
+
+def prompts(batch: int, context: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """(batch, context) token ids away from the special tokens at the bottom of the vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(300, vocab, (batch, context), generator=gen)
+
+
+def hf_step_ms(model: Any, ids: torch.Tensor, new_tokens: int, threads: int) -> StepTime:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            stamps.append(time.perf_counter())
+            return scores
+
+    torch.set_num_threads(threads)
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([Stamp()]))
+    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+    return StepTime(statistics.median(gaps) * 1e3, str(threads))
+
+
+def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int) -> Decoder:
+    config = EngineConfig(model=str(model_dir), decoder=DecoderConfig(max_num_seqs=max_num_seqs,
+                                                                      num_blocks=num_blocks))
+    stages = StageFactory(config)
+    decoder = stages.decoder().decoder
+    stages.release_unused()
+    return decoder
+
+
+def our_step_ms(decoder: Decoder, ids: torch.Tensor, new_tokens: int) -> tuple[StepTime, list[int]]:
+    """Median decode step with `ids.shape[0]` sequences decoding; and the pages each one held."""
+    sampling = SamplingParams(max_tokens=new_tokens + 8, temperature=0.0, ignore_eos=True)
+    names = [f"bench-{i}-{time.monotonic_ns()}" for i in range(ids.shape[0])]
+    for name, row in zip(names, ids.tolist(), strict=True):
+        decoder.add(DecodeRequest(name, row, [], [], sampling))
+    while any(s.is_prefill for s in decoder.scheduler.running) or decoder.scheduler.waiting:
+        decoder.step()
+    pages = [s.blocks.num_pages for s in decoder.scheduler.running]
+    times = []
+    for _ in range(new_tokens):
+        started = time.perf_counter()
+        decoder.step()
+        times.append(time.perf_counter() - started)
+    for name in names:
+        decoder.abort(name)
+    threads = decoder.runner.threads
+    return StepTime(statistics.median(times[2:]) * 1e3, f"{threads.small}/{threads.big}"), pages
+
+
+def uniform_pages(context: int, num_layers: int, block_size: int) -> int:
+    """Pages a sequence held before per-kind tables: every layer kept every block."""
+    return -(-context // block_size) * num_layers
+
+
+def most_long_sequences(pattern: AttentionPattern, config: DecoderConfig, context: int, *,
+                        candidates: int = 64) -> tuple[int, int]:
+    """(most sequences of `context` tokens decoding at once, preemptions) in a pool of `config.num_blocks`
+    blocks on every layer, scheduling only (no model): each step every sequence gets its token."""
+    pool = BlockPool(config.num_blocks * len(pattern.layer_kinds))
+    sched = Scheduler(config, pool, pattern, max_model_len=context + 64, eos_token_ids=(1,))
+    for i in range(candidates):
+        sched.add(Sequence(f"s{i}", [7] * context, SamplingParams(max_tokens=32, ignore_eos=True)))
+    most, preempted = 0, 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        preempted += len(out.preempted)
+        decoding = sum(1 for s in sched.running if not s.is_prefill)
+        most = max(most, decoding)
+        sched.update(out, {s.seq.request_id: 7 for s in out.scheduled if s.samples})
+    return most, preempted
+
+
+def all_full(pattern: AttentionPattern) -> AttentionPattern:
+    """The same model as if every layer kept every block (how the pool was counted before)."""
+    return AttentionPattern((FULL,) * len(pattern.layer_kinds), None, pattern.bidirectional_images,
+                            pattern.scaling, pattern.softcap)

@@ -1,0 +1,123 @@
+"""The decoder step benchmark: mmserve's step against transformers' generate, per token, in one process.
+
+On the benchmark checkpoint (scripts/bench_lib/checkpoint.py), for each batch and context: the median
+decode step of transformers' `generate` (at 1 thread and at all threads for batch 1, the faster
+counts) and of mmserve's Decoder (threads as it measured at start-up); the KV pages one sequence holds
+against every layer keeping every block; how many 8k-token sequences a fixed pool runs at once; and
+the tiny model's decode step, i.e. the engine's fixed cost per step. Ratios are taken in this run.
+
+  python scripts/bench_step.py                                   # ~15 min on 2 cores
+  python scripts/bench_step.py --contexts 300 --batches 1 --new-tokens 16   # a quick look
+Results: bench-results/step-<timestamp>.json and the table printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+
+from bench_lib.checkpoint import bench_checkpoint
+from bench_lib.step import (
+    all_full,
+    engine_decoder,
+    hf_step_ms,
+    most_long_sequences,
+    our_step_ms,
+    prompts,
+    uniform_pages,
+)
+from mmserve.config import DecoderConfig
+from mmserve.models.tiny_checkpoint import default_tiny_checkpoint
+
+TARGETS = "batch-1 step <= 1.0x transformers at every context, <= 0.7x at 8k; batch-8 step <= 2.5x batch-1; " \
+          "tiny step <= 0.5 ms; KV of an 8k sequence <= 35% of every-layer-every-block; 8k sequences in a " \
+          "fixed pool >= 2.5x"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="300,2000,8000", help="prompt tokens before decoding")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=24, help="decode steps timed per cell")
+    ap.add_argument("--out", default="bench-results")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    all_threads = torch.get_num_threads()
+    from transformers import Gemma3ForConditionalGeneration
+
+    ckpt = bench_checkpoint()
+    hf = Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    vocab = hf.config.text_config.vocab_size
+    ours = engine_decoder(ckpt, max_num_seqs=max(batches), num_blocks=4096)
+    spec, block = ours.spec, ours.scheduler.block_size
+    cells = []
+    for batch in batches:
+        for context in contexts:
+            ids = prompts(batch, context, vocab)
+            counts = [1, all_threads] if batch == 1 else [all_threads]
+            theirs = min((hf_step_ms(hf, ids, args.new_tokens, n) for n in counts), key=lambda s: s.ms)
+            mine, pages = our_step_ms(ours, ids, args.new_tokens)
+            cell = {"batch": batch, "context": context, "transformers": asdict(theirs), "mmserve": asdict(mine),
+                    "ratio": mine.ms / theirs.ms, "pages_per_sequence": max(pages),
+                    "uniform_pages": uniform_pages(context, spec.num_layers, block)}
+            cells.append(cell)
+            print(f"batch {batch} context {context}: mmserve {mine.ms:.2f} ms ({mine.threads} threads), "
+                  f"transformers {theirs.ms:.2f} ms ({theirs.threads}) -> {cell['ratio']:.2f}x; KV pages "
+                  f"{cell['pages_per_sequence']} vs {cell['uniform_pages']}", flush=True)
+    tiny = engine_decoder(default_tiny_checkpoint(), max_num_seqs=1, num_blocks=2048)
+    tiny_step, _ = our_step_ms(tiny, prompts(1, 300, tiny.spec.vocab_size), 200)
+    config = DecoderConfig()
+    fit_now = most_long_sequences(spec.attention, config, 8000)
+    fit_before = most_long_sequences(all_full(spec.attention), config, 8000)
+    results = {"cells": cells, "tiny_step": asdict(tiny_step), "threads_available": all_threads,
+               "fit_8k": {"per_kind": fit_now, "every_layer_every_block": fit_before,
+                          "num_blocks": config.num_blocks}, "targets": TARGETS}
+    report(results)
+    out = Path(args.out)
+    out.mkdir(exist_ok=True)
+    path = out / f"step-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"results: {path}")
+
+
+def report(results: dict) -> None:
+    cells = {(c["batch"], c["context"]): c for c in results["cells"]}
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    print(f"\nTargets: {TARGETS}")
+    for (batch, context), c in sorted(cells.items()):
+        if batch == 1:
+            bound = 0.7 if context >= 8000 else 1.0
+            print(f"  batch-1 step at {context}: {c['ratio']:.2f}x transformers (<= {bound}) {verdict(c['ratio'] <= bound)}")
+        elif (1, context) in cells:
+            growth = c["mmserve"]["ms"] / cells[(1, context)]["mmserve"]["ms"]
+            print(f"  batch-{batch} step at {context}: {growth:.2f}x our batch-1 (<= 2.5) {verdict(growth <= 2.5)}")
+    tiny = results["tiny_step"]["ms"]
+    print(f"  tiny model decode step: {tiny:.3f} ms (<= 0.5) {verdict(tiny <= 0.5)}")
+    long = [c for c in results["cells"] if c["context"] >= 8000]
+    if long:
+        share = long[0]["pages_per_sequence"] / long[0]["uniform_pages"]
+        print(f"  KV of one 8k sequence: {share:.0%} of every-layer-every-block (<= 35%) {verdict(share <= 0.35)}")
+    (now, pre_now), (before, pre_before) = results["fit_8k"]["per_kind"], results["fit_8k"]["every_layer_every_block"]
+    print(f"  8k-token sequences decoding at once in {results['fit_8k']['num_blocks']} blocks per layer: {now} "
+          f"({pre_now} preemptions) vs {before} ({pre_before}): {now / before:.2f}x (>= 2.5) "
+          f"{verdict(now / before >= 2.5)}")
+
+
+if __name__ == "__main__":
+    main()
