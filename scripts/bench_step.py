@@ -23,7 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-
 from bench_lib.checkpoint import bench_checkpoint
 from bench_lib.step import (
     all_full,
@@ -34,6 +33,7 @@ from bench_lib.step import (
     prompts,
     uniform_pages,
 )
+
 from mmserve.config import DecoderConfig
 from mmserve.models.tiny_checkpoint import default_tiny_checkpoint
 
@@ -103,7 +103,8 @@ def report(results: dict) -> None:
     for (batch, context), c in sorted(cells.items()):
         if batch == 1:
             bound = 0.7 if context >= 8000 else 1.0
-            print(f"  batch-1 step at {context}: {c['ratio']:.2f}x transformers (<= {bound}) {verdict(c['ratio'] <= bound)}")
+            ok = verdict(c["ratio"] <= bound)
+            print(f"  batch-1 step at {context}: {c['ratio']:.2f}x transformers (<= {bound}) {ok}")
         elif (1, context) in cells:
             growth = c["mmserve"]["ms"] / cells[(1, context)]["mmserve"]["ms"]
             print(f"  batch-{batch} step at {context}: {growth:.2f}x our batch-1 (<= 2.5) {verdict(growth <= 2.5)}")

@@ -11,6 +11,7 @@ its decode step. Ours is the median time of `Decoder.step()` once every sequence
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ def hf_step_ms(model: Any, ids: torch.Tensor, new_tokens: int, threads: int) -> 
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                        logits_processor=LogitsProcessorList([Stamp()]))
-    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]  # NOTE: stamps[0] follows the prefill
     return StepTime(statistics.median(gaps) * 1e3, str(threads))
 
 
