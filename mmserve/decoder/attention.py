@@ -127,7 +127,9 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
         return KindRead(flat, rows, (0, rows), torch.from_numpy(valid[:, None, None]).to(device), False)
     s = steps[0]
     a, b = first_key[0] - lo[0] * block_size, s.start + s.num_new - lo[0] * block_size
-    images = s.image_runs is not None and pattern.bidirectional_images and s.start < len(s.image_runs)
+    # NOTE: only the chunk's own image tokens see both ways; an image before the chunk is causal past
+    images = pattern.bidirectional_images and s.image_runs is not None and bool(
+        (s.image_runs[s.start : s.start + s.num_new] >= 0).any())
     if s.num_new == 1 or (not images and window is None and s.start == 0):
         return KindRead(flat, rows, (a, b), None, causal=s.num_new > 1)
     return KindRead(flat, rows, (a, b), _chunk_mask(s, first_key[0], window, images, device), False)

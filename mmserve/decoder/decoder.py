@@ -64,7 +64,7 @@ class Decoder:
         self.pool = BlockPool(self.kv.num_pages)
         self.scheduler = Scheduler(config, self.pool, spec.attention, max_model_len=spec.max_model_len,
                                    eos_token_ids=spec.eos_token_ids)
-        self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, dtype=dtype, device=device,
+        self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
                                   threads=StepThreads(device, config))
         self.sampler = Sampler()
         self._states: dict[str, _OutputState] = {}
@@ -157,6 +157,8 @@ class Decoder:
     def _calibrate_threads(self, prompt_tokens: int = 128) -> None:
         """Time a prefill chunk and a decode step of a scratch sequence to choose the threads of each."""
         n = min(prompt_tokens, self.scheduler.config.max_num_batched_tokens, self.scheduler.max_seq_len - 1)
+        if n < 2:
+            return  # no room for a scratch prompt: counts stay open (all threads)
         seq = Sequence("thread-calibration", [self.spec.eos_token_ids[0]] * n, SamplingParams())
         seq.blocks = self.scheduler.kv.new_blocks()
         if not self.pool.can_allocate(self.scheduler.kv.pages_to_grow(seq.blocks, n)):

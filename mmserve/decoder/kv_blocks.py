@@ -92,7 +92,7 @@ class KVBlockManager:
         for kind, table in zip(self.kinds, blocks.tables, strict=True):
             if kind.window is None:
                 continue
-            first = min(max(next_position - kind.window + 1, 0) // self.block_size, table.hi)
+            first = max(next_position - kind.window + 1, 0) // self.block_size
             if first > table.lo:
                 rows = table.pages[table.lo : first]
                 self.pool.free(rows.ravel().tolist())

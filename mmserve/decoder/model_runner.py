@@ -30,9 +30,9 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: TextDecoder, spec: ModelSpec, kv: KVCache, kinds: tuple[LayerKind, ...], *,
-                 dtype: torch.dtype, device: torch.device, threads: StepThreads):
+                 device: torch.device, threads: StepThreads):
         self.model, self.spec, self.kv, self.kinds = model, spec, kv, kinds
-        self.dtype, self.device = dtype, device
+        self.device = device
         self.threads = threads
 
     @torch.inference_mode()
@@ -44,17 +44,18 @@ class ModelRunner:
         ids = np.concatenate([seq.token_ids[s.start : s.start + s.num_new] for seq, s in
                               zip((seq for seq, _ in scheduled), steps, strict=True)])
         positions = np.concatenate([np.arange(s.start, s.start + s.num_new) for s in steps])
+        ends = np.cumsum([s.num_new for s in steps]) - 1
+        sample = [(seq, int(end)) for (seq, n), end in zip(scheduled, ends, strict=True)
+                  if seq.num_computed_tokens + n == seq.num_tokens]
+        # NOTE: every host-to-device copy of the step goes before the forward is queued
+        picked = torch.tensor([e for _, e in sample], device=self.device) if len(sample) < len(ids) else None
         embeds = self.model.embed(torch.from_numpy(ids).to(self.device))  # (T, hidden)
         self._merge_images(embeds, scheduled, steps)
         meta = build_metadata(steps, self.kinds, self.kv.block_size, self.spec.attention, self.device)
         hidden = self.model.forward(embeds, torch.from_numpy(positions).to(self.device), meta, self.kv)  # (T, hidden)
-        ends = np.cumsum([s.num_new for s in steps]) - 1
-        sample = [(seq, int(end)) for (seq, n), end in zip(scheduled, ends, strict=True)
-                  if seq.num_computed_tokens + n == seq.num_tokens]
         if not sample:
             return StepLogits([], hidden.new_zeros((0, self.spec.vocab_size)))
-        picked = torch.tensor([e for _, e in sample], device=self.device)
-        rows = hidden if len(sample) == len(ids) else hidden.index_select(0, picked)
+        rows = hidden if picked is None else hidden.index_select(0, picked)
         return StepLogits([seq for seq, _ in sample], self.model.logits(rows))
 
     def _merge_images(self, embeds: torch.Tensor, scheduled: list[tuple[Sequence, int]],

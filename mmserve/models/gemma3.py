@@ -104,7 +104,11 @@ class Gemma3Family:
         hf = self._load()
         device = torch.device(self.engine_config.device)
         language_model, lm_head = hf.model.language_model.to(device), hf.lm_head.to(device)
-        return Gemma3PagedText(language_model, lm_head, self.spec.attention)
+        text = Gemma3PagedText(language_model, lm_head, self.spec.attention)
+        # NOTE: the paged model holds its own stacked q/k/v and gate/up weights: drop transformers' layers
+        # now, not at release_unused(), so the KV cache allocated next is not beside a second copy
+        language_model.layers = torch.nn.ModuleList()
+        return text
 
     def release_unused(self) -> None:
         """Drop the reference to the whole HF model; parts handed out stay alive."""

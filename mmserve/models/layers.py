@@ -24,7 +24,8 @@ class RMSNorm:
     def __init__(self, gain: torch.Tensor, eps: float) -> None:
         self.gain, self.eps = gain.float(), eps  # (..., d): broadcast over the trailing dims of x
         self.d = gain.shape[-1]
-        self.doubled = torch.cat((self.gain, self.gain), dim=-1)  # the LayerNorm form's weight (NOTE above)
+        # the LayerNorm form's weight (NOTE above); per-head gains are applied after it instead
+        self.doubled = torch.cat((self.gain, self.gain), dim=-1) if gain.dim() == 1 else None
         self.on_cpu = gain.device.type == "cpu"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +47,8 @@ class RopeTable:
     """cos and sin of every position up to the longest seen, one rotary kind; grows by doubling.
 
     `rotate` applies RoPE as x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] written as
-    a roll of x by half the dims times sin with its first half negated (the same products, one kernel
-    fewer). The values come from the model's own rotary module, so they are its values exactly.
+    a roll of x by half the dims times sin with its first half negated (the same products and roundings
+    as transformers', in x's dtype). The values come from the model's own rotary module, exactly.
     """
 
     def __init__(self, compute: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], head_dim: int,
@@ -69,4 +70,5 @@ class RopeTable:
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(T, heads, head_dim) -> the same, rotated."""
-        return torch.addcmul(x * cos, torch.roll(x, self.head_dim // 2, dims=-1), sin)
+        # NOTE: not addcmul, which rounds once where transformers rounds twice (visible in bfloat16)
+        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin

@@ -169,8 +169,8 @@ def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
     return snapshot_of(
         _gauge("mmserve_decoder_running_requests", "Sequences holding KV blocks.", stats.running),
         _gauge("mmserve_decoder_waiting_requests", "Sequences queued or preempted.", stats.waiting),
-        _gauge("mmserve_decoder_kv_blocks_free", "Free KV cache blocks.", stats.free_blocks),
-        _gauge("mmserve_decoder_kv_blocks_total", "KV cache blocks overall.", stats.total_blocks),
+        _gauge("mmserve_decoder_kv_blocks_free", "Free KV cache pages (one layer's block each).", stats.free_blocks),
+        _gauge("mmserve_decoder_kv_blocks_total", "KV cache pages overall (blocks x layers).", stats.total_blocks),
         _gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
         _counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
     )

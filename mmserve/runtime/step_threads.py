@@ -38,6 +38,8 @@ class StepThreads:
         self.small_step_tokens = config.small_step_tokens if config is not None else 0
         self.small = config.small_step_threads if config is not None else self.available
         self.big = config.big_step_threads if config is not None else self.available
+        if self.available == 1:  # nothing to choose between
+            self.small, self.big = self.small or 1, self.big or 1
 
     def threads_for(self, num_new_tokens: int) -> int:
         """Threads for a step computing `num_new_tokens` tokens (all sequences together)."""
@@ -62,11 +64,13 @@ class StepThreads:
         NOTE: the counts are tried in interleaved rounds (1, N, 1, N, ...), so that the machine's drift
         during the measurement hits both alike; the step applies the count under test itself.
         """
-        if self.small is None:
-            self.small = self._fastest(small_step, "small")
-        if self.big is None:
-            self.big = self._fastest(big_step, "big")
-        torch.set_num_threads(self.available)
+        try:
+            if self.small is None:
+                self.small = self._fastest(small_step, "small")
+            if self.big is None:
+                self.big = self._fastest(big_step, "big")
+        finally:
+            torch.set_num_threads(self.available)
         log.info("step threads: %d for steps of <= %d new tokens, %d for bigger ones (of %d)",
                  self.small, self.small_step_tokens, self.big, self.available)
 
