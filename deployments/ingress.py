@@ -56,6 +56,24 @@ def failure_status(exc: BaseException) -> RequestStatus:
     return "client_error" if status < 500 else "server_error"
 
 
+class ServerTiming:
+    """The ingress's view of a request's first token, as an HTTP `Server-Timing` header (ms per phase):
+    `parse` (body validated), `preprocess` (the Preprocess round trip), `first` (the Decoder's stream to
+    its first output, the encoder's call inside it). For anyone's browser tools and scripts/bench_path.py."""
+
+    def __init__(self, started: float) -> None:
+        self._last = started
+        self._phases: list[str] = []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._phases.append(f"{name};dur={(now - self._last) * 1e3:.3f}")
+        self._last = now
+
+    def header(self) -> dict[str, str]:
+        return {"Server-Timing": ", ".join(self._phases)}
+
+
 def _raise_failed(message: Any) -> Any:
     """`message`, unless a stage answered with the client's fault as a RequestFailed: then raise it."""
     if isinstance(message, RequestFailed):
@@ -75,7 +93,9 @@ class Ingress:
         spec = StageFactory(app_args.engine_config()).spec  # NOTE: config files only, no weights
         self.model_name = spec.model_id
         self.default_max_tokens = spec.max_model_len
-        self.preprocess, self.decoder, self.hub = hold(preprocess), hold(decoder), hold(hub)
+        self.preprocess, self.hub = hold(preprocess), hold(hub)
+        # NOTE: options() builds a new handle (and its router): once here, not once per request
+        self.decoder = hold(decoder).options(stream=True)
         self.stats = IngressMetrics()
         self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
@@ -108,24 +128,29 @@ class Ingress:
     async def chat(self, request: Request) -> Response:
         started = time.perf_counter()
         self.reporter.ensure_started()
+        timing = ServerTiming(started)
         try:
             body = ChatCompletionRequest.model_validate(await request.json())
             if body.model not in (None, self.model_name):
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {self.model_name!r}")
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", self.default_max_tokens)
+            timing.mark("parse")
             pre = _raise_failed(await self.preprocess.process.remote(chat))
-            outputs = self.decoder.options(stream=True).generate.remote(pre)
+            timing.mark("preprocess")
+            outputs = self.decoder.generate.remote(pre)
             first = _raise_failed(await outputs.__anext__())  # errors before the first token get a 4xx/5xx status
+            timing.mark("first")
         except Exception as exc:
             self._done(failure_status(exc), started)
             return _error(exc)
         self.stats.observe_ttft(time.perf_counter() - started)
         if body.stream:
             stream = self._sse(chat.request_id, body.include_usage, first, outputs, started)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        return await self._complete(chat.request_id, first, outputs, started)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
+        return await self._complete(chat.request_id, first, outputs, started, timing)
 
-    async def _complete(self, request_id: str, first: Any, outputs: Any, started: float) -> Response:
+    async def _complete(self, request_id: str, first: Any, outputs: Any, started: float,
+                        timing: "ServerTiming") -> Response:
         builder = CompletionBuilder(request_id, self.model_name)
         last = first
         try:
@@ -138,7 +163,7 @@ class Ingress:
         finally:
             outputs.cancel()  # no-op when finished; aborts the request if this handler was cancelled
         self._done("ok", started, last)
-        return JSONResponse(builder.build().model_dump())
+        return JSONResponse(builder.build().model_dump(), headers=timing.header())
 
     async def _sse(self, request_id: str, include_usage: bool, first: Any, outputs: Any,
                    started: float) -> AsyncIterator[str]:

@@ -56,7 +56,7 @@ class StageFactory:
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         decoder = Decoder(self.family.load_text(), self.spec, tokenizer, self.config.decoder, dtype=self.dtype,
                           device=self.device, on_logits=on_logits)
-        return DecoderService(decoder)
+        return DecoderService(decoder, stream_interval_s=self.config.decoder.stream_interval_ms / 1000)
 
     def release_unused(self) -> None:
         """Drop what loading kept beyond the parts handed out (call once every stage is built)."""

@@ -21,8 +21,9 @@ ReleaseFn = Callable[[str], Any]  # request id -> None or an awaitable
 
 
 class DecoderService:
-    def __init__(self, decoder: Decoder):
+    def __init__(self, decoder: Decoder, *, stream_interval_s: float = 0.0):
         self.decoder = decoder
+        self.stream_interval_s = stream_interval_s  # outputs go at most this often, the first at once
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
 
     async def generate(
@@ -36,9 +37,9 @@ class DecoderService:
             request = DecodeRequest(request_id, pre.prompt_token_ids, pre.features, embeddings, pre.sampling)
             self.loop.open(request_id)
             self.loop.submit(request_id, lambda: self.decoder.add(request))
-            # NOTE: deltas that piled up while this consumer waited for the CPU go on as one: under load
-            # each output is a message through Serve to the ingress and on to the client.
-            async for out in self.loop.outputs(request_id, merge=merge_outputs):
+            # NOTE: deltas that piled up while this consumer waited, or came within one stream interval,
+            # go on as one: each output is a message through Serve to the ingress and on to the client.
+            async for out in self.loop.outputs(request_id, merge=merge_outputs, interval_s=self.stream_interval_s):
                 finished = out.finished
                 yield out
         finally:

@@ -88,17 +88,24 @@ class StepLoop:
                 return True
         return self._has_work()
 
-    async def outputs(self, request_id: str, merge: Callable[[list[Any]], Any] | None = None) -> AsyncIterator[Any]:
+    async def outputs(self, request_id: str, merge: Callable[[list[Any]], Any] | None = None,
+                      interval_s: float = 0.0) -> AsyncIterator[Any]:
         """Outputs of one request until (and including) its finished one; failures are raised.
 
-        With `merge`, the outputs that queued up while the consumer was busy come as one, `merge(items)`.
+        With `merge`, the outputs that queued up while the consumer was busy come as one, `merge(items)`;
+        with `interval_s` too, an output that comes sooner than `interval_s` after the last one yielded
+        waits for the rest of the interval, gathering company (a finished or failed one never waits).
+        So the first output goes at once and later ones at most one interval late, at least one per
+        interval while they keep coming.
         """
         _, queue = self._queues[request_id]
+        last = float("-inf")
         try:
             while True:
                 items = [await queue.get()]
-                while merge is not None and not items[-1].finished and not queue.empty():
-                    items.append(queue.get_nowait())
+                if merge is not None:
+                    await _gather_until(queue, items, last + interval_s)
+                last = time.monotonic()
                 failed = items.pop() if isinstance(items[-1], RequestFailed) else None
                 if items:
                     yield merge(items) if merge is not None else items[0]
@@ -179,6 +186,22 @@ class StepLoop:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the consumer's event loop has closed; it is gone
             self._queues.pop(request_id, None)
+
+
+async def _gather_until(queue: asyncio.Queue, items: list[Any], deadline: float) -> None:
+    """Append to `items` what `queue` has now, then what comes before `deadline` (monotonic seconds)."""
+    while not items[-1].finished:
+        if not queue.empty():
+            items.append(queue.get_nowait())
+            continue
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        try:
+            async with asyncio.timeout(remaining):
+                items.append(await queue.get())
+        except TimeoutError:
+            return
 
 
 @atexit.register

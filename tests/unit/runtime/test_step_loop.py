@@ -100,3 +100,33 @@ def test_a_submission_after_stop_fails_at_once() -> None:
 
     with pytest.raises(StageStopped):
         asyncio.run(asyncio.wait_for(run(), 5))
+
+
+def test_an_interval_sends_the_first_output_at_once_then_one_merged_chunk_per_interval() -> None:
+    interval, n = 0.02, 60
+
+    sent: dict[int, float] = {}
+
+    async def run() -> list[tuple[float, RequestOutput]]:
+        loop = idle_loop()
+        loop.open("r")
+
+        def produce() -> None:  # a token every millisecond, as a fast decoder would
+            for i in range(1, n + 1):
+                sent[i] = time.monotonic()
+                loop._deliver("r", out(i, str(i % 10), n=i, finished=i == n))
+                time.sleep(0.001)
+
+        threading.Thread(target=produce, daemon=True).start()
+        got = []
+        async for o in loop.outputs("r", merge=merge_outputs, interval_s=interval):
+            got.append((time.monotonic(), o))
+        return got
+
+    got = asyncio.run(run())
+    assert got[0][1].new_token_ids == [1]  # the first token is not held back
+    assert [t for _, o in got for t in o.new_token_ids] == list(range(1, n + 1))  # nothing lost, in order
+    assert "".join(o.new_text for _, o in got) == "".join(str(i % 10) for i in range(1, n + 1))
+    assert got[-1][1].finished and len(got) < n // 3  # merged: far fewer messages than tokens
+    # no token waits more than an interval (plus scheduling slack) for its chunk
+    assert max(at - sent[o.new_token_ids[0]] for at, o in got) < interval + 0.03

@@ -1,0 +1,141 @@
+"""Where a request's time goes between the client and the engine: one client, the tiny model, one run.
+
+Owns: the probes (a text request, a new image, the same image again; a 64-token stream for the cost per
+token), timing them against the in-process Engine and through HTTP and the deployments, reading the
+ingress's `Server-Timing` phases, and Serve's own floor from the no-op app (noop_app.py). Does not own
+starting Ray or printing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import io
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmserve.engine import Engine
+from mmserve.messages import ChatRequest, SamplingParams
+
+STREAM_TOKENS = 64  # tokens of the per-token probe
+
+
+def image_url(seed: int, size: tuple[int, int] = (640, 480)) -> str:
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize(size)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(text: str, url: str | None) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}}] if url else []
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@dataclass
+class Timed:
+    ttft_ms: float  # request sent -> first output (ms)
+    per_token_ms: float | None  # first output -> last, per token after the first (ms)
+    phases: dict[str, float] = field(default_factory=dict)  # Server-Timing phases (ms)
+
+
+class Client:
+    """One keep-alive HTTP connection, as a client making requests one after another would keep."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def stream(self, path: str, body: dict[str, Any]) -> tuple[float, list[tuple[float, str]], dict[str, str]]:
+        """(start, [(arrival, data)] of each SSE event, headers)."""
+        payload = json.dumps(body).encode()
+        start = time.perf_counter()
+        self.conn.request("POST", path, payload, {"content-type": "application/json"})
+        response = self.conn.getresponse()
+        events = []
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            if line.startswith(b"data: "):
+                data = line[6:].strip().decode()
+                events.append((time.perf_counter(), data))
+                if data == "[DONE]":
+                    break
+        response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status}")
+        return start, events, dict(response.getheaders())
+
+    def get(self, path: str) -> float:
+        start = time.perf_counter()
+        self.conn.request("GET", path)
+        self.conn.getresponse().read()
+        return (time.perf_counter() - start) * 1e3
+
+    def post(self, path: str, body: dict[str, Any]) -> float:
+        start = time.perf_counter()
+        self.conn.request("POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
+        self.conn.getresponse().read()
+        return (time.perf_counter() - start) * 1e3
+
+
+def served(client: Client, msgs: list[dict[str, Any]], max_tokens: int) -> Timed:
+    body = {"messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, events, headers = client.stream("/v1/chat/completions", body)
+    chunks = [(t, json.loads(d)) for t, d in events if d != "[DONE]"]
+    content = [t for t, c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None]
+    tokens = next((c["usage"]["completion_tokens"] for _, c in chunks if c.get("usage")), max_tokens)
+    per_token = (content[-1] - content[0]) * 1e3 / (tokens - 1) if tokens > 1 and len(content) > 1 else None
+    phases = {}
+    for item in headers.get("Server-Timing", headers.get("server-timing", "")).split(","):
+        if ";dur=" in item:
+            name, dur = item.strip().split(";dur=")
+            phases[name] = float(dur)
+    return Timed((content[0] - start) * 1e3, per_token, phases)
+
+
+def in_process(engine: Engine, msgs: list[dict[str, Any]], max_tokens: int) -> Timed:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run() -> Timed:
+        start = time.perf_counter()
+        stamps, tokens = [], 0
+        async for out in engine.stream(ChatRequest(f"probe-{time.monotonic_ns()}", msgs, sampling)):
+            stamps.append(time.perf_counter())
+            tokens = out.num_output_tokens
+        per_token = (stamps[-1] - stamps[0]) * 1e3 / (tokens - 1) if tokens > 1 and len(stamps) > 1 else None
+        return Timed((stamps[0] - start) * 1e3, per_token)
+
+    return asyncio.run(run())
+
+
+def engine_phases(engine: Engine, msgs: list[dict[str, Any]]) -> float:
+    """The in-process preprocess time (ms) of a request, the work inside the `preprocess` phase."""
+    start = time.perf_counter()
+    engine.preprocess(ChatRequest(f"phase-{time.monotonic_ns()}", msgs, SamplingParams(max_tokens=1)))
+    return (time.perf_counter() - start) * 1e3
+
+
+def serve_floor(client: Client, reps: int) -> dict[str, float]:
+    """Serve's own cost (ms, medians): the proxy to the ingress, one handle hop, a streamed hop's first
+    item, and each further streamed item."""
+    ping = [client.get("/noop/ping") for _ in range(reps)]
+    hop = [client.post("/noop/hop", {"x": 1}) for _ in range(reps)]
+    first, per_item = [], []
+    for _ in range(reps):
+        start, events, _ = client.stream("/noop/chat?n=33", {"x": 1})
+        items = [t for t, d in events if d != "[DONE]"]
+        first.append((items[0] - start) * 1e3)
+        per_item.append((items[-1] - items[0]) * 1e3 / (len(items) - 1))
+    m = statistics.median
+    return {"proxy_to_ingress": m(ping), "handle_hop": m(hop) - m(ping), "streamed_hop_first": m(first) - m(hop),
+            "streamed_item": m(per_item), "text_path": m(first)}

@@ -1,0 +1,151 @@
+"""Where a single client's time goes: the tiny model served through HTTP and the deployments, against the
+in-process Engine and Serve's own floor (a no-op app shaped like ours), all in one run on one Ray.
+
+Prints, for a text request, a new image and the same image again: time to first token in process and
+served, the difference, Serve's floor for the hops that path takes, and what is left above it; the
+ingress's Server-Timing phases beside their in-process work; and the cost per streamed token.
+
+  python scripts/bench_path.py                  # ~2 min on 2 cores
+  python scripts/bench_path.py --reps 40
+Results: bench-results/path-<timestamp>.json and the table printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_lib.path import (  # noqa: E402
+    STREAM_TOKENS,
+    Client,
+    Timed,
+    engine_phases,
+    image_url,
+    in_process,
+    messages,
+    serve_floor,
+    served,
+)
+
+# NOTE: 2 ms above Serve's floor for text, 5 ms for an image; 0.3 ms per token (issue 17)
+TARGETS = {"text": 2.0, "new image": 5.0, "repeated image": 5.0, "per token": 0.3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(port: int) -> None:
+    import ray
+    from bench_lib.noop_app import noop_app
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(address="local", include_dashboard=False, logging_level=logging.ERROR,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{HERE}:{HERE.parent}"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(noop_app(), name="noop", route_prefix="/noop")
+    serve.run(build_app({}), name="default", route_prefix="/")
+
+
+def probes(engine: Any, client: Client, reps: int) -> dict[str, list[tuple[Timed, Timed, float]]]:
+    """kind -> [(in process, served, in-process preprocess ms)], interleaved rep by rep."""
+    out: dict[str, list[tuple[Timed, Timed, float]]] = {"text": [], "new image": [], "repeated image": []}
+    for i in range(reps):
+        text = messages(f"Tell me about the sea, number {i}.", None)
+        url = image_url(10_000 + i)
+        fresh, again = messages("What is in this picture?", url), messages(f"And now {i}?", url)
+        unseen = messages("What is in this picture?", image_url(20_000 + i))  # a miss, for the phase alone
+        for kind, msgs, phase in (("text", text, text), ("new image", fresh, unseen), ("repeated image", again, again)):
+            pre_ms = engine_phases(engine, phase) if kind != "repeated image" else float("nan")
+            ours = in_process(engine, msgs, 1)
+            if kind == "repeated image":  # its phase is a hit: measured once the image is cached
+                pre_ms = engine_phases(engine, phase)
+            out[kind].append((ours, served(client, msgs, 1), pre_ms))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="bench-results")
+    args = ap.parse_args(argv)
+    from deployments.args import parse_args
+    from mmserve.engine import Engine
+
+    port = free_port()
+    start(port)
+    engine = Engine(parse_args({}).engine_config())  # the app's own engine config, in this process
+    client = Client(port)
+    for _ in range(3):  # warm-up: every stage's first forward pays torch's one-time costs
+        probes(engine, client, 1)
+    floor = serve_floor(client, args.reps)
+    runs = probes(engine, client, args.reps)
+    long = messages("Write a long story.", None)
+    streams = [(in_process(engine, long, STREAM_TOKENS), served(client, long, STREAM_TOKENS))
+               for _ in range(max(args.reps // 2, 3))]
+    results = summarize(floor, runs, streams)
+    report(results)
+    out = Path(args.out)
+    out.mkdir(exist_ok=True)
+    path = out / f"path-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"results: {path}")
+    engine.shutdown()
+
+
+def summarize(floor: dict[str, float], runs: dict[str, list[tuple[Timed, Timed, float]]],
+              streams: list[tuple[Timed, Timed]]) -> dict[str, Any]:
+    m = statistics.median
+    kinds = {}
+    for kind, rows in runs.items():
+        ours, theirs = m(r[0].ttft_ms for r in rows), m(r[1].ttft_ms for r in rows)
+        hops = floor["text_path"] + (floor["handle_hop"] if kind != "text" else 0.0)  # + decoder -> encoder
+        phases = {name: m(r[1].phases.get(name, float("nan")) for r in rows)
+                  for name in ("parse", "preprocess", "first")}
+        kinds[kind] = {"in_process_ttft_ms": ours, "served_ttft_ms": theirs, "overhead_ms": theirs - ours,
+                       "serve_floor_ms": hops, "above_floor_ms": theirs - ours - hops, "phases_ms": phases,
+                       "in_process_preprocess_ms": m(r[2] for r in rows)}
+    per_in = m(s[0].per_token_ms for s in streams if s[0].per_token_ms is not None)
+    per_out = m(s[1].per_token_ms for s in streams if s[1].per_token_ms is not None)
+    return {"serve_floor_ms": floor, "ttft": kinds,
+            "per_token_ms": {"in_process": per_in, "served": per_out, "overhead": per_out - per_in}}
+
+
+def report(r: dict[str, Any]) -> None:
+    f = r["serve_floor_ms"]
+    print(f"\nServe's floor (no-op app): proxy -> ingress {f['proxy_to_ingress']:.2f} ms, handle hop "
+          f"+{f['handle_hop']:.2f}, streamed hop's first item +{f['streamed_hop_first']:.2f}, each further item "
+          f"{f['streamed_item']:.3f}")
+    print(f"{'':16}{'in-process':>11}{'served':>9}{'overhead':>10}{'floor':>8}{'above':>8}"
+          "   phases (parse/preprocess/first)")
+    for kind, k in r["ttft"].items():
+        p = k["phases_ms"]
+        ok = "PASS" if k["above_floor_ms"] <= TARGETS[kind] else "FAIL"
+        print(f"{kind:16}{k['in_process_ttft_ms']:11.2f}{k['served_ttft_ms']:9.2f}{k['overhead_ms']:10.2f}"
+              f"{k['serve_floor_ms']:8.2f}{k['above_floor_ms']:8.2f}   {p['parse']:.2f}/{p['preprocess']:.2f}/"
+              f"{p['first']:.2f}  (<= +{TARGETS[kind]} ms: {ok})")
+    for kind, k in r["ttft"].items():
+        pre = k["in_process_preprocess_ms"]
+        print(f"  {kind} in process: preprocess {pre:.2f} ms, the rest {k['in_process_ttft_ms'] - pre:.2f}")
+    pt = r["per_token_ms"]
+    ok = "PASS" if pt["overhead"] <= TARGETS["per token"] else "FAIL"
+    print(f"per streamed token: in-process {pt['in_process']:.3f} ms, served {pt['served']:.3f}, overhead "
+          f"{pt['overhead']:.3f} (<= {TARGETS['per token']}: {ok})")
+
+
+if __name__ == "__main__":
+    main()
