@@ -69,6 +69,7 @@ class DecoderConfig(_Bounded):
     max_num_batched_tokens: int = at_least(1, 4096)  # tokens (prefill chunk + decode) in one step
     block_size: int = at_least(1, 16)  # tokens per KV block
     num_blocks: int = at_least(1, 2048)  # KV blocks in the pool, shared by all sequences
+    enable_prefix_caching: bool = True  # reuse cached KV blocks across requests by content (prefix_cache.py)
     # torch's intra-op CPU threads per step, by the step's work (CPU devices only; None = measured at start-up):
     small_step_tokens: int = at_least(0, 16)  # a step computing at most this many new tokens is small (decodes)
     small_step_threads: int | None = at_least(1, None)  # threads of a small step

@@ -28,6 +28,7 @@ class Completion:
     token_ids: list[int]  # generated tokens (tokens)
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_prompt_tokens: int  # prompt tokens, image tokens included (tokens)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,12 @@ class Engine:
     async def _complete(self, pre: PreprocessedRequest) -> Completion:
         texts: list[str] = []
         tokens: list[int] = []
-        reason = None
+        reason, cached = None, 0
         async for out in self._serve(pre):
             texts.append(out.new_text)
             tokens += out.new_token_ids
-            reason = out.finish_reason
-        return Completion(pre.request_id, "".join(texts), tokens, reason, len(pre.prompt_token_ids))
+            reason, cached = out.finish_reason, out.num_cached_tokens
+        return Completion(pre.request_id, "".join(texts), tokens, reason, len(pre.prompt_token_ids), cached)
 
     def has_unfinished(self) -> bool:
         return self.encoder_service.busy() or self.decoder_service.busy()

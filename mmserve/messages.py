@@ -56,6 +56,7 @@ class ChatRequest:
     messages: list[dict[str, Any]]  # OpenAI chat messages (role, content: str | list of parts)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. do_pan_and_scan
+    cache_salt: str | None = None  # requests with another salt share no cached KV with this one
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class PreprocessedRequest:
     features: list[MultiModalFeatureSpec]  # one per item, in prompt order
     sampling: SamplingParams
     processor_cache_hits: int = 0  # items of this request served by the ProcessorCache (items)
+    cache_salt: str | None = None  # as in ChatRequest
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,11 @@ class DecodeRequest:
     request_id: str
     prompt_token_ids: list[int]  # as in PreprocessedRequest (tokens)
     features: list[MultiModalFeatureSpec]  # specs; `data` no longer needed here
-    embeddings: list[Any]  # per feature: (num_embeds, text_hidden) array, tensor or reference
+    embeddings: list[Any]  # per feature: (num_embeds, text_hidden) array, tensor or reference; None when
+    # its placeholder was in the cached prefix (fetched later if the cache lets the blocks go first)
     sampling: SamplingParams
+    cache_salt: str | None = None  # as in ChatRequest
+    block_hashes: tuple[bytes, ...] = ()  # digests of the prompt's full KV blocks (prefix_cache.py); () = compute
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class RequestOutput:
     finish_reason: FinishReason | None  # set when finished
     num_prompt_tokens: int  # prompt tokens, image tokens included (tokens)
     num_output_tokens: int  # tokens generated so far (tokens)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

@@ -131,6 +131,7 @@ class ChatCompletionRequest(_Lenient):
     stop: Annotated[list[str] | None, BeforeValidator(_one_or_many)] = None  # a string or a list
     ignore_eos: bool = False  # extension
     mm_processor_kwargs: dict[str, Any] | None = None  # extension, e.g. {"do_pan_and_scan": true}
+    cache_salt: str | None = Field(None, min_length=1)  # extension (vLLM's): other salts share no cached KV
     # Accepted only at their default (see _DEFAULT_ONLY); declared so their types are checked.
     n: int | None = None
     logprobs: bool | None = None
@@ -154,7 +155,7 @@ class ChatCompletionRequest(_Lenient):
         self._check_supported()
         sampling = self._sampling(default_max_tokens)
         messages = [_message_dict(m) for m in self.messages]
-        return ChatRequest(request_id, messages, sampling, dict(self.mm_processor_kwargs or {}))
+        return ChatRequest(request_id, messages, sampling, dict(self.mm_processor_kwargs or {}), self.cache_salt)
 
     def _check_supported(self) -> None:
         for name, (ok, why) in _DEFAULT_ONLY.items():
@@ -198,10 +199,15 @@ def _message_dict(message: Message) -> dict[str, Any]:
 # --- responses ----------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int  # image tokens included
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class AssistantMessage(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from mmserve.api.errors import error_body
-from mmserve.api.protocol import AssistantMessage, ChatCompletionResponse, Choice, Usage
+from mmserve.api.protocol import AssistantMessage, ChatCompletionResponse, Choice, PromptTokensDetails, Usage
 from mmserve.messages import RequestFailed, RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -59,7 +59,8 @@ def sse_error(exc: BaseException) -> str:
 
 def _usage(out: RequestOutput) -> Usage:
     return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                 total_tokens=out.num_prompt_tokens + out.num_output_tokens)
+                 total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
 def _ok(out: RequestOutput | RequestFailed) -> RequestOutput:

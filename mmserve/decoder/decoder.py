@@ -18,6 +18,7 @@ from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.detokenizer import IncrementalDetokenizer
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.model_runner import ModelRunner
+from mmserve.decoder.prefix_cache import BlockHasher
 from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
@@ -27,6 +28,8 @@ from mmserve.runtime.step_threads import StepThreads
 
 # Called with the request ids and their (n, vocab) logits of every step; tests use it for parity.
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
+# Called from the step when a running request needs embeddings it was added without (request id, features).
+MissingEmbeddings = Callable[[str, list[int]], None]
 
 
 @dataclass
@@ -44,6 +47,9 @@ class DecoderStats:
     total_blocks: int  # KV pages overall (pages)
     steps: int  # forwards run since start (steps)
     kv_cache_bytes: int  # bytes of KV tensors (bytes)
+    cached_blocks: int = 0  # prefix-cache entries (blocks of one layer kind)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (tokens)
+    prefix_hits: int = 0  # of those, found cached (tokens)
 
 
 class Decoder:
@@ -62,8 +68,10 @@ class Decoder:
         self.spec, self.tokenizer, self.on_logits = spec, tokenizer, on_logits
         self.kv = KVCache(spec, config, dtype=dtype, device=device)
         self.pool = BlockPool(self.kv.num_pages)
+        self.hasher = BlockHasher(spec.model_id, str(dtype), config.block_size)
         self.scheduler = Scheduler(config, self.pool, spec.attention, max_model_len=spec.max_model_len,
-                                   eos_token_ids=spec.eos_token_ids)
+                                   eos_token_ids=spec.eos_token_ids, hasher=self.hasher)
+        self.on_missing: MissingEmbeddings | None = None  # set by whoever can fetch embeddings (the service)
         self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
                                   threads=StepThreads(device, config))
         self.sampler = Sampler()
@@ -84,6 +92,8 @@ class Decoder:
             embeddings=list(request.embeddings),
             atomic_spans=images.spans() if images is not None and self.spec.attention.bidirectional_images else [],
             images=images,
+            cache_salt=request.cache_salt,
+            block_hashes=list(request.block_hashes),
         )
         self.scheduler.add(seq)
         self._states[seq.request_id] = _OutputState(
@@ -115,6 +125,7 @@ class Decoder:
     def step(self) -> list[RequestOutput]:
         """Run one batched forward over everything scheduled; one output per request that sampled."""
         plan = self.scheduler.schedule()
+        self._ask_for_missing(plan.missing)
         if not plan.scheduled:
             return []
         result = self.runner.execute([(s.seq, s.num_new_tokens) for s in plan.scheduled])
@@ -152,7 +163,32 @@ class Decoder:
             finish_reason=finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
+
+    def prefix_hit_tokens(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Prompt tokens a request of `num_tokens` with these block hashes would find cached now (no hold)."""
+        kv = self.scheduler.kv
+        return kv.cached_prefix(block_hashes, (num_tokens - 1) // kv.block_size) * kv.block_size
+
+    def provide_embeddings(self, request_id: str, embeddings: dict[int, object]) -> None:
+        """Embeddings of features a request was added without (see `on_missing`)."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return  # finished or aborted meanwhile
+        for index, emb in embeddings.items():
+            seq.embeddings[index] = emb
+            seq.requested.discard(index)
+
+    def _ask_for_missing(self, missing: list[tuple[Sequence, list[int]]]) -> None:
+        for seq, indices in missing:
+            new = [i for i in indices if i not in seq.requested]
+            if not new:
+                continue
+            if self.on_missing is None:
+                raise RuntimeError(f"request {seq.request_id} lacks embeddings and nobody can fetch them")
+            seq.requested.update(new)
+            self.on_missing(seq.request_id, new)
 
     def _calibrate_threads(self, prompt_tokens: int = 128) -> None:
         """Time a prefill chunk and a decode step of a scratch sequence to choose the threads of each."""
@@ -177,6 +213,7 @@ class Decoder:
     def stats(self) -> DecoderStats:
         s = self.scheduler.stats()
         return DecoderStats(
-            running=s.running, waiting=s.waiting, free_blocks=self.pool.num_free,
+            running=s.running, waiting=s.waiting, free_blocks=s.free_blocks,
             total_blocks=s.total_blocks, steps=self.steps, kv_cache_bytes=self.kv.nbytes,
+            cached_blocks=s.cached_blocks, prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
         )

@@ -2,8 +2,11 @@
 
 Owns: the per-layer-kind block tables of a sequence (`SeqBlocks`), and `KVBlockManager`, which sizes
 them against one shared pool of pages: how many pages a step needs, growing the tables, returning the
-blocks that fell out of every sliding layer's window, releasing a sequence, and how long a sequence
-alone may grow. Does not own the K/V tensors (KVCache), who gets pages (the scheduler), nor attention.
+blocks that fell out of every sliding layer's window, releasing a sequence, how long a sequence alone
+may grow, and, with a `PrefixCache`, indexing the full blocks a sequence computed and starting a new
+sequence on the longest cached prefix (a full layer needs every block of it, a sliding layer only the
+blocks inside the window before its end). Does not own the K/V tensors (KVCache), the block hashes
+(prefix_cache.py), who gets pages (the scheduler), nor attention.
 
 A page holds one layer's keys and values of `block_size` positions. A sequence's logical block `b`
 (positions `[b * bs, (b + 1) * bs)`) of a layer kind holds one page per layer of that kind, so every
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.prefix_cache import CachedBlock, PrefixCache
 from mmserve.models.base import SLIDING, AttentionPattern
 
 
@@ -45,6 +49,8 @@ class KindTable:
     pages: np.ndarray  # (capacity, layers) int64 page ids; rows outside [lo, hi) are -1
     lo: int = 0  # first logical block still held (earlier ones fell out of the window)
     hi: int = 0  # logical blocks allocated so far: [0, hi) were, [lo, hi) are held
+    shared: dict[int, CachedBlock] = field(default_factory=dict)  # rows that are prefix-cache entries (held)
+    indexed: int = 0  # rows before this were offered to the prefix cache
 
 
 @dataclass
@@ -59,12 +65,21 @@ class SeqBlocks:
 
 
 class KVBlockManager:
-    def __init__(self, pool: BlockPool, pattern: AttentionPattern, block_size: int) -> None:
-        self.pool, self.block_size = pool, block_size
+    def __init__(self, pool: BlockPool, pattern: AttentionPattern, block_size: int,
+                 cache: PrefixCache | None = None) -> None:
+        self.pool, self.block_size, self.cache = pool, block_size, cache
         self.kinds = layer_kinds(pattern)
 
     def new_blocks(self) -> SeqBlocks:
         return SeqBlocks([KindTable(np.full((8, len(k.layers)), -1, dtype=np.int64)) for k in self.kinds])
+
+    @property
+    def num_free(self) -> int:
+        """Pages no sequence holds: the pool's free ones and those of free prefix-cache entries."""
+        return self.pool.num_free + (self.cache.free_pages if self.cache is not None else 0)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
 
     def pages_to_grow(self, blocks: SeqBlocks, end: int) -> int:
         """Pages a sequence must take before a step writes K/V up to position `end` (exclusive)."""
@@ -72,42 +87,108 @@ class KVBlockManager:
         return sum(max(need - t.hi, 0) * len(k.layers) for k, t in zip(self.kinds, blocks.tables, strict=True))
 
     def grow(self, blocks: SeqBlocks, end: int) -> None:
-        """Allocate the pages for positions up to `end`; the caller checked `pool.can_allocate` first."""
+        """Allocate the pages for positions up to `end`; the caller checked `can_allocate` first."""
         need = -(-end // self.block_size)
         for kind, table in zip(self.kinds, blocks.tables, strict=True):
             n = need - table.hi
             if n <= 0:
                 continue
-            if need > table.pages.shape[0]:
-                grown = np.full((max(need, 2 * table.pages.shape[0]), len(kind.layers)), -1, dtype=np.int64)
-                grown[: table.hi] = table.pages[: table.hi]
-                table.pages = grown
-            table.pages[table.hi : need] = np.asarray(self.pool.allocate(n * len(kind.layers))).reshape(n, -1)
+            _ensure_rows(table, need)
+            pages = self.cache.allocate(n * len(kind.layers)) if self.cache is not None else \
+                self.pool.allocate(n * len(kind.layers))
+            table.pages[table.hi : need] = np.asarray(pages).reshape(n, -1)
             table.hi = need
 
     def trim(self, blocks: SeqBlocks, next_position: int) -> int:
-        """Return the blocks no sliding layer will read again: the next query sits at `next_position`
-        and sees back `window` positions, itself included. Returns the pages freed."""
+        """Let go of the blocks no sliding layer will read again: the next query sits at `next_position`
+        and sees back `window` positions, itself included. Returns the pages let go."""
         freed = 0
         for kind, table in zip(self.kinds, blocks.tables, strict=True):
             if kind.window is None:
                 continue
             first = max(next_position - kind.window + 1, 0) // self.block_size
             if first > table.lo:
-                rows = table.pages[table.lo : first]
-                self.pool.free(rows.ravel().tolist())
-                freed += rows.size
-                rows.fill(-1)
+                freed += self._let_go(table, range(table.lo, first))
                 table.lo = first
         return freed
 
     def release(self, blocks: SeqBlocks) -> None:
-        """Give every page back (finished, aborted or preempted)."""
+        """Let go of every page (finished, aborted or preempted); the tail first, so that cached blocks
+        leave the cache tail first too."""
         for table in blocks.tables:
-            if table.hi > table.lo:
-                self.pool.free(table.pages[table.lo : table.hi].ravel().tolist())
-            table.pages.fill(-1)
-            table.lo = table.hi = 0
+            self._let_go(table, range(table.hi - 1, table.lo - 1, -1))
+            table.lo = table.hi = table.indexed = 0
+
+    def _let_go(self, table: KindTable, rows: range) -> int:
+        private: list[int] = []
+        for row in rows:
+            block = table.shared.pop(row, None)
+            if block is not None:
+                assert self.cache is not None
+                self.cache.let_go(block)
+            else:
+                private += table.pages[row].tolist()
+            table.pages[row] = -1
+        self.pool.free(private)
+        return len(rows) * table.pages.shape[1]
+
+    # ---- prefix caching ------------------------------------------------------------------------
+
+    def index(self, blocks: SeqBlocks, hashes: list[bytes], computed: int) -> None:
+        """Offer the cache every full block whose K/V are all written (`computed` positions)."""
+        if self.cache is None:
+            return
+        upto = min(computed // self.block_size, len(hashes))
+        for k, table in enumerate(blocks.tables):
+            for row in range(max(table.indexed, table.lo), upto):
+                if row not in table.shared:
+                    block = self.cache.add(k, hashes[row], table.pages[row])
+                    if block is not None:
+                        table.shared[row] = block
+            table.indexed = max(table.indexed, upto)
+
+    def cached_prefix(self, hashes: list[bytes], limit: int) -> int:
+        """Blocks of the longest prefix (at most `limit` blocks) every layer kind finds cached."""
+        if self.cache is None:
+            return 0
+        m = min(limit, len(hashes))
+        full = [k for k, kind in enumerate(self.kinds) if kind.window is None]
+        if full:
+            n = 0
+            while n < m and all(self.cache.find(k, hashes[n]) is not None for k in full):
+                n += 1
+            m = n
+        while m > 0 and not all(self._cached(k, hashes, self._first_read(kind, m), m)
+                                for k, kind in enumerate(self.kinds) if kind.window is not None):
+            m -= 1
+        return m
+
+    def start_from_cache(self, blocks: SeqBlocks, hashes: list[bytes], limit: int) -> int:
+        """Hold the longest cached prefix for a sequence that holds nothing yet; returns its tokens."""
+        m = self.cached_prefix(hashes, limit)
+        if m == 0:
+            return 0
+        assert self.cache is not None
+        for k, (kind, table) in enumerate(zip(self.kinds, blocks.tables, strict=True)):
+            lo = self._first_read(kind, m)
+            _ensure_rows(table, m)
+            for row in range(lo, m):
+                block = self.cache.find(k, hashes[row])
+                assert block is not None
+                self.cache.hold(block)
+                table.pages[row], table.shared[row] = block.pages, block
+            table.lo, table.hi, table.indexed = lo, m, m
+        return m * self.block_size
+
+    def _first_read(self, kind: LayerKind, blocks: int) -> int:
+        """The first block a kind reads for a query at position `blocks * block_size`."""
+        if kind.window is None:
+            return 0
+        return max(blocks * self.block_size - kind.window + 1, 0) // self.block_size
+
+    def _cached(self, k: int, hashes: list[bytes], lo: int, hi: int) -> bool:
+        assert self.cache is not None
+        return all(self.cache.find(k, hashes[b]) is not None for b in range(lo, hi))
 
     def peak_pages(self, num_tokens: int, chunk: int) -> int:
         """Pages a sequence of `num_tokens` holds at most while a step computes `chunk` of them."""
@@ -130,3 +211,10 @@ class KVBlockManager:
             else:
                 hi = mid - 1
         return lo
+
+
+def _ensure_rows(table: KindTable, rows: int) -> None:
+    if rows > table.pages.shape[0]:
+        grown = np.full((max(rows, 2 * table.pages.shape[0]), table.pages.shape[1]), -1, dtype=np.int64)
+        grown[: table.hi] = table.pages[: table.hi]
+        table.pages = grown

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.kv_blocks import KVBlockManager
+from mmserve.decoder.prefix_cache import BlockHasher, PrefixCache
 from mmserve.decoder.sequence import Sequence, SequenceStatus
 from mmserve.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from mmserve.messages import FinishReason
@@ -43,6 +44,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # running ones (arrival order), then those admitted this step
     preempted: list[str]  # request ids sent back to the queue this step (their blocks are freed)
+    # running sequences that wait for embeddings they lack (their items' placeholders were cached when
+    # the request came, and the cache let them go since): (sequence, feature indices)
+    missing: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,17 +61,23 @@ class SchedulerOutput:
 class SchedulerStats:
     running: int  # sequences holding KV pages
     waiting: int  # queued or preempted sequences
-    free_blocks: int  # KV pages in the pool's free list (pages: one layer's block each)
+    free_blocks: int  # KV pages no sequence holds, cached ones included (pages: one layer's block each)
     total_blocks: int  # KV pages in the pool
+    cached_blocks: int  # prefix-cache entries, held or not (blocks of one layer kind)
+    prefix_queries: int  # prompt tokens looked up in the prefix cache at first admission (tokens)
+    prefix_hits: int  # of those, found cached (tokens)
 
 
 class Scheduler:
     def __init__(self, config: DecoderConfig, block_pool: BlockPool, pattern: AttentionPattern,
-                 max_model_len: int, eos_token_ids: tuple[int, ...]) -> None:
+                 max_model_len: int, eos_token_ids: tuple[int, ...], hasher: BlockHasher | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
         self.pool = block_pool
-        self.kv = KVBlockManager(block_pool, pattern, config.block_size)
+        self.hasher = hasher if config.enable_prefix_caching else None  # None: no prefix caching
+        cache = PrefixCache(block_pool) if self.hasher is not None else None
+        self.kv = KVBlockManager(block_pool, pattern, config.block_size, cache)
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found (tokens)
         self.max_model_len = max_model_len  # tokens the model's positions allow
         # NOTE: a sequence may never hold more tokens than the pool either; capping its length there
         # means a sequence alone in the pool always fits, so preemption can never livelock. It then
@@ -87,6 +97,8 @@ class Scheduler:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         self._check_schedulable(seq)
         seq.blocks = self.kv.new_blocks()
+        if self.hasher is not None:
+            self.hasher.extend(seq.block_hashes, seq.token_ids, seq.features, seq.cache_salt)
         seq.arrival_order = self._next_arrival
         self._next_arrival += 1
         seq.status = SequenceStatus.WAITING
@@ -118,8 +130,9 @@ class Scheduler:
         return self._seqs.get(request_id)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.pool.num_free,
-                              self.pool.num_blocks)
+        cache = self.kv.cache
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.num_free, self.pool.num_blocks,
+                              len(cache.entries) if cache is not None else 0, self.prefix_queries, self.prefix_hits)
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -128,6 +141,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
+        missing = [(seq, m) for seq in self.running if (m := self._missing_now(seq))]
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -139,7 +153,7 @@ class Scheduler:
                 i += 1
         if not preempted:  # NOTE: a pool that just ran dry admits nobody this step
             scheduled += self._admit(budget)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, missing)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
         """Record a finished step: advance progress, append sampled tokens, finish and free.
@@ -153,6 +167,9 @@ class Scheduler:
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
+            if self.hasher is not None:  # index the blocks this step completed, before the window lets go
+                self.hasher.extend(seq.block_hashes, seq.token_ids, seq.features, seq.cache_salt)
+                self.kv.index(seq.blocks, seq.block_hashes, seq.num_computed_tokens)
             self.kv.trim(seq.blocks, seq.num_computed_tokens)  # the next query sits there
             if not item.samples:
                 continue
@@ -186,12 +203,24 @@ class Scheduler:
                 f"decoder step, which computes at most {budget} tokens (max_num_batched_tokens)")
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        """Tokens to compute for `seq` this step: its remainder, cut to `budget` and to image spans."""
+        """Tokens to compute for `seq` this step: its remainder, cut to `budget`, to image spans and to
+        the first item whose embeddings it lacks."""
         start = seq.num_computed_tokens
         end = start + min(seq.num_tokens - start, budget)
         if end < seq.num_tokens:
-            end = _end_outside_spans(seq, end)
+            end = _end_outside_spans(seq, start, end)
+        for i in _lacking(seq):
+            f = seq.features[i]
+            if f.placeholder.offset + f.placeholder.length > start:
+                end = min(end, f.placeholder.offset)
         return max(end - start, 0)
+
+    def _missing_now(self, seq: Sequence) -> list[int]:
+        """Items whose embeddings `seq` lacks and whose placeholder its next chunk starts in."""
+        start = seq.num_computed_tokens
+        return [i for i in _lacking(seq)
+                if seq.features[i].placeholder.offset <= start < seq.features[i].placeholder.offset
+                + seq.features[i].placeholder.length]
 
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
         return self.kv.pages_to_grow(seq.blocks, seq.num_computed_tokens + num_new)
@@ -216,9 +245,12 @@ class Scheduler:
         admitted: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            self._start_from_cache(seq)
             n = self._num_new_tokens(seq, budget)
             needed = self._pages_needed(seq, n)
-            if n == 0 or not self.pool.can_allocate(needed):
+            if n == 0 or not self.kv.can_allocate(needed):
+                self.kv.release(seq.blocks)  # the cached prefix it took, if any: held again next step
+                seq.num_computed_tokens = 0
                 break  # NOTE: strict FCFS: nobody overtakes the head of the queue
             self.waiting.pop(0)
             self.kv.grow(seq.blocks, seq.num_computed_tokens + n)
@@ -227,6 +259,16 @@ class Scheduler:
             admitted.append(ScheduledSeq(seq, n))
             budget -= n
         return admitted
+
+    def _start_from_cache(self, seq: Sequence) -> None:
+        """Take the longest cached prefix of a sequence that holds nothing; at least its last token is
+        computed, so that there are logits to sample from."""
+        hit = self.kv.start_from_cache(seq.blocks, seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
+        seq.num_computed_tokens = hit
+        if seq.num_cached_tokens is None:  # its first admission: what the request's usage reports
+            seq.num_cached_tokens = min(hit, seq.num_prompt_tokens)
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += seq.num_cached_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -250,18 +292,27 @@ class Scheduler:
         return None
 
 
+def _lacking(seq: Sequence) -> list[int]:
+    """Features whose embeddings the sequence was given as None (their placeholder was cached)."""
+    return [i for i, emb in enumerate(seq.embeddings) if emb is None]
+
+
 def _arrival(seq: Sequence) -> int:
     return seq.arrival_order
 
 
-def _end_outside_spans(seq: Sequence, end: int) -> int:
-    """Move a chunk end that falls strictly inside an atomic span back to the span's start.
+def _end_outside_spans(seq: Sequence, chunk_start: int, end: int) -> int:
+    """Move a chunk end that falls strictly inside an atomic span back to the span's start (to the chunk's
+    start, i.e. nothing this step, when the chunk starts inside that span: a cached prefix ended in it).
 
     NOTE: Gemma 3 attends both ways within one image (or crop), so a chunk must hold its tokens whole;
     an item's crops, and the text between them, may go to different steps (the model runner merges
-    the matching rows of the item's embeddings). Spans are disjoint, so one move is enough.
+    the matching rows of the item's embeddings). A prefix cached from a step that saw the whole image
+    may end inside it: its K/V are right, and the rest of the image must go in one chunk. Spans are
+    disjoint, so one move is enough; a chunk that starts inside a span and cannot reach its end this step
+    waits (0 tokens) for a step with that much budget (`add` checked the span fits max_num_batched_tokens).
     """
     for start, stop in seq.atomic_spans:
         if start < end < stop:
-            return start
+            return start if start >= chunk_start else chunk_start
     return end

@@ -73,6 +73,10 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated (tokens)
     num_computed_tokens: int = 0  # leading tokens whose K/V sit in the cache (tokens)
     blocks: SeqBlocks = field(default_factory=SeqBlocks)  # KV pages held, per layer kind (the scheduler's)
+    cache_salt: str | None = None  # part of the first block's hash
+    block_hashes: list[bytes] = field(default_factory=list)  # digests of its full blocks so far, in order
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached; None = not yet
+    requested: set[int] = field(default_factory=set)  # features whose missing embeddings were asked for
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_order: int = 0  # admission order, FCFS tie-break (count)

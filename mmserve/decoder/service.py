@@ -1,15 +1,20 @@
 """The decoder behind an async API: one request's life from embeddings to its last token.
 
-Owns: the request lifecycle around the Decoder — get embeddings (from an in-process encoder or a
-remote one), queue the request, stream its outputs, abort it in the decoder if the consumer leaves
-early, and always release its encoder-cache references at the end. Does not own: scheduling or the
-model (Decoder) nor transport (the Engine and the Ray Decoder deployment both use this).
+Owns: the request lifecycle around the Decoder — hash the prompt's blocks and ask the prefix cache
+how much of it is cached, get embeddings only for the items not wholly inside that prefix (from an
+in-process encoder or a remote one), fetch later the ones a request turns out to need after all (the
+cache let the blocks go before admission, or a preemption), queue the request, stream its outputs,
+abort it in the decoder if the consumer leaves early, and always release its encoder-cache
+references at the end. Does not own: scheduling or the model (Decoder) nor transport (the Engine and
+the Ray Decoder deployment both use this).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mmserve.decoder.decoder import Decoder
@@ -20,21 +25,36 @@ EncodeFn = Callable[[PreprocessedRequest], Awaitable[list[Any]]]  # -> per-featu
 ReleaseFn = Callable[[str], Any]  # request id -> None or an awaitable
 
 
+@dataclass
+class _Live:
+    """A request between its `generate` call and its end, as a late fetch of embeddings needs it."""
+
+    pre: PreprocessedRequest
+    encode: EncodeFn | None
+    loop: asyncio.AbstractEventLoop  # the consumer's
+    encoded: list[str] = field(default_factory=list)  # encoder request ids to release at the end
+
+
 class DecoderService:
     def __init__(self, decoder: Decoder, *, stream_interval_s: float = 0.0):
         self.decoder = decoder
         self.stream_interval_s = stream_interval_s  # outputs go at most this often, the first at once
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
+        self._live: dict[str, _Live] = {}
+        decoder.on_missing = self._on_missing
 
     async def generate(
         self, pre: PreprocessedRequest, encode: EncodeFn | None = None, release: ReleaseFn | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; closing the iterator early aborts it and frees its KV blocks."""
         request_id = pre.request_id
+        live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop())
         finished = False
         try:
-            embeddings = await encode(pre) if encode is not None and pre.features else []
-            request = DecodeRequest(request_id, pre.prompt_token_ids, pre.features, embeddings, pre.sampling)
+            hashes = self._block_hashes(pre)
+            embeddings = await self._embeddings_outside_cache(live, hashes)
+            request = DecodeRequest(request_id, pre.prompt_token_ids, pre.features, embeddings, pre.sampling,
+                                    pre.cache_salt, tuple(hashes))
             self.loop.open(request_id)
             self.loop.submit(request_id, lambda: self.decoder.add(request))
             # NOTE: deltas that piled up while this consumer waited, or came within one stream interval,
@@ -43,12 +63,60 @@ class DecoderService:
                 finished = out.finished
                 yield out
         finally:
+            del self._live[request_id]
             if not finished:
                 self.loop.submit(None, lambda: self.decoder.abort(request_id))
-            if release is not None and pre.features:
-                result = release(request_id)
-                if inspect.isawaitable(result):
-                    await result
+            if release is not None:
+                for encoded in live.encoded:
+                    result = release(encoded)
+                    if inspect.isawaitable(result):
+                        await result
+
+    def _block_hashes(self, pre: PreprocessedRequest) -> list[bytes]:
+        hashes: list[bytes] = []
+        hasher = self.decoder.scheduler.hasher
+        if hasher is not None:  # NOTE: here, not in the step thread: a pure function of the request
+            hasher.extend(hashes, pre.prompt_token_ids, pre.features, pre.cache_salt)
+        return hashes
+
+    async def _embeddings_outside_cache(self, live: _Live, hashes: list[bytes]) -> list[Any]:
+        """Embeddings of the items not wholly inside the prompt's cached prefix; None for the others."""
+        pre = live.pre
+        if not pre.features or live.encode is None:
+            return [None] * len(pre.features)
+        hit = await self.loop.call(lambda: self.decoder.prefix_hit_tokens(hashes, len(pre.prompt_token_ids))) \
+            if hashes else 0
+        needed = [i for i, f in enumerate(pre.features) if f.placeholder.offset + f.placeholder.length > hit]
+        return await self._encode(live, pre.request_id, needed)
+
+    async def _encode(self, live: _Live, encoder_id: str, indices: list[int]) -> list[Any]:
+        embeddings: list[Any] = [None] * len(live.pre.features)
+        if indices:
+            assert live.encode is not None
+            sub = replace(live.pre, request_id=encoder_id, features=[live.pre.features[i] for i in indices])
+            live.encoded.append(encoder_id)
+            for i, emb in zip(indices, await live.encode(sub), strict=True):
+                embeddings[i] = emb
+        return embeddings
+
+    def _on_missing(self, request_id: str, indices: list[int]) -> None:
+        """From the step thread: a running request needs embeddings it was added without."""
+        live = self._live.get(request_id)
+        if live is None:
+            return  # it is ending; the decoder drops it
+        asyncio.run_coroutine_threadsafe(self._fetch(live, indices), live.loop)
+
+    async def _fetch(self, live: _Live, indices: list[int]) -> None:
+        request_id = live.pre.request_id
+        try:
+            got = await self._encode(live, f"{request_id}/late-{len(live.encoded)}", indices)
+        except Exception as exc:
+            def fail(error: Exception = exc) -> None:
+                raise error
+
+            self.loop.submit(request_id, fail)  # fails the request: its consumer raises, then aborts it
+            return
+        self.loop.submit(request_id, lambda: self.decoder.provide_embeddings(request_id, {i: got[i] for i in indices}))
 
     def busy(self) -> bool:
         return self.loop.busy()

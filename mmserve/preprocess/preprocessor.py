@@ -82,7 +82,7 @@ class Preprocessor:
             self._check_length(ids)
         features = self._features(ids, items, crops)
         return PreprocessedRequest(request_id=req.request_id, prompt_token_ids=ids, features=features,
-                                   sampling=req.sampling, processor_cache_hits=hits)
+                                   sampling=req.sampling, processor_cache_hits=hits, cache_salt=req.cache_salt)
 
     # --- steps -------------------------------------------------------------------------------
 

@@ -173,6 +173,11 @@ def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
         _gauge("mmserve_decoder_kv_blocks_total", "KV cache pages overall (blocks x layers).", stats.total_blocks),
         _gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
         _counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
+        _gauge("mmserve_decoder_kv_blocks_cached", "Prefix-cache entries (a layer kind's block each).",
+               stats.cached_blocks),
+        _counter("mmserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                 stats.prefix_queries),
+        _counter("mmserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
     )
 
 

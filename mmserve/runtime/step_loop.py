@@ -81,6 +81,23 @@ class StepLoop:
             self._deliver(request_id, RequestFailed(request_id, StageStopped(f"{self.name} is stopped")))
         self._wake.set()
 
+    async def call(self, action: Callable[[], Any]) -> Any:
+        """Run `action` in the loop thread before the next step and return its result (or raise its error)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result, error = action(), None
+            except Exception as exc:
+                result, error = None, exc
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+        if self._stopped:
+            raise StageStopped(f"{self.name} is stopped")
+        self.submit(None, run)
+        return await future
+
     def busy(self) -> bool:
         """Actions queued or work in the stage (racy by nature; for tests and draining)."""
         with self._lock:
@@ -186,6 +203,15 @@ class StepLoop:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the consumer's event loop has closed; it is gone
             self._queues.pop(request_id, None)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 async def _gather_until(queue: asyncio.Queue, items: list[Any], deadline: float) -> None:

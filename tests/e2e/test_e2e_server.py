@@ -269,15 +269,20 @@ def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {n: b[n] - a[n] for n in a}
 
 
-def test_same_image_twice_hits_both_caches(client, e2e_server):
+def test_same_image_twice_hits_the_caches(client, e2e_server, engine):
     image = png_url(int.from_bytes(os.urandom(4), "little") + 10_000)  # unique to this test and this run
     before = settled(e2e_server, CACHE_COUNTERS)
-    first = answer(complete(client, e2e_server, user("Describe this.", image), max_tokens=4))
+    first = complete(client, e2e_server, user("Describe this.", image), max_tokens=4)
     after_first = settled(e2e_server, CACHE_COUNTERS, before)
-    second = answer(complete(client, e2e_server, user("And what about colours?", image), max_tokens=4))
+    again = user("And what about colours?", image)
+    second = complete(client, e2e_server, again, max_tokens=4)
     after_second = settled(e2e_server, CACHE_COUNTERS, after_first)
 
-    assert first[3] >= 1 and second[3] >= 1
+    assert answer(first)[3] >= 1 and answer(second)[3] >= 1
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    placeholder = engine.preprocess(ChatRequest("probe", again, SamplingParams())).features[0].placeholder
+    assert cached > placeholder.offset  # the template and at least part of the image came from the KV cache
     d1, d2 = delta(before, after_first), delta(after_first, after_second)
     assert d1 == {
         "mmserve_processor_cache_queries_total": 1, "mmserve_processor_cache_hits_total": 0,
@@ -285,12 +290,30 @@ def test_same_image_twice_hits_both_caches(client, e2e_server):
         "mmserve_encoder_cache_queries_total": 1, "mmserve_encoder_cache_hits_total": 0,
         "mmserve_encoder_forward_passes_total": 1,
     }, d1
+    # an image wholly inside the cached prefix is not sent to the encoder at all; else it is a hit there
+    asked = 0 if placeholder.offset + placeholder.length <= cached else 1
     assert d2 == {
         "mmserve_processor_cache_queries_total": 1, "mmserve_processor_cache_hits_total": 1,
         "mmserve_image_processor_calls_total": 0,
-        "mmserve_encoder_cache_queries_total": 1, "mmserve_encoder_cache_hits_total": 1,
+        "mmserve_encoder_cache_queries_total": asked, "mmserve_encoder_cache_hits_total": asked,
         "mmserve_encoder_forward_passes_total": 0,
-    }, d2
+    }, (d2, cached, placeholder)
+
+
+def test_a_repeated_chat_turn_reports_its_cached_tokens(client, e2e_server):
+    image = png_url(int.from_bytes(os.urandom(4), "little") + 20_000)
+    turn1 = user("What is in this picture?", image)
+    first = complete(client, e2e_server, turn1, max_tokens=6)
+    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content},
+             *user("And the colours?")]
+    again = complete(client, e2e_server, turn2, max_tokens=6)
+    streamed = stream(client, e2e_server, turn2, max_tokens=6)
+    bs = 16  # the server's decoder.block_size (the default)
+    for usage in (again.usage, streamed["usage"]):
+        assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - bs, usage
+    salted = complete(client, e2e_server, turn2, max_tokens=6, extra_body={"cache_salt": "another-tenant"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.choices[0].message.content == again.choices[0].message.content  # the same answer
 
 
 # --- 5. bad requests ------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from mmserve.config import EngineConfig, MediaConfig
 from mmserve.engine import Engine
@@ -101,8 +103,8 @@ def test_abort_mid_stream_frees_blocks_and_references(engine):
         return got
 
     assert asyncio.run(start_then_leave()) == 3
-    pool = engine.decoder.pool
-    assert pool.num_free == pool.num_blocks
+    stats = engine.decoder.stats()  # every page back: free, or a prefix-cache entry nobody holds
+    assert stats.free_blocks == stats.total_blocks
     assert engine.decoder.stats().running == 0
     manager = engine.encoder.manager
     assert all(manager.refcount(h) == 0 for h in manager.freeable_order())
@@ -148,3 +150,21 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     assert batch[0].token_ids == alone.token_ids
     [other_seed] = engine.generate([chat("r4", IMAGE, **{**kw, "seed": 99})])
     assert other_seed.token_ids != alone.token_ids
+
+
+def test_an_image_one_pixel_off_or_another_salt_shares_no_block_past_the_template(engine):
+    base = make_image(320, 240, seed=31)
+    off = np.asarray(base).copy()
+    off[10, 10, 0] ^= 1  # one pixel, one bit
+    first = chat("px1", data_url(base), text="What is this?")
+    engine.generate([first])
+    pre = engine.preprocess(first)
+    template = pre.features[0].placeholder.offset  # tokens before the image
+    bs = engine.config.decoder.block_size
+    [b] = engine.generate([chat("px2", data_url(Image.fromarray(off)), text="What is this?")])
+    assert b.num_cached_tokens <= template // bs * bs  # nothing of the image or after it
+    [c] = engine.generate([chat("px3", data_url(base), text="What is this?")])
+    assert c.num_cached_tokens > template  # the same image does hit
+    salted = ChatRequest("px4", first.messages, first.sampling, cache_salt="tenant-b")
+    [d] = engine.generate([salted])
+    assert d.num_cached_tokens == 0  # another salt: not even the template's first block

@@ -38,6 +38,7 @@ REQUIRED = [
     "mmserve_image_processor_calls_total", "mmserve_encoder_forward_passes_total",
     "mmserve_processor_cache_bytes", "mmserve_encoder_cache_tokens", "mmserve_decoder_kv_blocks_free",
     "mmserve_requests_total", "mmserve_generated_tokens_total", "mmserve_e2e_request_latency_seconds",
+    "mmserve_prefix_cache_queries_total", "mmserve_prefix_cache_hits_total", "mmserve_decoder_kv_blocks_cached",
 ]
 
 
@@ -55,7 +56,7 @@ def encoder_stats(queries: int, hits: int, batch_sizes: dict[int, int]) -> Encod
 
 def decoder_stats(running: int, waiting: int) -> DecoderStats:
     return DecoderStats(running=running, waiting=waiting, free_blocks=10, total_blocks=64, steps=100,
-                        kv_cache_bytes=1 << 20)
+                        kv_cache_bytes=1 << 20, cached_blocks=5, prefix_queries=300, prefix_hits=256)
 
 
 def replica(i: int) -> list[MetricsSnapshot]:

@@ -1,0 +1,160 @@
+"""Prefix-cache hits against the oracle: a request whose prompt starts with blocks an earlier request left
+cached gives transformers' greedy tokens and logits (within LOGITS_ATOL), whatever the hit covers: chat
+turns with their image, the same image under another question (a hit ending inside the image), pan-and-
+scan crops, a prompt past the sliding window, a hit beside running decodes, and a preempted re-hit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from mmserve.config import DecoderConfig, EngineConfig
+from mmserve.engine import Completion, Engine
+from mmserve.messages import ChatRequest, SamplingParams
+from tests.unit.test_parity import LOGITS_ATOL, LONG_TEXT, Recorder, data_url, make_image
+
+MAX_TOKENS = 8
+PHOTO = make_image(640, 480, 21)
+WIDE = make_image(1024, 400, 22)
+
+
+def user(text: str, *images: Any) -> dict[str, Any]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
+def hf_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The same conversation in the HF processor's form, and how many images it holds."""
+    out, n = [], 0
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": [{"type": "text", "text": content}]})
+            continue
+        parts = []
+        for p in content:
+            if p["type"] == "image_url":
+                parts.append({"type": "image"})
+                n += 1
+            else:
+                parts.append(p)
+        out.append({"role": m["role"], "content": parts})
+    return out, n
+
+
+@pytest.fixture(scope="module", params=["tiny_ckpt", "tiny_ckpt_224"])
+def oracle(request: pytest.FixtureRequest) -> tuple[Any, Any, Any]:
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    model_dir = request.getfixturevalue(request.param)
+    return model_dir, AutoProcessor.from_pretrained(model_dir), Gemma3ForConditionalGeneration.from_pretrained(
+        model_dir).eval()
+
+
+def reference(oracle: tuple[Any, Any, Any], messages: list[dict[str, Any]], images: list[Any],
+              mm_kwargs: dict[str, Any]) -> tuple[list[int], list[torch.Tensor]]:
+    _, processor, model = oracle
+    conversation, n = hf_messages(messages)
+    assert n == len(images)
+    rendered = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=rendered, images=images or None, add_special_tokens=False, return_tensors="pt",
+                       **mm_kwargs)
+    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0] for s in out.logits]
+
+
+def engine_for(oracle: tuple[Any, Any, Any], **decoder: Any) -> tuple[Engine, Recorder]:
+    rec = Recorder()
+    return Engine(EngineConfig(model=str(oracle[0]), decoder=DecoderConfig(**decoder)), on_logits=rec), rec
+
+
+def run(engine: Engine, rid: str, messages: list[dict[str, Any]], mm_kwargs: dict[str, Any] | None = None,
+        max_tokens: int = MAX_TOKENS) -> Completion:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    [out] = engine.generate([ChatRequest(rid, messages, sampling, mm_kwargs or {})])
+    return out
+
+
+def check(oracle: Any, rec: Recorder, out: Completion, messages: list[dict[str, Any]], images: list[Any],
+          mm_kwargs: dict[str, Any] | None = None) -> None:
+    tokens, logits = reference(oracle, messages, images, mm_kwargs or {})
+    assert out.token_ids == tokens
+    for step, (ours, theirs) in enumerate(zip(rec.logits[out.request_id], logits, strict=True)):
+        diff = float((ours - theirs.float()).abs().max())
+        assert diff <= LOGITS_ATOL, f"step {step}: max |logit diff| {diff}"
+
+
+def test_chat_turns_reuse_the_history_with_its_image(oracle: Any) -> None:
+    engine, rec = engine_for(oracle)
+    history = [user("Describe this image.", PHOTO)]
+    previous, answer = 0, None
+    for turn, question in enumerate(["Describe this image.", "What colour is it?", "Anything else?"]):
+        if answer is not None:
+            history += [{"role": "assistant", "content": answer.text}, user(question)]
+        answer = run(engine, f"turn{turn}", history)
+        check(oracle, rec, answer, history, [PHOTO])
+        if turn:  # at least the previous turn's prompt, but for the block it ended in
+            assert answer.num_cached_tokens >= previous - engine.config.decoder.block_size
+        previous = answer.num_prompt_tokens
+    assert engine.stats().encoder.queries == 1  # turns 2 and 3 never asked the encoder about the image
+    engine.shutdown()
+
+
+def test_the_same_image_under_another_question_hits_inside_the_image(oracle: Any) -> None:
+    engine, rec = engine_for(oracle)
+    run(engine, "first", [user("What is in this picture?", PHOTO)])
+    messages = [user("Tell me the colours.", PHOTO)]
+    out = run(engine, "second", messages)
+    check(oracle, rec, out, messages, [PHOTO])
+    pre = engine.preprocess(ChatRequest("probe", messages, SamplingParams()))
+    image = pre.features[0].placeholder
+    assert image.offset < out.num_cached_tokens  # the hit covers part of the image at least
+    engine.shutdown()
+
+
+def test_pan_and_scan_crops_and_a_prompt_past_the_window(oracle: Any) -> None:
+    engine, rec = engine_for(oracle)
+    pas = {"do_pan_and_scan": True}
+    run(engine, "pas-first", [user("Read it.", WIDE)], pas)
+    messages = [user("Read it again, slowly.", WIDE)]
+    out = run(engine, "pas-second", messages, pas)
+    assert out.num_cached_tokens > 0
+    check(oracle, rec, out, messages, [WIDE], pas)
+    run(engine, "long-first", [user(LONG_TEXT, PHOTO)])
+    messages = [user(LONG_TEXT + " And then?", PHOTO)]
+    out = run(engine, "long-second", messages)
+    assert out.num_cached_tokens > 2 * 64  # past the tiny checkpoints' 64-token window
+    check(oracle, rec, out, messages, [PHOTO])
+    engine.shutdown()
+
+
+def test_hits_beside_running_decodes_and_after_a_preemption(oracle: Any) -> None:
+    # a pool of 24 blocks per layer: the long decode and the two hitting requests cannot all stay
+    engine, rec = engine_for(oracle, num_blocks=24, max_num_batched_tokens=512)
+    preemptions: list[str] = []
+    scheduler = engine.decoder.scheduler
+    original = scheduler._preempt
+
+    def spy(seq: Any) -> None:
+        preemptions.append(seq.request_id)
+        original(seq)
+
+    scheduler._preempt = spy  # type: ignore[method-assign]
+    run(engine, "seed", [user("What is in this picture?", PHOTO)])
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    long = ChatRequest("long", [user("Tell me a long story.")], SamplingParams(max_tokens=300, temperature=0.0,
+                                                                               ignore_eos=True))
+    messages = [user("Which colours?", PHOTO)]
+    outs = engine.generate([long, ChatRequest("hit", messages, sampling),
+                            ChatRequest("hit2", [user("Which shapes?", PHOTO)], sampling)])
+    hit = next(o for o in outs if o.request_id == "hit")
+    assert hit.num_cached_tokens > 0
+    check(oracle, rec, hit, messages, [PHOTO])
+    check(oracle, rec, next(o for o in outs if o.request_id == "hit2"), [user("Which shapes?", PHOTO)], [PHOTO])
+    assert preemptions, "the small pool preempted someone"
+    stats = engine.decoder.stats()
+    assert stats.free_blocks == stats.total_blocks
+    engine.shutdown()
