@@ -168,3 +168,23 @@ def test_an_image_one_pixel_off_or_another_salt_shares_no_block_past_the_templat
     salted = ChatRequest("px4", first.messages, first.sampling, cache_salt="tenant-b")
     [d] = engine.generate([salted])
     assert d.num_cached_tokens == 0  # another salt: not even the template's first block
+
+
+def test_embeddings_skipped_for_a_prefix_the_cache_then_lost_are_fetched(engine):
+    """The prefix looked cached when the request came (so its image was not encoded), but by admission the
+    blocks are gone: the step asks for the embeddings, the service fetches them, the answer is unchanged."""
+    image = data_url(make_image(400, 300, seed=41))
+    [expected] = engine.generate([chat("late-ref", image)])
+    kv, cache = engine.decoder.scheduler.kv, engine.decoder.scheduler.kv.cache
+    assert cache is not None
+    engine.decoder.pool.free(cache.allocate(kv.num_free))  # every free entry evicted meanwhile
+    assert not cache.entries
+    claimed = engine.decoder.prefix_hit_tokens
+    engine.decoder.prefix_hit_tokens = lambda hashes, n: n  # "all cached"
+    try:
+        before = engine.stats().encoder.queries
+        [late] = engine.generate([chat("late", image)])
+    finally:
+        engine.decoder.prefix_hit_tokens = claimed
+    assert late.token_ids == expected.token_ids and late.num_cached_tokens == 0
+    assert engine.stats().encoder.queries == before + 1  # asked once, late, by the step
