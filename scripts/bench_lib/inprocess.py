@@ -63,11 +63,14 @@ class GenerateBaseline:
         from its data URLs (decoded by transformers, as `transformers serve` does)."""
         urls = [_url(s) for s in req.images]  # NOTE: made before the clock starts, as the HTTP senders do
         t0 = time.perf_counter()
-        parts: list[dict[str, Any]] = [{"type": "image", "url": url} for url in urls]
-        parts.append({"type": "text", "text": req.text})
+        conversation = [
+            {"role": m["role"], "content": [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str)
+             else [{"type": "image", "url": p["image_url"]["url"]} if p["type"] == "image_url" else p
+                   for p in m["content"]]}
+            for m in openai_messages(req, lambda spec: urls[req.images.index(spec)])]
         kwargs = {"do_pan_and_scan": True} if req.pan_and_scan else {}
         inputs = self.processor.apply_chat_template(
-            [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=True, return_dict=True,
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=True,
             return_tensors="pt", processor_kwargs=kwargs)
         streamer = _FirstToken()
         with self.torch.inference_mode():

@@ -41,7 +41,18 @@ def summarize(run: CellRun) -> dict[str, Any]:
         "prompt_tokens_mean": (float(np.mean([r.prompt_tokens for r in ok if r.prompt_tokens is not None]))
                                if any(r.prompt_tokens is not None for r in ok) else None),
         "ttft_s_all": ttft,
+        "ttft_p50_s_by_turn": _by_turn(ok),
     }
+
+
+def _by_turn(ok: list) -> dict[str, float]:
+    """TTFT p50 per chat turn, for keys ending in /t<turn> (the multiturn workload); {} otherwise."""
+    turns: dict[str, list[float]] = {}
+    for r in ok:
+        tail = r.key.rsplit("/", 1)[-1]
+        if tail.startswith("t") and tail[1:].isdigit() and r.ttft_s is not None:
+            turns.setdefault(tail, []).append(r.ttft_s)
+    return {t: float(np.percentile(v, 50)) for t, v in sorted(turns.items())}
 
 
 def median_dicts(rows: list[dict[str, float] | None]) -> dict[str, float]:

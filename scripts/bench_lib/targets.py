@@ -34,6 +34,18 @@ def _ratio_target(results, name, workload, c, key, bound, higher) -> Target:
                   f"mmserve {mine[key]:.3g} / transformers {peer[key]:.3g} = {r:.2f} ({op} {bound})")
 
 
+def _turns_target(results: dict) -> Target:
+    name = "multiturn c=1: turns 2-3 TTFT p50 <= 0.3x turn 1's"
+    cell = _cell(results, "multiturn", "mmserve", 1)
+    turns = (cell or {}).get("ttft_p50_s_by_turn") or {}
+    if not {"t0", "t1", "t2"} <= set(turns):
+        return Target(name, "SKIP", "needs mmserve at multiturn c=1")
+    worst = max(turns["t1"], turns["t2"]) / turns["t0"]
+    return Target(name, "PASS" if worst <= 0.3 else "FAIL",
+                  f"turn 1 {turns['t0'] * 1e3:.0f} ms, turn 2 {turns['t1'] * 1e3:.0f}, turn 3 {turns['t2'] * 1e3:.0f}: "
+                  f"{worst:.2f}x (<= 0.3)")
+
+
 def evaluate(results: dict, probes: dict[str, Any], memory: dict[str, Any]) -> list[Target]:
     out = [
         _ratio_target(results, "hot c=8 throughput >= 3x transformers serve", "hot", 8, "req_per_s", 3.0, True),
@@ -41,6 +53,7 @@ def evaluate(results: dict, probes: dict[str, Any], memory: dict[str, Any]) -> l
         _ratio_target(results, "unique c=8 throughput >= 1.3x transformers serve", "unique", 8, "req_per_s", 1.3, True),
         _ratio_target(results, "unique c=1 throughput >= 1.0x transformers serve", "unique", 1, "req_per_s", 1.0, True),
     ]
+    out.append(_turns_target(results))
     http, engine = probes.get("mmserve_first_ttft_ms"), probes.get("engine_ttft_ms")
     name = "pipeline overhead: HTTP + 3 deployments TTFT <= 1.2x in-process Engine (1 image)"
     if http and engine:

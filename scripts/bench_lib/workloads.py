@@ -1,4 +1,4 @@
-"""The four seeded workloads and the requests of one benchmark cell.
+"""The seeded workloads and the requests of one benchmark cell.
 
 Owns: what a request asks (prompt text of ~50 tokens, its images, pan-and-scan or not), as plain
 data that every system turns into its own call; seeds derive from (run seed, workload, concurrency,
@@ -12,7 +12,8 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-WORKLOADS = ("unique", "hot", "multi", "text")
+WORKLOADS = ("unique", "hot", "multi", "text", "multiturn")
+TURNS = 3  # turns of a `multiturn` chat: each re-sends the history, its image included
 MAX_TOKENS = 32  # output tokens per request, forced (ignore_eos / min_new_tokens)
 PROMPT_TOKENS = 50  # text tokens of the user's prompt (the tiny checkpoint's tokenizer)
 HOT_SET = 3  # images the hot workload reuses
@@ -46,6 +47,8 @@ class BenchRequest:
     images: tuple[ImageSpec, ...] = ()
     pan_and_scan: bool = False
     max_tokens: int = MAX_TOKENS
+    # earlier turns of its chat, (question, answer) each; the images belong to the first question
+    history: tuple[tuple[str, str], ...] = ()
 
 
 def _seed(*parts: object) -> int:
@@ -63,6 +66,8 @@ def prompt_text(seed: int, tokenizer, n_tokens: int = PROMPT_TOKENS) -> str:
 
 def cell_requests(workload: str, concurrency: int, n: int, run_seed: int, tokenizer) -> list[BenchRequest]:
     """The `n` requests of one (workload, concurrency) cell, in the order they are sent."""
+    if workload == "multiturn":
+        return _chat_turns(concurrency, n, run_seed, tokenizer)
     rng = random.Random(_seed(run_seed, workload, concurrency))
     hot = [ImageSpec(_seed(run_seed, "hot-image", k)) for k in range(HOT_SET)]
     out = []
@@ -86,6 +91,27 @@ def cell_requests(workload: str, concurrency: int, n: int, run_seed: int, tokeni
     return out
 
 
+def _chat_turns(concurrency: int, n: int, run_seed: int, tokenizer) -> list[BenchRequest]:
+    """`n` requests of 3-turn chats over one image each, turn by turn: a round's chats send turn 1, then
+    turn 2 with the history, then turn 3. The assistant's earlier answers are fixed text (the same for
+    every system), as a client would re-send what it was told."""
+    out: list[BenchRequest] = []
+    chats = -(-n // TURNS)
+    for first in range(0, chats, concurrency):
+        members = range(first, min(first + concurrency, chats))
+        for turn in range(TURNS):
+            for chat in members:
+                if len(out) == n:
+                    return out
+                key = f"multiturn/c{concurrency}/{chat}/t{turn}"
+                qa = [(prompt_text(_seed(run_seed, key[:key.rindex("/")], t, "q"), tokenizer),
+                       prompt_text(_seed(run_seed, key[:key.rindex("/")], t, "a"), tokenizer, 32))
+                      for t in range(turn + 1)]
+                image = ImageSpec(_seed(run_seed, "chat-image", concurrency, chat))
+                out.append(BenchRequest(key, qa[-1][0], (image,), history=tuple(qa[:-1])))
+    return out
+
+
 def probe_requests(run_seed: int, tokenizer, n: int, tag: str, image: bool = True) -> list[BenchRequest]:
     """Single-image (or text-only) requests with images no workload uses, keyed `probe-<tag>/<i>`."""
     return [BenchRequest(f"probe-{tag}/{i}", prompt_text(_seed(run_seed, tag, i, "prompt"), tokenizer),
@@ -93,7 +119,11 @@ def probe_requests(run_seed: int, tokenizer, n: int, tag: str, image: bool = Tru
 
 
 def openai_messages(req: BenchRequest, data_url) -> list[dict]:
-    """OpenAI chat messages: the images first, then the prompt. `data_url(spec)` gives each URL."""
+    """OpenAI chat messages: the images first, then the first question; the chat's earlier answers and
+    questions; the prompt last. `data_url(spec)` gives each URL."""
+    questions = [q for q, _ in req.history] + [req.text]
     parts: list[dict] = [{"type": "image_url", "image_url": {"url": data_url(s)}} for s in req.images]
-    parts.append({"type": "text", "text": req.text})
-    return [{"role": "user", "content": parts}]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": questions[0]}]}]
+    for (_, answer), question in zip(req.history, questions[1:], strict=True):
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+    return messages
