@@ -113,10 +113,13 @@ class KVBlockManager:
         return freed
 
     def release(self, blocks: SeqBlocks) -> None:
-        """Let go of every page (finished, aborted or preempted); the tail first, so that cached blocks
-        leave the cache tail first too."""
+        """Let go of every page (finished, aborted or preempted); the tail first, every kind's block b
+        before any kind's block b - 1, so that cached blocks leave the cache tail first too."""
+        for row in range(max((t.hi for t in blocks.tables), default=0) - 1, -1, -1):
+            for table in blocks.tables:
+                if table.lo <= row < table.hi:
+                    self._let_go(table, range(row, row + 1))
         for table in blocks.tables:
-            self._let_go(table, range(table.hi - 1, table.lo - 1, -1))
             table.lo = table.hi = table.indexed = 0
 
     def _let_go(self, table: KindTable, rows: range) -> int:

@@ -44,7 +44,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # running ones (arrival order), then those admitted this step
     preempted: list[str]  # request ids sent back to the queue this step (their blocks are freed)
-    # running sequences that wait for embeddings they lack (their items' placeholders were cached when
+    # sequences that lack embeddings their next chunks need (their items' placeholders were cached when
     # the request came, and the cache let them go since): (sequence, feature indices)
     missing: list[tuple[Sequence, list[int]]] = field(default_factory=list)
 
@@ -78,6 +78,7 @@ class Scheduler:
         cache = PrefixCache(block_pool) if self.hasher is not None else None
         self.kv = KVBlockManager(block_pool, pattern, config.block_size, cache)
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found (tokens)
+        self._asks: list[tuple[Sequence, list[int]]] = []  # embeddings found missing at admission, this step
         self.max_model_len = max_model_len  # tokens the model's positions allow
         # NOTE: a sequence may never hold more tokens than the pool either; capping its length there
         # means a sequence alone in the pool always fits, so preemption can never livelock. It then
@@ -141,7 +142,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
-        missing = [(seq, m) for seq in self.running if (m := self._missing_now(seq))]
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -153,6 +153,7 @@ class Scheduler:
                 i += 1
         if not preempted:  # NOTE: a pool that just ran dry admits nobody this step
             scheduled += self._admit(budget)
+        missing, self._asks = self._asks, []
         return SchedulerOutput(scheduled, preempted, missing)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
@@ -215,12 +216,6 @@ class Scheduler:
                 end = min(end, f.placeholder.offset)
         return max(end - start, 0)
 
-    def _missing_now(self, seq: Sequence) -> list[int]:
-        """Items whose embeddings `seq` lacks and whose placeholder its next chunk starts in."""
-        start = seq.num_computed_tokens
-        return [i for i in _lacking(seq)
-                if seq.features[i].placeholder.offset <= start < seq.features[i].placeholder.offset
-                + seq.features[i].placeholder.length]
 
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
         return self.kv.pages_to_grow(seq.blocks, seq.num_computed_tokens + num_new)
@@ -231,7 +226,7 @@ class Scheduler:
         Returns False when `seq` itself had to be preempted (it was the latest arrival left).
         """
         needed = self._pages_needed(seq, num_new)
-        while not self.pool.can_allocate(needed):
+        while not self.kv.can_allocate(needed):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
@@ -245,13 +240,17 @@ class Scheduler:
         admitted: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            self._start_from_cache(seq)
+            hit = self._start_from_cache(seq)
             n = self._num_new_tokens(seq, budget)
             needed = self._pages_needed(seq, n)
             if n == 0 or not self.kv.can_allocate(needed):
                 self.kv.release(seq.blocks)  # the cached prefix it took, if any: held again next step
                 seq.num_computed_tokens = 0
                 break  # NOTE: strict FCFS: nobody overtakes the head of the queue
+            if seq.num_cached_tokens is None:  # its first admission: what the request's usage reports
+                seq.num_cached_tokens = min(hit, seq.num_prompt_tokens)
+                self.prefix_queries += seq.num_prompt_tokens
+                self.prefix_hits += seq.num_cached_tokens
             self.waiting.pop(0)
             self.kv.grow(seq.blocks, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
@@ -260,15 +259,17 @@ class Scheduler:
             budget -= n
         return admitted
 
-    def _start_from_cache(self, seq: Sequence) -> None:
-        """Take the longest cached prefix of a sequence that holds nothing; at least its last token is
-        computed, so that there are logits to sample from."""
+    def _start_from_cache(self, seq: Sequence) -> int:
+        """Take the longest cached prefix of a sequence that holds nothing (at least its last token is
+        computed, so that there are logits to sample from); returns its tokens. Items it lacks the
+        embeddings of and the prefix does not wholly cover are asked for now, before any chunk needs them."""
         hit = self.kv.start_from_cache(seq.blocks, seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
         seq.num_computed_tokens = hit
-        if seq.num_cached_tokens is None:  # its first admission: what the request's usage reports
-            seq.num_cached_tokens = min(hit, seq.num_prompt_tokens)
-            self.prefix_queries += seq.num_prompt_tokens
-            self.prefix_hits += seq.num_cached_tokens
+        needed = [i for i in _lacking(seq)
+                  if seq.features[i].placeholder.offset + seq.features[i].placeholder.length > hit]
+        if needed:
+            self._asks.append((seq, needed))
+        return hit
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -31,8 +31,10 @@ class _Live:
 
     pre: PreprocessedRequest
     encode: EncodeFn | None
+    release: ReleaseFn | None
     loop: asyncio.AbstractEventLoop  # the consumer's
     encoded: list[str] = field(default_factory=list)  # encoder request ids to release at the end
+    ended: bool = False  # the request's end released `encoded`; a late fetch finishing after releases its own
 
 
 class DecoderService:
@@ -48,7 +50,7 @@ class DecoderService:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; closing the iterator early aborts it and frees its KV blocks."""
         request_id = pre.request_id
-        live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop())
+        live = self._live[request_id] = _Live(pre, encode, release, asyncio.get_running_loop())
         finished = False
         try:
             hashes = self._block_hashes(pre)
@@ -64,13 +66,11 @@ class DecoderService:
                 yield out
         finally:
             del self._live[request_id]
+            live.ended = True
             if not finished:
                 self.loop.submit(None, lambda: self.decoder.abort(request_id))
-            if release is not None:
-                for encoded in live.encoded:
-                    result = release(encoded)
-                    if inspect.isawaitable(result):
-                        await result
+            for encoded in live.encoded:
+                await _release(live, encoded)
 
     def _block_hashes(self, pre: PreprocessedRequest) -> list[bytes]:
         hashes: list[bytes] = []
@@ -108,8 +108,12 @@ class DecoderService:
 
     async def _fetch(self, live: _Live, indices: list[int]) -> None:
         request_id = live.pre.request_id
+        encoder_id = f"{request_id}/late-{len(live.encoded)}"
         try:
-            got = await self._encode(live, f"{request_id}/late-{len(live.encoded)}", indices)
+            got = await self._encode(live, encoder_id, indices)
+            if live.ended:  # the request ended while this was in flight: nobody else will release it
+                await _release(live, encoder_id)
+                return
         except Exception as exc:
             def fail(error: Exception = exc) -> None:
                 raise error
@@ -123,3 +127,10 @@ class DecoderService:
 
     def stop(self) -> None:
         self.loop.stop()
+
+
+async def _release(live: _Live, encoder_id: str) -> None:
+    if live.release is not None:
+        result = live.release(encoder_id)
+        if inspect.isawaitable(result):
+            await result

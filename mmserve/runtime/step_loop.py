@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -57,6 +58,7 @@ class StepLoop:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._calls: dict[asyncio.Future, asyncio.AbstractEventLoop] = {}  # `call`s not answered yet
 
     # ---- called from any thread / event loop ---------------------------------------------------
     def open(self, request_id: str) -> None:
@@ -95,6 +97,8 @@ class StepLoop:
 
         if self._stopped:
             raise StageStopped(f"{self.name} is stopped")
+        self._calls[future] = loop
+        future.add_done_callback(lambda f: self._calls.pop(f, None))
         self.submit(None, run)
         return await future
 
@@ -144,9 +148,12 @@ class StepLoop:
             if thread.is_alive():
                 log.warning("%s: step thread still running %s s after stop", self.name, timeout_s)
         with self._lock:
-            self._actions.clear()  # never run: their requests fail below
+            self._actions.clear()  # never run: their requests and calls fail below
         for request_id in list(self._queues):
             self._deliver(request_id, RequestFailed(request_id, StageStopped(f"{self.name} stopped")))
+        for future, loop in list(self._calls.items()):
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                loop.call_soon_threadsafe(_settle, future, None, StageStopped(f"{self.name} stopped"))
 
     # ---- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:

@@ -131,30 +131,39 @@ def test_pan_and_scan_crops_and_a_prompt_past_the_window(oracle: Any) -> None:
     engine.shutdown()
 
 
-def test_hits_beside_running_decodes_and_after_a_preemption(oracle: Any) -> None:
-    # a pool of 24 blocks per layer: the long decode and the two hitting requests cannot all stay
-    engine, rec = engine_for(oracle, num_blocks=24, max_num_batched_tokens=512)
-    preemptions: list[str] = []
+def test_hits_beside_running_decodes_and_a_preempted_re_hit(oracle: Any) -> None:
+    engine, rec = engine_for(oracle)
     scheduler = engine.decoder.scheduler
-    original = scheduler._preempt
+    hits: list[tuple[str, int]] = []  # (request, tokens taken from the cache) at each admission
+    take, schedule = scheduler._start_from_cache, scheduler.schedule
 
-    def spy(seq: Any) -> None:
-        preemptions.append(seq.request_id)
-        original(seq)
+    def spy_take(seq: Any) -> int:
+        hit = take(seq)
+        hits.append((seq.request_id, hit))
+        return hit
 
-    scheduler._preempt = spy  # type: ignore[method-assign]
+    def schedule_then_preempt_once() -> Any:  # as a dry pool would: "hit" goes back to the queue mid-decode
+        seq = scheduler.get("hit")
+        if seq is not None and len(seq.output_token_ids) == 3 and not any(r == "hit" for r in preempted):
+            preempted.append("hit")
+            scheduler._preempt(seq)
+        return schedule()
+
+    preempted: list[str] = []
+    scheduler._start_from_cache = spy_take  # type: ignore[method-assign]
+    scheduler.schedule = schedule_then_preempt_once  # type: ignore[method-assign]
     run(engine, "seed", [user("What is in this picture?", PHOTO)])
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    long = ChatRequest("long", [user("Tell me a long story.")], SamplingParams(max_tokens=300, temperature=0.0,
+    long = ChatRequest("long", [user("Tell me a long story.")], SamplingParams(max_tokens=100, temperature=0.0,
                                                                                ignore_eos=True))
-    messages = [user("Which colours?", PHOTO)]
-    outs = engine.generate([long, ChatRequest("hit", messages, sampling),
-                            ChatRequest("hit2", [user("Which shapes?", PHOTO)], sampling)])
-    hit = next(o for o in outs if o.request_id == "hit")
-    assert hit.num_cached_tokens > 0
-    check(oracle, rec, hit, messages, [PHOTO])
-    check(oracle, rec, next(o for o in outs if o.request_id == "hit2"), [user("Which shapes?", PHOTO)], [PHOTO])
-    assert preemptions, "the small pool preempted someone"
+    messages, other = [user("Which colours?", PHOTO)], [user("Which shapes?", PHOTO)]
+    outs = {o.request_id: o for o in engine.generate(
+        [long, ChatRequest("hit", messages, sampling), ChatRequest("hit2", other, sampling)])}
+    assert outs["hit"].num_cached_tokens > 0 and outs["hit2"].num_cached_tokens > 0  # beside the long decode
+    check(oracle, rec, outs["hit"], messages, [PHOTO])
+    check(oracle, rec, outs["hit2"], other, [PHOTO])
+    again = [hit for rid, hit in hits if rid == "hit"]
+    assert preempted == ["hit"] and len(again) >= 2 and again[-1] > again[0]  # re-hit its own prompt + outputs
     stats = engine.decoder.stats()
     assert stats.free_blocks == stats.total_blocks
     engine.shutdown()

@@ -133,3 +133,58 @@ def test_the_scheduler_starts_a_repeat_on_its_cached_prefix_and_counts_it() -> N
     stats = sched.stats()
     assert (stats.prefix_queries, stats.prefix_hits) == (36, 16) and stats.free_blocks == 32
     assert np.all([e.holders == 0 for e in sched.kv.cache.entries.values()])  # type: ignore[union-attr]
+
+
+
+def test_a_head_of_queue_whose_hit_ends_inside_a_skipped_item_asks_for_it_and_is_not_stuck() -> None:
+    """The request came while its image was cached (so it was not encoded); by admission the cache let
+    the tail go and the hit ends inside the image: the scheduler asks for the embeddings at once and
+    admits the request once they came, instead of waiting at the head of the queue forever."""
+    config = DecoderConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=BS, num_blocks=32)
+    sched = Scheduler(config, BlockPool(32), FULL_ONLY, 256, (1,), BlockHasher("m", "float32", BS))
+    prompt = [5] * 4 + [9] * 8 + [6] * 6  # an image's 8 tokens at [4, 12)
+    image = item("img", 4, 8)
+
+    def sequence(rid: str, embeddings: list[object]) -> Sequence:
+        s = Sequence(rid, list(prompt), SamplingParams(max_tokens=1, ignore_eos=True), [image], embeddings,
+                     atomic_spans=[(4, 12)])
+        sched.add(s)
+        return s
+
+    def drive() -> list[tuple[Sequence, list[int]]]:
+        out = sched.schedule()
+        sched.update(out, {x.seq.request_id: 7 for x in out.scheduled if x.samples})
+        return out.missing
+
+    sequence("a", [object()])
+    while sched.has_unfinished():
+        drive()
+    cache = sched.kv.cache
+    assert cache is not None
+    taken = cache.allocate(sched.kv.num_free - 2)  # evicts the tail entries, least recently freed first
+    sched.pool.free(taken)
+    b = sequence("b", [None])
+    assert sched.kv.cached_prefix(b.block_hashes, 4) == 2  # blocks [0, 8): the hit ends inside the image
+    assert drive() == [(b, [0])] and b.status.value == "waiting"  # asked at once, not admitted yet
+    b.embeddings[0] = object()  # as Decoder.provide_embeddings does
+    drive()
+    assert b.status.value in ("running", "finished") and b.num_cached_tokens == 8
+
+
+def test_a_running_sequence_grows_into_free_cached_blocks_without_preempting() -> None:
+    """Free cached blocks count as free: a decode crossing a block boundary evicts one, not a neighbour."""
+    config = DecoderConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=BS, num_blocks=8)
+    sched = Scheduler(config, BlockPool(8), FULL_ONLY, 256, (1,), BlockHasher("m", "float32", BS))
+    preempted = 0
+
+    def run(rid: str, prompt: list[int], max_tokens: int) -> None:
+        nonlocal preempted
+        sched.add(Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        while sched.has_unfinished():
+            out = sched.schedule()
+            preempted += len(out.preempted)
+            sched.update(out, {x.seq.request_id: 7 for x in out.scheduled if x.samples})
+
+    run("a", list(range(100, 116)), 1)  # leaves 4 cached blocks, all free
+    run("b", list(range(200, 208)), 20)  # grows to 7 blocks: 3 of them evicted from the cache
+    assert preempted == 0 and sched.stats().free_blocks == 8
