@@ -17,8 +17,19 @@ def test_small_steps_and_big_steps_take_their_own_counts() -> None:
     threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1, big_step_threads=4))
     threads.available = 4  # as if the stage had been configured with 4
     assert [threads.threads_for(n) for n in (1, 8, 16, 17, 300)] == [1, 1, 1, 4, 4]
-    unset = StepThreads(CPU, DecoderConfig())
-    assert unset.needs_calibration and unset.threads_for(1) == unset.threads_for(300) == unset.available
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # NOTE: CI also runs this under OMP_NUM_THREADS=1, where nothing is open
+    try:
+        unset = StepThreads(CPU, DecoderConfig())
+    finally:
+        torch.set_num_threads(before)
+    assert unset.needs_calibration and unset.threads_for(1) == unset.threads_for(300) == unset.available == 2
+    torch.set_num_threads(1)
+    try:
+        alone = StepThreads(CPU, DecoderConfig())
+    finally:
+        torch.set_num_threads(before)
+    assert not alone.needs_calibration and alone.threads_for(1) == alone.threads_for(300) == 1
     assert not StepThreads(CPU).needs_calibration  # the encoder's: every step at the stage's count
     assert not StepThreads(torch.device("meta"), DecoderConfig()).enabled  # not CPU: never touched
 
