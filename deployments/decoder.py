@@ -8,6 +8,7 @@ back, and tells the encoder replica that served the request when it is done.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -66,7 +67,11 @@ class Decoder:
         """
         replica_id = self._encoded_on.pop(request_id, None)
         if replica_id is not None:
-            task = asyncio.ensure_future(self._send_release(request_id, replica_id))
+            # NOTE: in a context of its own: Serve cancels the child calls made in a request's context
+            # when that request is cancelled (a client leaving mid-stream), and an inherited one raced
+            # that cancellation: the release was dropped and the references leaked.
+            task = asyncio.get_running_loop().create_task(self._send_release(request_id, replica_id),
+                                                          context=contextvars.Context())
             self._releases.add(task)  # NOTE: a reference, or the task may be collected before it runs
             task.add_done_callback(self._releases.discard)
 
