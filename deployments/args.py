@@ -54,6 +54,9 @@ class StageArgs(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. {"encoder_node": 0.01}
     max_ongoing_requests: int = Field(64, ge=1)
+    # Calls waiting for a replica of this stage when every one holds max_ongoing_requests; past it the
+    # caller gets Serve's BackPressureError at once (the ingress answers 503 + Retry-After). -1 = unbounded.
+    max_queued_requests: int = Field(256, ge=-1)
     # Intra-op threads of torch in each replica; None = num_cpus when >= 1, else every core of the node.
     # NOTE: Ray sets OMP_NUM_THREADS to a worker's num_cpus (at least 1), so a replica asking for 0 CPUs
     # (our default) would run torch on one thread: about half the speed of encoder and prefill.
@@ -80,12 +83,23 @@ class StageArgs(_Strict):
             actor["resources"] = dict(self.resources)
         if self.env:  # NOTE: Ray merges these env_vars over the job's own runtime_env env_vars
             actor["runtime_env"] = {"env_vars": dict(self.env)}
-        options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
+        options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
+                                   "max_queued_requests": self.max_queued_requests}
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
         else:
             options["num_replicas"] = self.num_replicas or 1
         return options
+
+
+class IngressArgs(StageArgs):
+    # NOTE: the ingress only awaits other stages: it holds many requests at once. Past its queue Serve's
+    # proxy answers 503 itself.
+    max_ongoing_requests: int = Field(1024, ge=1)
+    max_body_bytes: int = Field(64 << 20, ge=1)  # bytes of one request body (inline images included); more: 413
+    # Seconds a request may take from arrival to its last token; then it ends with a 504 (or an error
+    # event in a stream) and its KV blocks and encoder references are freed.
+    request_timeout_s: float = Field(600.0, gt=0)
 
 
 class PreprocessArgs(StageArgs):
@@ -102,7 +116,7 @@ class AppArgs(_Strict):
     # NOTE: each push is a Serve call; at 1 s the hub replica alone took a visible share of an idle small
     # node's CPU (docs/benchmarks.md).
     metrics_push_interval_s: float = Field(5.0, gt=0)  # how often each replica reports to the MetricsHub
-    ingress: StageArgs = Field(default_factory=StageArgs)
+    ingress: IngressArgs = Field(default_factory=IngressArgs)
     preprocess: PreprocessArgs = Field(default_factory=PreprocessArgs)
     encoder: StageArgs = Field(default_factory=StageArgs)
     decoder: DecoderArgs = Field(default_factory=DecoderArgs)

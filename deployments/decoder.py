@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
-from mmserve.errors import InvalidRequestError
+from mmserve.errors import InvalidRequestError, OverloadedError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
 from mmserve.runtime.embeddings_wire import from_wire
 from mmserve.runtime.metrics import MetricsSnapshot, decoder_snapshot
@@ -48,11 +49,15 @@ class Decoder:
         try:
             async for out in self.service.generate(request, encode=self._encode, release=self._release):
                 yield out
-        except InvalidRequestError as exc:
+        except (InvalidRequestError, OverloadedError) as exc:
             yield RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
 
     async def _encode(self, request: PreprocessedRequest) -> list[torch.Tensor]:
-        out: EncoderOutput | RequestFailed = await self.encoder.encode.remote(request.request_id, request.features)
+        try:
+            out: EncoderOutput | RequestFailed = await self.encoder.encode.remote(request.request_id,
+                                                                                  request.features)
+        except BackPressureError as exc:
+            raise OverloadedError(f"the encoder's queue is full ({exc}); retry later") from None
         if isinstance(out, RequestFailed):
             raise out.error
         if out.replica_id is not None:
@@ -80,6 +85,10 @@ class Decoder:
             await self.encoder.release.remote(request_id, replica_id=replica_id)
         except Exception:  # the encoder replica is gone: its references went with it
             log.warning("releasing %s on encoder replica %s failed", request_id, replica_id, exc_info=True)
+
+    def check_health(self) -> None:
+        """Serve's periodic probe: a replica whose step thread died is replaced."""
+        self.service.check_health()
 
     def __del__(self) -> None:
         """Serve calls this on the replica's graceful shutdown: join the step thread (see StepLoop.stop)."""

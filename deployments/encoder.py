@@ -54,6 +54,10 @@ class Encoder:
         """The decoder is done with the request; `replica_id` only steers routing."""
         self.service.release(request_id)
 
+    def check_health(self) -> None:
+        """Serve's periodic probe: a replica whose step thread died is replaced."""
+        self.service.check_health()
+
     def __del__(self) -> None:
         """Serve calls this on the replica's graceful shutdown: join the step thread (see StepLoop.stop)."""
         for part in (getattr(self, "reporter", None), getattr(self, "service", None)):  # None: __init__ failed

@@ -18,13 +18,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayTaskError
+from ray.serve.exceptions import BackPressureError
 
 from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
-from mmserve.api.errors import ModelNotFoundError, error_body
+from mmserve.api.body import check_declared_size, parse_json, read_bounded
+from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
+from mmserve.errors import DeadlineExceededError, OverloadedError
 from mmserve.messages import RequestFailed, RequestOutput
 from mmserve.runtime.metrics import IngressMetrics, RequestStatus
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
@@ -82,8 +85,9 @@ def _raise_failed(message: Any) -> Any:
 
 
 def _error(exc: BaseException) -> JSONResponse:
-    status, body = error_body(_unwrap(exc))
-    return JSONResponse(body, status_code=status)
+    exc = _unwrap(exc)
+    status, body = error_body(exc)
+    return JSONResponse(body, status_code=status, headers=error_headers(exc))
 
 
 @serve.deployment
@@ -93,6 +97,8 @@ class Ingress:
         spec = StageFactory(app_args.engine_config()).spec  # NOTE: config files only, no weights
         self.model_name = spec.model_id
         self.default_max_tokens = spec.max_model_len
+        self.max_body_bytes = app_args.ingress.max_body_bytes
+        self.request_timeout_s = app_args.ingress.request_timeout_s
         self.preprocess, self.hub = hold(preprocess), hold(hub)
         # NOTE: options() builds a new handle (and its router): once here, not once per request
         self.decoder = hold(decoder).options(stream=True)
@@ -127,56 +133,82 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         started = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         self.reporter.ensure_started()
         timing = ServerTiming(started)
         try:
-            body = ChatCompletionRequest.model_validate(await request.json())
+            check_declared_size(request.headers.get("content-length"), self.max_body_bytes)
+            raw = await read_bounded(request.stream(), self.max_body_bytes)
+            body = ChatCompletionRequest.model_validate(parse_json(raw))
             if body.model not in (None, self.model_name):
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {self.model_name!r}")
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", self.default_max_tokens)
             timing.mark("parse")
-            pre = _raise_failed(await self.preprocess.process.remote(chat))
+            pre = _raise_failed(await self._within(deadline, self.preprocess.process.remote(chat)))
             timing.mark("preprocess")
             outputs = self.decoder.generate.remote(pre)
-            first = _raise_failed(await outputs.__anext__())  # errors before the first token get a 4xx/5xx status
+            try:  # errors before the first token get a 4xx/5xx status
+                first = _raise_failed(await self._within(deadline, outputs.__anext__()))
+            except BaseException:
+                outputs.cancel()  # e.g. the deadline: the decoder drops the request and frees its holds
+                raise
             timing.mark("first")
         except Exception as exc:
             self._done(failure_status(exc), started)
             return _error(exc)
         self.stats.observe_ttft(time.perf_counter() - started)
         if body.stream:
-            stream = self._sse(chat.request_id, body.include_usage, first, outputs, started)
+            stream = self._sse(chat.request_id, body.include_usage, first, outputs, started, deadline)
             return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
-        return await self._complete(chat.request_id, first, outputs, started, timing)
+        return await self._complete(chat.request_id, first, outputs, started, deadline, timing)
 
-    async def _complete(self, request_id: str, first: Any, outputs: Any, started: float,
+    async def _within(self, deadline: float, awaitable: Any) -> Any:
+        """`await awaitable`, as a DeadlineExceededError past `deadline` (loop time); Serve's
+        BackPressureError (a stage's queue is full) as an OverloadedError."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(awaitable, timeout=max(remaining, 0.0))
+        except TimeoutError:
+            raise DeadlineExceededError(f"the request took longer than its deadline, "
+                                        f"ingress.request_timeout_s = {self.request_timeout_s:g} s") from None
+        except BackPressureError as exc:
+            raise OverloadedError(f"a stage's queue is full ({exc}); retry later") from None
+
+    async def _next(self, outputs: Any, deadline: float) -> Any | None:
+        """The Decoder stream's next message, or None at its end."""
+        try:
+            return await self._within(deadline, outputs.__anext__())
+        except StopAsyncIteration:
+            return None
+
+    async def _complete(self, request_id: str, first: Any, outputs: Any, started: float, deadline: float,
                         timing: "ServerTiming") -> Response:
         builder = CompletionBuilder(request_id, self.model_name)
         last = first
         try:
             builder.add(first)
-            async for last in outputs:
-                builder.add(last)
+            while not last.finished and (message := await self._next(outputs, deadline)) is not None:
+                builder.add(last := message)
         except Exception as exc:
             self._done(failure_status(exc), started)
             return _error(exc)
         finally:
-            outputs.cancel()  # no-op when finished; aborts the request if this handler was cancelled
+            outputs.cancel()  # no-op when finished; aborts the request if it failed or this handler was cancelled
         self._done("ok", started, last)
         return JSONResponse(builder.build().model_dump(), headers=timing.header())
 
     async def _sse(self, request_id: str, include_usage: bool, first: Any, outputs: Any,
-                   started: float) -> AsyncIterator[str]:
+                   started: float, deadline: float) -> AsyncIterator[str]:
         chunks = ChunkBuilder(request_id, self.model_name, include_usage=include_usage)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
         last = first
         try:
             for event in chunks.events(first):
                 yield event
-            if not first.finished:
-                async for last in outputs:
-                    for event in chunks.events(last):
-                        yield event
+            while not last.finished and (message := await self._next(outputs, deadline)) is not None:
+                last = message
+                for event in chunks.events(last):
+                    yield event
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             status = failure_status(exc)

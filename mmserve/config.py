@@ -51,6 +51,16 @@ class MediaConfig(_Bounded):
 
 
 @dataclass(frozen=True)
+class LimitsConfig(_Bounded):
+    """What one request may ask for beyond the media; more is a 400 naming the limit."""
+
+    # NOTE: checked on the rendered prompt before it is tokenized: the tokenizer is the costly part.
+    max_prompt_chars: int | None = at_least(1, None)  # characters; None = 32 per token of max_model_len
+    max_stop_sequences: int = at_least(0, 16)  # `stop` strings per request (each is checked every token)
+    max_stop_chars: int = at_least(1, 256)  # characters of one `stop` string
+
+
+@dataclass(frozen=True)
 class ProcessorCacheConfig(_Bounded):
     capacity_bytes: int = at_least(0, 512 * MiB)  # bytes of processed items held; 0 disables the cache
 
@@ -77,6 +87,9 @@ class DecoderConfig(_Bounded):
     # A request's outputs are sent at most this often (ms), the first at once; what comes between is merged:
     # each send is a message through the stages to the client, so this bounds messages per second per stream.
     stream_interval_ms: float = at_least(0, 20.0)
+    # Requests admitted but not yet running, per replica; past it a new request is refused as overloaded
+    # (503 + Retry-After) at once instead of waiting behind the whole queue.
+    max_waiting_requests: int = at_least(1, 512)
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,7 @@ class EngineConfig(_Bounded):
     device: str = "cpu"  # torch device string, e.g. "cpu", "cuda", "cuda:1"
     max_model_len: int | None = at_least(1, None)  # tokens; None = the checkpoint's max_position_embeddings
     media: MediaConfig = field(default_factory=MediaConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     processor_cache: ProcessorCacheConfig = field(default_factory=ProcessorCacheConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)

@@ -48,3 +48,28 @@ class CapacityError(InvalidRequestError):
     """One item or prompt can never fit a configured budget (encoder cache, step budget, KV pool)."""
 
     code = "exceeds_capacity"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """The request body is larger than the server accepts; maps to HTTP 413."""
+
+    code = "request_too_large"
+    status = 413
+
+
+class OverloadedError(RuntimeError):
+    """A stage is at its configured capacity (its queue is full); maps to HTTP 503 with `Retry-After`.
+
+    Not the client's fault, and not a failure: the same request succeeds later.
+    """
+
+    code = "overloaded"
+    status = 503
+    retry_after_s = 1  # seconds a client should wait before retrying (HTTP's Retry-After)
+
+
+class DeadlineExceededError(RuntimeError):
+    """A request outlived its deadline (waiting or running); maps to HTTP 504. Its holds are freed."""
+
+    code = "deadline_exceeded"
+    status = 504

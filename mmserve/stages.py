@@ -41,7 +41,7 @@ class StageFactory:
     def preprocessor(self, cache: ItemCache) -> Preprocessor:
         spec = self.spec
         return Preprocessor(self.model_dir, media=self.config.media, cache=cache, rule=self.family.prompt_rule,
-                            model_id=spec.model_id, max_model_len=spec.max_model_len)
+                            model_id=spec.model_id, max_model_len=spec.max_model_len, limits=self.config.limits)
 
     def encoder(self, resolve: Resolver = inline_pixels) -> EncoderService:
         stage = EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device)
@@ -56,7 +56,8 @@ class StageFactory:
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         decoder = Decoder(self.family.load_text(), self.spec, tokenizer, self.config.decoder, dtype=self.dtype,
                           device=self.device, on_logits=on_logits)
-        return DecoderService(decoder, stream_interval_s=self.config.decoder.stream_interval_ms / 1000)
+        return DecoderService(decoder, stream_interval_s=self.config.decoder.stream_interval_ms / 1000,
+                              max_waiting=self.config.decoder.max_waiting_requests)
 
     def release_unused(self) -> None:
         """Drop what loading kept beyond the parts handed out (call once every stage is built)."""

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from mmserve.errors import InvalidRequestError
+from mmserve.errors import DeadlineExceededError, InvalidRequestError, OverloadedError
 
 # The tags of protocol.py's discriminated unions: pydantic puts them in error locations; we drop them.
 UNION_TAGS = frozenset({"text_part", "image_part", "string", "parts"})
@@ -43,7 +43,7 @@ def with_param(exc: E, param: str | None) -> E:
 
 class ErrorInfo(BaseModel):
     message: str
-    type: str  # "invalid_request_error" (4xx) or "internal_error" (5xx)
+    type: str  # "invalid_request_error" (4xx), "service_unavailable_error" (503/504) or "internal_error" (500)
     code: str | None = None
     param: str | None = None
 
@@ -60,8 +60,18 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
         info = ErrorInfo(message=str(exc), type="invalid_request_error", code=exc.code,
                          param=getattr(exc, "param", None))
         return exc.status, ErrorResponse(error=info).model_dump()
+    if isinstance(exc, (OverloadedError, DeadlineExceededError)):  # ours, but said: the client may retry
+        info = ErrorInfo(message=str(exc), type="service_unavailable_error", code=exc.code)
+        return exc.status, ErrorResponse(error=info).model_dump()
     info = ErrorInfo(message="internal server error", type="internal_error", code="internal_error")
     return 500, ErrorResponse(error=info).model_dump()
+
+
+def error_headers(exc: BaseException) -> dict[str, str]:
+    """HTTP headers an error answer carries: `Retry-After` when the service is overloaded."""
+    if isinstance(exc, OverloadedError):
+        return {"Retry-After": str(exc.retry_after_s)}
+    return {}
 
 
 def validation_error_body(errors: Sequence[Any]) -> tuple[int, dict[str, Any]]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mmserve.decoder.decoder import Decoder
+from mmserve.errors import OverloadedError
 from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, merge_outputs
 from mmserve.runtime.step_loop import StepLoop
 
@@ -38,8 +39,9 @@ class _Live:
 
 
 class DecoderService:
-    def __init__(self, decoder: Decoder, *, stream_interval_s: float = 0.0):
+    def __init__(self, decoder: Decoder, *, stream_interval_s: float = 0.0, max_waiting: int | None = None):
         self.decoder = decoder
+        self.max_waiting = max_waiting  # requests accepted but not running; None = unbounded
         self.stream_interval_s = stream_interval_s  # outputs go at most this often, the first at once
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
         self._live: dict[str, _Live] = {}
@@ -50,6 +52,7 @@ class DecoderService:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; closing the iterator early aborts it and frees its KV blocks."""
         request_id = pre.request_id
+        self._admit_or_refuse()
         live = self._live[request_id] = _Live(pre, encode, release, asyncio.get_running_loop())
         finished = False
         try:
@@ -71,6 +74,19 @@ class DecoderService:
                 self.loop.submit(None, lambda: self.decoder.abort(request_id))
             for encoded in live.encoded:
                 await _release(live, encoded)
+
+    def _admit_or_refuse(self) -> None:
+        """Raise OverloadedError when the requests waiting here (encoding, queued, preempted) fill the bound.
+
+        NOTE: counted on the consumers' loop from the step thread's running list (a list's len is atomic):
+        off by a request or two at a boundary, never unbounded.
+        """
+        if self.max_waiting is None:
+            return
+        waiting = len(self._live) - len(self.decoder.scheduler.running)
+        if waiting >= self.max_waiting:
+            raise OverloadedError(f"the decoder has {waiting} requests waiting (decoder.max_waiting_requests "
+                                  f"{self.max_waiting}); retry later")
 
     def _block_hashes(self, pre: PreprocessedRequest) -> list[bytes]:
         hashes: list[bytes] = []
@@ -124,6 +140,9 @@ class DecoderService:
 
     def busy(self) -> bool:
         return self.loop.busy()
+
+    def check_health(self) -> None:
+        self.loop.check_health()
 
     def stop(self) -> None:
         self.loop.stop()

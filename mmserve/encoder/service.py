@@ -46,5 +46,8 @@ class EncoderService:
     def busy(self) -> bool:
         return self.loop.busy()
 
+    def check_health(self) -> None:
+        self.loop.check_health()
+
     def stop(self) -> None:
         self.loop.stop()

@@ -17,8 +17,8 @@ from typing import Any
 import jinja2
 from PIL import Image
 
-from mmserve.config import MediaConfig
-from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
+from mmserve.config import LimitsConfig, MediaConfig
+from mmserve.errors import InvalidRequestError, InvalidSamplingError, PromptTooLongError, TooManyItemsError
 from mmserve.messages import (
     ChatRequest,
     MultiModalFeatureSpec,
@@ -39,7 +39,8 @@ class Preprocessor:
     """Turns requests into token ids and processed items; thread-safe."""
 
     def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, rule: PromptRule,
-                 model_id: str, max_model_len: int, loader: MediaLoader | None = None) -> None:
+                 model_id: str, max_model_len: int, loader: MediaLoader | None = None,
+                 limits: LimitsConfig | None = None) -> None:
         from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes ~2 s
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
@@ -52,6 +53,8 @@ class Preprocessor:
         self.cache = cache
         self.model_id = model_id
         self.max_model_len = max_model_len
+        self.limits = limits or LimitsConfig()
+        self.max_prompt_chars = self.limits.max_prompt_chars or 32 * max_model_len
         self._lock = threading.Lock()  # counters and the (Rust) tokenizer, which is not re-entrant
         self._image_processor_calls = 0
 
@@ -63,6 +66,7 @@ class Preprocessor:
 
     def process(self, req: ChatRequest) -> PreprocessedRequest:
         req.sampling.validate()
+        self._check_stop(req.sampling.stop)
         parsed = parse_messages(req.messages, reserved=self.rule.reserved_strings)
         n_items = len(parsed.image_urls)
         if n_items > self.media.max_images_per_prompt:
@@ -72,6 +76,8 @@ class Preprocessor:
             raise InvalidRequestError("mm_processor_kwargs must be an object")
         kwargs = self.rule.resolve_kwargs(req.mm_processor_kwargs)
         text = self._render(parsed, n_items)
+        if len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(f"the prompt is {len(text)} characters; the limit is {self.max_prompt_chars}")
         # Without crops the prompt is shortest: refuse a too-long one before fetching any image.
         ids = self._tokenize(self.rule.expand(text, [0] * n_items))
         self._check_length(ids)
@@ -85,6 +91,14 @@ class Preprocessor:
                                    sampling=req.sampling, processor_cache_hits=hits, cache_salt=req.cache_salt)
 
     # --- steps -------------------------------------------------------------------------------
+
+    def _check_stop(self, stop: tuple[str, ...]) -> None:
+        limits = self.limits
+        if len(stop) > limits.max_stop_sequences:
+            raise InvalidSamplingError(f"{len(stop)} stop sequences; the limit is {limits.max_stop_sequences}")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > limits.max_stop_chars:
+            raise InvalidSamplingError(f"a stop sequence of {longest} characters; the limit is {limits.max_stop_chars}")
 
     def _render(self, parsed: ParsedMessages, n_items: int) -> str:
         try:

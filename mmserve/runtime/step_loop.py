@@ -137,6 +137,14 @@ class StepLoop:
         finally:
             self._queues.pop(request_id, None)
 
+    def check_health(self) -> None:
+        """Raise RuntimeError if the step thread started and died (only a BaseException ends it early):
+        the stage can serve nothing more, and its host (Serve's `check_health`) should replace it."""
+        with self._lock:
+            thread, stopped = self._thread, self._stopped
+        if thread is not None and not thread.is_alive() and not stopped:
+            raise RuntimeError(f"{self.name}: the step thread died")
+
     def stop(self, timeout_s: float | None = 30.0) -> None:
         """End the loop after the step under way, join its thread, fail what still waits. Idempotent."""
         with self._lock:

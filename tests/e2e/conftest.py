@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.e2e_support import (
+    E2E_MAX_BODY_BYTES,
     MAX_IMAGES,
     MAX_MODEL_LEN,
     ImageHost,
@@ -196,6 +197,7 @@ def e2e_server(tiny_ckpt_224: Path, tmp_path_factory: pytest.TempPathFactory) ->
     args = {  # exactly what `serve run deployments.app:build_app k=v ...` would pass: strings, JSON values
         "model": str(tiny_ckpt_224),
         "max_model_len": str(MAX_MODEL_LEN),
+        "ingress.max_body_bytes": str(E2E_MAX_BODY_BYTES),
         "media.max_images_per_prompt": str(MAX_IMAGES),
         "media.allow_private_addresses": "true",
         "media.allowed_domains": json.dumps(["127.0.0.1", "localhost"]),

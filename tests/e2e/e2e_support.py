@@ -17,6 +17,7 @@ from PIL import Image
 
 MAX_IMAGES = 2  # media.max_images_per_prompt on the server
 MAX_MODEL_LEN = 1024  # max_model_len on the server
+E2E_MAX_BODY_BYTES = 4 << 20  # ingress.max_body_bytes on the server
 
 
 def make_image(seed: int, size: tuple[int, int] = (160, 120)) -> Image.Image:

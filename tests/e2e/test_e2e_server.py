@@ -5,10 +5,13 @@ One server for the session; tests that read counters compare deltas, since other
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 import typing
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
 from tests.e2e.e2e_support import (
+    E2E_MAX_BODY_BYTES,
     MAX_IMAGES,
     MAX_MODEL_LEN,
     ImageHost,
@@ -388,6 +392,42 @@ def test_bad_requests_get_openai_errors(client, e2e_server, image_host: ImageHos
     log = _serve_log_until(s, log_start, f"{marker} -- CALL generate OK")
     failed = [line for line in log.splitlines() if "Request failed" in line or "Traceback" in line]
     assert not failed, failed[:3]
+
+
+def _post_raw(url: str, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_hostile_bodies_get_4xx_naming_the_problem(client, e2e_server):
+    s = e2e_server
+    url = s.base_url + "/v1/chat/completions"
+    outcomes_before = request_outcomes(s)
+    good = {"model": s.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    cases = [
+        (b'{"model": "x", "messages": [', 400, "not valid JSON"),
+        (b"\xff\xfe not utf-8", 400, "not UTF-8"),
+        (b"", 400, "empty"),
+        (b"[" * 50_000, 400, "nested too deeply"),
+        (b"[1, 2]", 400, "valid dictionary"),
+        (json.dumps({**good, "pad": "x" * (E2E_MAX_BODY_BYTES + 1)}).encode(), 413, "limit"),
+        (json.dumps({**good, "stop": [f"s{i}" for i in range(17)]}).encode(), 400, "16"),
+        (json.dumps({**good, "stop": ["y" * 300]}).encode(), 400, "256"),
+    ]
+    for data, status, says in cases:
+        got, body = _post_raw(url, data)
+        assert got == status and says in body["error"]["message"], (data[:40], got, body)
+        assert body["error"]["type"] == "invalid_request_error", body
+    ok = complete(client, s, user("Hi"), max_tokens=2)  # and the server still serves
+    assert ok.usage.completion_tokens >= 1
+    outcomes = request_outcomes(s)
+    assert {k: outcomes[k] - outcomes_before[k] for k in outcomes} == \
+        {"ok": 1, "client_error": len(cases), "server_error": 0, "aborted": 0}
 
 
 def _serve_log_until(s: Server, start: int, line: str, timeout_s: float = 30.0) -> str:

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.config import EngineConfig, MediaConfig
+from mmserve.config import DecoderConfig, EngineConfig, MediaConfig
 from mmserve.engine import Engine
 from mmserve.errors import (
     InvalidRequestError,
     InvalidSamplingError,
     MediaError,
+    OverloadedError,
     PromptTooLongError,
     TooManyItemsError,
     UnsupportedURLError,
@@ -120,6 +121,9 @@ def test_abort_mid_stream_frees_blocks_and_references(engine):
         (chat("e4", IMAGE, IMAGE, IMAGE), TooManyItemsError),
         (chat("e5", text="word " * 3000), PromptTooLongError),
         (chat("e6", temperature=-1.0), InvalidSamplingError),
+        (chat("e7", stop=tuple(f"s{i}" for i in range(17))), InvalidSamplingError),  # limits.max_stop_sequences
+        (chat("e8", stop=("x" * 257,)), InvalidSamplingError),  # limits.max_stop_chars
+        (chat("e9", text="x" * 70_000), PromptTooLongError),  # 32 characters per token of max_model_len 2048
     ],
 )
 def test_bad_input_raises_client_error_and_engine_keeps_serving(engine, request_, error):
@@ -129,6 +133,7 @@ def test_bad_input_raises_client_error_and_engine_keeps_serving(engine, request_
     with pytest.raises(error) as info:
         asyncio.run(run())
     assert isinstance(info.value, InvalidRequestError) and info.value.status == 400
+    assert "limit" in str(info.value) or request_.request_id not in ("e7", "e8", "e9"), info.value
     [ok] = engine.generate([chat("after-" + request_.request_id, IMAGE)])
     assert ok.finish_reason in ("stop", "length")
 
@@ -188,3 +193,29 @@ def test_embeddings_skipped_for_a_prefix_the_cache_then_lost_are_fetched(engine)
         engine.decoder.prefix_hit_tokens = claimed
     assert late.token_ids == expected.token_ids and late.num_cached_tokens == 0
     assert engine.stats().encoder.queries == before + 1  # asked once, late, by the step
+
+
+def test_a_full_waiting_queue_refuses_at_once_and_the_rest_complete(tiny_ckpt_224):
+    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
+                          decoder=DecoderConfig(max_num_seqs=1, max_waiting_requests=2))
+
+    async def run(eng: Engine) -> tuple[list[Any], OverloadedError]:
+        long = eng.stream(chat("q0", max_tokens=60, ignore_eos=True))
+        first = await long.__anext__()  # q0 runs: the one sequence slot is taken
+        waiting = [asyncio.ensure_future(collect(eng, chat(f"q{i}", max_tokens=4))) for i in (1, 2)]
+        await asyncio.sleep(0.05)  # both accepted and queued behind q0
+        with pytest.raises(OverloadedError) as refused:
+            await collect(eng, chat("q3", max_tokens=4))
+        rest = [o async for o in long]
+        return [[first, *rest], *await asyncio.gather(*waiting)], refused.value
+
+    with Engine(config) as eng:
+        done, refused = asyncio.run(run(eng))
+        assert "decoder.max_waiting_requests" in str(refused) and refused.status == 503
+        assert all(outs[-1].finished and outs[-1].finish_reason in ("stop", "length") for outs in done)
+        [after] = eng.generate([chat("q4", max_tokens=4)])  # and the queue has room again
+        assert after.finish_reason in ("stop", "length")
+
+
+async def collect(eng: Engine, request: ChatRequest) -> list[Any]:
+    return [o async for o in eng.stream(request)]

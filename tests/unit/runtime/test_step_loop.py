@@ -130,3 +130,19 @@ def test_an_interval_sends_the_first_output_at_once_then_one_merged_chunk_per_in
     assert got[-1][1].finished and len(got) < n // 3  # merged: far fewer messages than tokens
     # no token waits more than an interval (plus scheduling slack) for its chunk
     assert max(at - sent[o.new_token_ids[0]] for at, o in got) < interval + 0.03
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_health_fails_once_the_step_thread_died_and_not_after_a_stop() -> None:
+    def fatal_step() -> list:
+        raise SystemExit("the step thread ends")  # a BaseException: nothing in the loop catches it
+
+    loop = StepLoop(fatal_step, lambda: True, lambda: None)
+    loop.check_health()  # not started yet: healthy
+    loop.submit(None, lambda: None)  # starts the thread, whose first step ends it
+    assert loop._thread is not None
+    loop._thread.join(5)
+    with pytest.raises(RuntimeError, match="step thread died"):
+        loop.check_health()
+    loop.stop()
+    loop.check_health()  # stopped on purpose: nothing to replace

@@ -1,0 +1,58 @@
+"""The HTTP edge's body reading: size bound (413) and JSON decoding (400 naming what is wrong); the error
+bodies and headers of overload (503 + Retry-After) and deadlines (504)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from mmserve.api.body import check_declared_size, parse_json, read_bounded
+from mmserve.api.errors import error_body, error_headers
+from mmserve.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, PayloadTooLargeError
+
+
+async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+def test_a_body_over_the_bound_is_refused_by_header_or_as_it_arrives() -> None:
+    check_declared_size("100", 100)
+    check_declared_size(None, 100)  # chunked: counted as it arrives
+    check_declared_size("not a number", 100)  # the HTTP server refuses that itself
+    with pytest.raises(PayloadTooLargeError, match="101 bytes; the limit is 100") as info:
+        check_declared_size("101", 100)
+    assert info.value.status == 413 and error_body(info.value)[0] == 413
+    assert asyncio.run(read_bounded(chunks(b"a" * 60, b"b" * 40), 100)) == b"a" * 60 + b"b" * 40
+    with pytest.raises(PayloadTooLargeError, match="over 100 bytes"):
+        asyncio.run(read_bounded(chunks(b"a" * 60, b"b" * 41), 100))
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    (b"", "empty"),
+    (b"  \n", "empty"),
+    (b'{"messages": [', "not valid JSON"),
+    (b"{'single': 'quotes'}", "not valid JSON"),
+    (b'{"text": "\xff\xfe"}', "not UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+])
+def test_a_body_that_is_not_json_is_a_400_saying_why(raw: bytes, says: str) -> None:
+    with pytest.raises(InvalidRequestError, match=says) as info:
+        parse_json(raw)
+    assert error_body(info.value)[0] == 400
+
+
+def test_json_decodes_as_is() -> None:
+    assert parse_json(b'{"a": [1, "\xc3\xa9"]}') == {"a": [1, "é"]}
+
+
+def test_overload_is_a_503_with_retry_after_and_a_deadline_a_504() -> None:
+    status, body = error_body(OverloadedError("queue full"))
+    assert status == 503 and body["error"]["code"] == "overloaded" and body["error"]["message"] == "queue full"
+    assert error_headers(OverloadedError("queue full")) == {"Retry-After": "1"}
+    status, body = error_body(DeadlineExceededError("too slow"))
+    assert status == 504 and body["error"]["code"] == "deadline_exceeded"
+    assert error_headers(DeadlineExceededError("too slow")) == {} == error_headers(ValueError("x"))
+    assert error_body(RuntimeError("secret"))[1]["error"]["message"] == "internal server error"
