@@ -10,13 +10,11 @@ from __future__ import annotations
 from typing import Any, cast
 
 from ray.serve import Application, Deployment
-from ray.serve.config import RequestRouterConfig
 
 from deployments.args import parse_args
 from deployments.cache_store import ProcessorCacheStore
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder
-from deployments.encoder_router import EncoderRouter
 from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.preprocess import Preprocess
@@ -34,10 +32,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                                                   app_args.metrics_push_interval_s)
     preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options()).bind(
         app_args, store, hub)
-    # NOTE: Ray types request_router_class as an import-path string; it takes the class itself too.
-    router = RequestRouterConfig(request_router_class=EncoderRouter)  # type: ignore[arg-type]
-    encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options(),
-                                           request_router_config=router).bind(app_args, store, hub)
+    encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options()).bind(app_args, store, hub)
     decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options()).bind(
         app_args, encoder, hub)
     ingress = _deployment(Ingress).options(**app_args.ingress.deployment_options())

@@ -2,14 +2,12 @@
 
 Owns the translation only: it asks the Encoder deployment for a request's embeddings (they travel
 encoder -> decoder through the object store, never through the ingress), streams RequestOutputs
-back, and tells the encoder replica that served the request when it is done.
+back. Nothing is released at the end: an encoder replica holds nothing for a request once it has
+answered (mmserve.encoder.stage).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,8 +25,6 @@ from mmserve.runtime.embeddings_wire import from_wire
 from mmserve.runtime.metrics import MetricsSnapshot, decoder_snapshot
 from mmserve.stages import StageFactory
 
-log = logging.getLogger(__name__)
-
 
 @serve.deployment
 class Decoder:
@@ -39,15 +35,13 @@ class Decoder:
         stages.release_unused()
         self.engine = self.service.decoder
         self.encoder = hold(encoder)
-        self._encoded_on: dict[str, str] = {}  # request id -> encoder replica holding its references
-        self._releases: set[asyncio.Future] = set()  # release calls still in flight
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[RequestOutput | RequestFailed]:
         self.reporter.ensure_started()
         try:
-            async for out in self.service.generate(request, encode=self._encode, release=self._release):
+            async for out in self.service.generate(request, encode=self._encode):
                 yield out
         except (InvalidRequestError, OverloadedError) as exc:
             yield RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
@@ -60,31 +54,7 @@ class Decoder:
             raise OverloadedError(f"the encoder's queue is full ({exc}); retry later") from None
         if isinstance(out, RequestFailed):
             raise out.error
-        if out.replica_id is not None:
-            self._encoded_on[request.request_id] = out.replica_id
         return from_wire(out.embeddings, out.dtype)
-
-    def _release(self, request_id: str) -> None:
-        """Tell the encoder replica that served the request to drop its references, without waiting.
-
-        NOTE: not awaited: awaited, the round trip came after the last token and before the end of the
-        stream, so every image request's end-to-end time paid one more hop.
-        """
-        replica_id = self._encoded_on.pop(request_id, None)
-        if replica_id is not None:
-            # NOTE: in a context of its own: Serve cancels the child calls made in a request's context
-            # when that request is cancelled (a client leaving mid-stream), and an inherited one raced
-            # that cancellation: the release was dropped and the references leaked.
-            task = asyncio.get_running_loop().create_task(self._send_release(request_id, replica_id),
-                                                          context=contextvars.Context())
-            self._releases.add(task)  # NOTE: a reference, or the task may be collected before it runs
-            task.add_done_callback(self._releases.discard)
-
-    async def _send_release(self, request_id: str, replica_id: str) -> None:
-        try:
-            await self.encoder.release.remote(request_id, replica_id=replica_id)
-        except Exception:  # the encoder replica is gone: its references went with it
-            log.warning("releasing %s on encoder replica %s failed", request_id, replica_id, exc_info=True)
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose step thread died is replaced."""

@@ -1,8 +1,8 @@
 """Encoder deployment (GPU where there is one): mmserve's EncoderService behind a handle.
 
 Owns the translation only: pixels are resolved from the object store on a cache miss, embeddings
-leave as numpy (zero-copy through the object store), and `encode` answers with this replica's id
-so that `release` can be routed back here (see encoder_router.py).
+leave as numpy (zero-copy through the object store). A request holds nothing here once `encode` has
+answered, so any replica may serve any call and none has to be told when a request ends.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Encoder:
         self.reporter.ensure_started()
 
     async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput | RequestFailed:
-        """One (num_embeds, hidden) numpy array per feature, and this replica's id for `release`."""
+        """One (num_embeds, hidden) numpy array per feature; this replica holds nothing for it after."""
         self.reporter.ensure_started()
         self.resolver.bind()  # NOTE: the step thread resolves pixels through the store's handle
         try:
@@ -48,11 +48,7 @@ class Encoder:
         except InvalidRequestError as exc:
             return RequestFailed(request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
         arrays, dtype = to_wire(embeddings)
-        return EncoderOutput(request_id, arrays, replica_id=self.replica_id, dtype=dtype)
-
-    def release(self, request_id: str, replica_id: str | None = None) -> None:
-        """The decoder is done with the request; `replica_id` only steers routing."""
-        self.service.release(request_id)
+        return EncoderOutput(request_id, arrays, dtype=dtype)
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose step thread died is replaced."""

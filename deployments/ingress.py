@@ -24,10 +24,11 @@ from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from mmserve.api.body import check_declared_size, parse_json, read_bounded
+from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
-from mmserve.errors import DeadlineExceededError, OverloadedError
+from mmserve.errors import OverloadedError
 from mmserve.messages import RequestFailed, RequestOutput
 from mmserve.runtime.metrics import IngressMetrics, RequestStatus
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
@@ -133,7 +134,7 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         started = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        deadline = Deadline(self.request_timeout_s)
         self.reporter.ensure_started()
         timing = ServerTiming(started)
         try:
@@ -162,26 +163,22 @@ class Ingress:
             return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
         return await self._complete(chat.request_id, first, outputs, started, deadline, timing)
 
-    async def _within(self, deadline: float, awaitable: Any) -> Any:
-        """`await awaitable`, as a DeadlineExceededError past `deadline` (loop time); Serve's
-        BackPressureError (a stage's queue is full) as an OverloadedError."""
-        remaining = deadline - asyncio.get_running_loop().time()
+    async def _within(self, deadline: Deadline, awaitable: Any) -> Any:
+        """`await awaitable` by the request's deadline; Serve's BackPressureError (a stage's queue is full)
+        as an OverloadedError."""
         try:
-            return await asyncio.wait_for(awaitable, timeout=max(remaining, 0.0))
-        except TimeoutError:
-            raise DeadlineExceededError(f"the request took longer than its deadline, "
-                                        f"ingress.request_timeout_s = {self.request_timeout_s:g} s") from None
+            return await deadline.wait(awaitable)
         except BackPressureError as exc:
             raise OverloadedError(f"a stage's queue is full ({exc}); retry later") from None
 
-    async def _next(self, outputs: Any, deadline: float) -> Any | None:
+    async def _next(self, outputs: Any, deadline: Deadline) -> Any | None:
         """The Decoder stream's next message, or None at its end."""
         try:
             return await self._within(deadline, outputs.__anext__())
         except StopAsyncIteration:
             return None
 
-    async def _complete(self, request_id: str, first: Any, outputs: Any, started: float, deadline: float,
+    async def _complete(self, request_id: str, first: Any, outputs: Any, started: float, deadline: Deadline,
                         timing: "ServerTiming") -> Response:
         builder = CompletionBuilder(request_id, self.model_name)
         last = first
@@ -198,7 +195,7 @@ class Ingress:
         return JSONResponse(builder.build().model_dump(), headers=timing.header())
 
     async def _sse(self, request_id: str, include_usage: bool, first: Any, outputs: Any,
-                   started: float, deadline: float) -> AsyncIterator[str]:
+                   started: float, deadline: Deadline) -> AsyncIterator[str]:
         chunks = ChunkBuilder(request_id, self.model_name, include_usage=include_usage)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
         last = first

@@ -61,7 +61,7 @@ class Engine:
 
     def _serve(self, pre: PreprocessedRequest) -> AsyncIterator[RequestOutput]:
         encode = lambda p: self.encoder_service.encode(p.request_id, p.features)  # noqa: E731
-        return self.decoder_service.generate(pre, encode=encode, release=self.encoder_service.release)
+        return self.decoder_service.generate(pre, encode=encode)
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; closing the iterator early aborts the request."""

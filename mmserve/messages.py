@@ -116,7 +116,6 @@ class EncoderOutput:
 
     request_id: str
     embeddings: list[Any]  # per feature, in feature order: (num_embeds, text_hidden) numpy or tensor
-    replica_id: str | None = None  # the encoder replica holding the request's cache references (Ray app)
     dtype: str = "float32"  # torch dtype of the embeddings; numpy ones may carry its bits (embeddings_wire)
 
 

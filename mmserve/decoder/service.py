@@ -4,17 +4,17 @@ Owns: the request lifecycle around the Decoder — hash the prompt's blocks and 
 how much of it is cached, get embeddings only for the items not wholly inside that prefix (from an
 in-process encoder or a remote one), fetch later the ones a request turns out to need after all (the
 cache let the blocks go before admission, or a preemption), queue the request, stream its outputs,
-abort it in the decoder if the consumer leaves early, and always release its encoder-cache
-references at the end. Does not own: scheduling or the model (Decoder) nor transport (the Engine and
-the Ray Decoder deployment both use this).
+and abort it in the decoder if the consumer leaves early. Nothing is held at the encoder once its
+embeddings are here (the encoder stage's contract), so nothing is released at the end. Does not
+own: scheduling or the model (Decoder) nor transport (the Engine and the Ray Decoder deployment both
+use this).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mmserve.decoder.decoder import Decoder
@@ -23,7 +23,6 @@ from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, 
 from mmserve.runtime.step_loop import StepLoop
 
 EncodeFn = Callable[[PreprocessedRequest], Awaitable[list[Any]]]  # -> per-feature embeddings
-ReleaseFn = Callable[[str], Any]  # request id -> None or an awaitable
 
 
 @dataclass
@@ -32,10 +31,9 @@ class _Live:
 
     pre: PreprocessedRequest
     encode: EncodeFn | None
-    release: ReleaseFn | None
     loop: asyncio.AbstractEventLoop  # the consumer's
-    encoded: list[str] = field(default_factory=list)  # encoder request ids to release at the end
-    ended: bool = False  # the request's end released `encoded`; a late fetch finishing after releases its own
+    fetches: int = 0  # late fetches started (each its own encoder request id)
+    ended: bool = False  # the consumer is gone: a late fetch finishing after it is dropped
 
 
 class DecoderService:
@@ -48,12 +46,12 @@ class DecoderService:
         decoder.on_missing = self._on_missing
 
     async def generate(
-        self, pre: PreprocessedRequest, encode: EncodeFn | None = None, release: ReleaseFn | None = None
+        self, pre: PreprocessedRequest, encode: EncodeFn | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; closing the iterator early aborts it and frees its KV blocks."""
         request_id = pre.request_id
         self._admit_or_refuse()
-        live = self._live[request_id] = _Live(pre, encode, release, asyncio.get_running_loop())
+        live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop())
         finished = False
         try:
             hashes = self._block_hashes(pre)
@@ -72,8 +70,6 @@ class DecoderService:
             live.ended = True
             if not finished:
                 self.loop.submit(None, lambda: self.decoder.abort(request_id))
-            for encoded in live.encoded:
-                await _release(live, encoded)
 
     def _admit_or_refuse(self) -> None:
         """Raise OverloadedError when the requests waiting here (encoding, queued, preempted) fill the bound.
@@ -110,7 +106,6 @@ class DecoderService:
         if indices:
             assert live.encode is not None
             sub = replace(live.pre, request_id=encoder_id, features=[live.pre.features[i] for i in indices])
-            live.encoded.append(encoder_id)
             for i, emb in zip(indices, await live.encode(sub), strict=True):
                 embeddings[i] = emb
         return embeddings
@@ -124,11 +119,11 @@ class DecoderService:
 
     async def _fetch(self, live: _Live, indices: list[int]) -> None:
         request_id = live.pre.request_id
-        encoder_id = f"{request_id}/late-{len(live.encoded)}"
+        live.fetches += 1
+        encoder_id = f"{request_id}/late-{live.fetches}"
         try:
             got = await self._encode(live, encoder_id, indices)
-            if live.ended:  # the request ended while this was in flight: nobody else will release it
-                await _release(live, encoder_id)
+            if live.ended:  # the request ended while this was in flight
                 return
         except Exception as exc:
             def fail(error: Exception = exc) -> None:
@@ -147,9 +142,3 @@ class DecoderService:
     def stop(self) -> None:
         self.loop.stop()
 
-
-async def _release(live: _Live, encoder_id: str) -> None:
-    if live.release is not None:
-        result = live.release(encoder_id)
-        if inspect.isawaitable(result):
-            await result

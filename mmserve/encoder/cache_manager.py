@@ -56,7 +56,7 @@ class EncoderCacheManager:
     def validate_request(self, sizes: Mapping[str, int]) -> None:
         """Raise CapacityError if a request's distinct items (hash -> rows) cannot be held at once.
 
-        A request keeps references to all its items until it is released, so their sum must fit.
+        A request keeps references to all its items until its embeddings are handed out, so their sum must fit.
         """
         for num_tokens in sizes.values():
             self.validate_item(num_tokens)

@@ -25,7 +25,7 @@ class EncoderService:
     async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> list[Any]:
         """Embeddings of each feature, in order: (num_embeds, hidden) tensors. Raises if refused.
 
-        The request holds its encoder-cache entries until `release(request_id)`.
+        The request holds its encoder-cache entries until they are handed back here, not after.
         """
         if not features:
             return []
@@ -34,14 +34,14 @@ class EncoderService:
         try:
             async for out in self.loop.outputs(request_id):
                 return list(out.embeddings)
-        except asyncio.CancelledError:  # the caller left before its embeddings came: nobody will release
-            self.release(request_id)
+        except asyncio.CancelledError:  # the caller left before its embeddings came
+            self.abort(request_id)
             raise
         raise RuntimeError(f"encoder stage ended request {request_id} without embeddings")
 
-    def release(self, request_id: str) -> None:
-        """The request finished or was aborted downstream: drop its references (idempotent)."""
-        self.loop.submit(None, lambda: self.stage.release(request_id))
+    def abort(self, request_id: str) -> None:
+        """Drop a request still waiting for its embeddings (idempotent)."""
+        self.loop.submit(None, lambda: self.stage.abort(request_id))
 
     def busy(self) -> bool:
         return self.loop.busy()

@@ -3,8 +3,14 @@
 Owns: the FIFO of pending requests, one encoder step (cache lookups, allocation under the per-step
 compute budget, the cache capacity and one forward's crops, ONE `embed_multimodal` for its misses), the tensor
 cache kept in line with the manager's books, and the stage's stats. Does not own: the vision model
-(`EncoderRunner` wraps it), how requests arrive or leave (the engine, or a Ray deployment, calls
-`add_request` / `step` / `release`), nor when a request ends (the decoder reports it: `release`).
+(`EncoderRunner` wraps it), nor how requests arrive or leave (the engine, or a Ray deployment, calls
+`add_request` / `step` / `abort`).
+
+A request holds references to its entries from `add_request` until its embeddings are handed out by
+`step` (or it is aborted): what it found cached cannot be evicted while its other items wait for their
+turn. Handed out, the embeddings are the caller's (the cache's tensors are never written again; an
+evicted entry only drops the cache's own reference), so nothing downstream holds anything here and no
+death or cancel elsewhere can leak an entry.
 
 Single-threaded by design: the caller serializes calls (one engine loop or one replica's loop).
 """
@@ -88,7 +94,7 @@ class EncoderStage:
         self.manager = EncoderCacheManager(self.config.cache_capacity_tokens, self.config.compute_budget_tokens)
         self.cache = EncoderCache()
         self._pending: dict[str, _Pending] = {}  # FIFO: insertion order is arrival order
-        self._live: set[str] = set()  # pending, or emitted and not yet released
+        self._live: set[str] = set()  # pending: added and not yet handed out or aborted
         self._queries = 0
         self._hits = 0
 
@@ -120,18 +126,17 @@ class EncoderStage:
         self._pending[request_id] = _Pending(request_id, list(features), resolve)
         self._live.add(request_id)
 
-    def release(self, request_id: str) -> None:
-        """The request finished or was aborted: drop its references (and its queue entry). Idempotent."""
+    def abort(self, request_id: str) -> None:
+        """Drop a request before its embeddings come (its caller left): its queue entry and references.
+        Idempotent; a no-op once its embeddings were handed out."""
         self._pending.pop(request_id, None)
         self._live.discard(request_id)
         self.manager.free_request(request_id)
 
-    abort = release
-
     def abort_all(self) -> None:
-        """Release every request (after a failure the caller could not attribute)."""
+        """Abort every request (after a failure the caller could not attribute)."""
         for request_id in list(self._live):
-            self.release(request_id)
+            self.abort(request_id)
 
     def has_pending(self) -> bool:
         return bool(self._pending)
@@ -201,15 +206,15 @@ class EncoderStage:
         self.manager.discard(new_hashes)
         self.cache.drop(self.manager.take_freed())
         for request_id in failed:
-            self.release(request_id)
+            self.abort(request_id)
         return failed
 
     def _collect_done(self) -> list[EncodedRequest]:
         done = [req for req in self._pending.values() if req.done]
         out = []
         for req in done:
-            del self._pending[req.request_id]
             out.append(EncodedRequest(req.request_id, [self._tensor(spec) for spec in req.features]))
+            self.abort(req.request_id)  # handed out: its references end here (the entries stay cached)
         return out
 
     def _tensor(self, spec: MultiModalFeatureSpec) -> torch.Tensor:

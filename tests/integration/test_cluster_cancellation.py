@@ -1,6 +1,6 @@
-"""Request ends across replicas: a client that leaves mid-stream frees the request's KV blocks in
-the decoder and its references in the encoder replica that encoded it; with two encoder replicas,
-every finished request's `release` reaches the replica that holds its references."""
+"""Request ends across replicas: a client that leaves mid-stream frees the request's KV blocks in the
+decoder; an encoder replica holds nothing for a request once it has answered (no release to lose),
+with two replicas serving at once."""
 
 from __future__ import annotations
 
@@ -45,25 +45,24 @@ def test_closing_a_stream_midway_frees_kv_blocks_and_encoder_references(mm_app: 
         chunks = [next(events) for _ in range(4)]
         assert isinstance(chunks[0], dict), chunks
         request_id = chunks[0]["id"]
-        # Mid-stream: the request runs in the decoder and one encoder replica holds its references.
+        # Mid-stream: the request runs in the decoder; its embeddings were handed over, so no encoder
+        # replica holds anything for it.
         live = decoder_state(mm_app)
         assert live["running_requests"] == 1 and live["kv_blocks_free"] < live["kv_blocks_total"], live
         holders = [rid for rid, ids in referenced(mm_app).items() if request_id in ids]
-        assert len(holders) == 1, holders
+        assert holders == [], holders
     finally:
         stream.close()  # the client goes away
 
     wait_until(lambda: idle(mm_app), timeout=30, what="the decoder to drop the aborted request and its KV blocks")
-    wait_until(lambda: not any(request_id in ids for ids in referenced(mm_app).values()), timeout=30,
-               what=f"the encoder replica to release {request_id}")
     steps = decoder_state(mm_app)["steps_total"] - steps_before
     assert steps < max_tokens // 2, f"{steps} decoder steps: the request ran on after the client left"
     time.sleep(1.0)  # and it stays stopped
     assert decoder_state(mm_app)["steps_total"] - steps_before == steps
 
 
-def test_release_reaches_the_encoder_replica_that_encoded(mm_app: AppInfo):
-    """With two encoder replicas a release routed anywhere else would leave references behind."""
+def test_no_encoder_replica_holds_anything_once_requests_are_answered(mm_app: AppInfo):
+    """Both replicas encode (routing is random) and neither keeps a reference for a finished request."""
     before = {rid: info["forward_passes"] for rid, info in encoder_replicas(mm_app).items()}
     ids: list[str] = []
     seed = 400
@@ -78,8 +77,5 @@ def test_release_reaches_the_encoder_replica_that_encoded(mm_app: AppInfo):
                 break
     assert all(passes[rid] > before[rid] for rid in before), f"forward passes {before} -> {passes}"
 
-    def released() -> bool:
-        return all(not refs for refs in referenced(mm_app).values())
-
-    wait_until(released, timeout=30, what="every encoder replica to drop the finished requests' references")
-    assert not {i for refs in referenced(mm_app).values() for i in refs} & set(ids)
+    held = referenced(mm_app)
+    assert all(not refs for refs in held.values()), held  # at once: nothing to wait for

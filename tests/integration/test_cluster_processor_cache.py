@@ -125,7 +125,6 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     # ...yet a request still carrying that reference is encoded: the encoder falls back to the store's copy.
     orphan: EncoderOutput = mm_app.handle("Encoder").encode.remote("orphan", first.features).result(timeout_s=120)
     assert orphan.embeddings[0].shape[0] == first.features[0].num_embeds
-    mm_app.handle("Encoder").release.remote("orphan", replica_id=orphan.replica_id).result(timeout_s=60)
     # The replacement replica finds the item in the store: no processor run, the store's own copy.
     again = process_on(probe_a, url)
     assert again.processor_cache_hits == 1

@@ -1,4 +1,5 @@
-"""EncoderStage + EncoderRunner: batching, cache hits, budget, release, eviction, failure rollback."""
+"""EncoderStage + EncoderRunner: batching, cache hits, budget, references until handover, eviction,
+failure rollback."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_same_image_again_is_a_hit_without_forward_or_resolve() -> None:
     assert stage.stats().forward_passes == 1
     assert stage.stats().queries == 2 and stage.stats().hits == 1
     assert torch.equal(first.embeddings[0], second.embeddings[0])  # the cached rows themselves: exact
-    assert stage.manager.refcount("h") == 2
+    assert stage.manager.refcount("h") == 0 and "h" in stage.cache  # handed out: held by nobody, still cached
 
 
 def test_duplicates_within_a_step_and_a_request_encode_once() -> None:
@@ -151,7 +152,7 @@ def test_a_step_holds_one_forward_of_crops_and_a_bigger_item_runs_alone_in_chunk
     assert stage.stats().batch_sizes == {2: 2, 1: 3}
 
 
-def test_release_frees_references_and_abort_drops_pending() -> None:
+def test_references_last_until_handover_and_abort_drops_pending() -> None:
     stage = _stage(compute_budget_tokens=MM_TOKENS)
     stage.add_request("r1", [_spec("a", _item(1)), _spec("b", _item(2))])
     assert stage.step() == []  # budget: only "a" this step; r1 holds it, still pending
@@ -161,11 +162,13 @@ def test_release_frees_references_and_abort_drops_pending() -> None:
     assert stage.step() == [] and stage.stats().forward_passes == 1
 
     stage.add_request("r2", [_spec("c", _item(3))])
-    stage.step()
-    assert stage.manager.refcount("c") == 1
-    stage.release("r2")
-    stage.release("r2")  # idempotent
-    assert stage.manager.refcount("c") == 0 and stage.manager.num_cached == 2  # still cached
+    (done,) = stage.step()
+    assert stage.manager.refcount("c") == 0 and stage.manager.referencing_requests() == []  # handed out
+    stage.abort("r2")  # a late abort (the caller left as the answer came) is a no-op
+    cached = stage.cache.get("c")
+    assert stage.manager.num_cached == 2 and cached is not None and torch.equal(done.embeddings[0], cached)
+    stage.add_request("r2", [_spec("c", _item(3))])  # the id is free again; a hit
+    assert [r.request_id for r in stage.step()] == ["r2"] and stage.stats().hits == 1
 
 
 def test_evicted_entry_misses_again() -> None:
@@ -174,20 +177,21 @@ def test_evicted_entry_misses_again() -> None:
     for rid, key in [("r1", "a"), ("r2", "b"), ("r3", "c"), ("r4", "a")]:
         stage.add_request(rid, [_spec(key, key)], store.resolve)
         assert len(stage.step()) == 1
-        stage.release(rid)
     assert store.calls == ["a", "b", "c", "a"]  # c evicted a (the oldest unreferenced)
     assert "a" in stage.cache and "b" not in stage.cache and "c" in stage.cache
     assert stage.stats().hits == 0 and stage.stats().forward_passes == 4
 
 
-def test_referenced_entries_block_instead_of_being_evicted() -> None:
-    stage = _stage(cache_capacity_tokens=2 * MM_TOKENS)
-    stage.add_request("r1", [_spec("a", _item(1)), _spec("b", _item(2))])
-    stage.step()
-    stage.add_request("r2", [_spec("c", _item(3))])
-    assert stage.step() == [] and stage.has_pending()  # r1 holds the whole cache
-    stage.release("r1")
-    assert [r.request_id for r in stage.step()] == ["r2"]
+def test_entries_a_waiting_request_holds_are_not_evicted_for_its_next_item() -> None:
+    stage, store = _stage(cache_capacity_tokens=2 * MM_TOKENS, compute_budget_tokens=MM_TOKENS), Store()
+    store.items.update(x=_item(1), a=_item(2), b=_item(3))
+    stage.add_request("r0", [_spec("x", "x")], store.resolve)
+    assert len(stage.step()) == 1  # x cached, held by nobody
+    stage.add_request("r1", [_spec("a", "a"), _spec("b", "b")], store.resolve)
+    assert stage.step() == []  # a encoded (the budget: one item a step); r1 holds it while b waits
+    (r1,) = stage.step()  # b needs room: x goes, not a
+    assert "a" in stage.cache and "b" in stage.cache and "x" not in stage.cache
+    assert len(r1.embeddings) == 2 and store.calls == ["x", "a", "b"]
 
 
 def test_capacity_errors_at_add_request() -> None:
