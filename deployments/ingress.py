@@ -35,6 +35,9 @@ from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.stages import StageFactory
 
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
+# NOTE: serve.status() is an RPC to Serve's controller: probes from every load balancer and kubelet
+# share one answer for this long instead of each making one.
+HEALTH_STATUS_TTL_S = 2.0
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -104,6 +107,7 @@ class Ingress:
         # NOTE: options() builds a new handle (and its router): once here, not once per request
         self.decoder = hold(decoder).options(stream=True)
         self.stats = IngressMetrics()
+        self._status: tuple[float, Any] | None = None  # (monotonic s, serve.status()) of the last probe
         self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -115,8 +119,10 @@ class Ingress:
         still be loading (~8 s on 2 cores): a probe that only reached the ingress said "ok" while the first
         request waited for them.
         """
-        status = await asyncio.to_thread(serve.status)
-        waiting = deployments_without_replicas(status, serve.get_replica_context().app_name)
+        now = time.monotonic()
+        if self._status is None or now - self._status[0] > HEALTH_STATUS_TTL_S:
+            self._status = (now, await asyncio.to_thread(serve.status))
+        waiting = deployments_without_replicas(self._status[1], serve.get_replica_context().app_name)
         if waiting:
             return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -22,6 +22,9 @@ from mmserve.models.pixels import image_processor_config
 BOI_TOKEN = "<start_of_image>"  # the template's per-image placeholder, kept in the expansion
 IMAGE_TOKEN = "<image_soft_token>"  # one embedding row of an image
 EOI_TOKEN = "<end_of_image>"
+# NOTE: the chat template's own markers: in user text they would be tokenized as the special tokens and
+# forge turns (a "model" turn the model never wrote) or end the prompt early.
+CONTROL_TOKENS = ("<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>")
 
 # Gemma3Processor.images_kwargs: the class defaults a processor call uses when none is given.
 PROCESSOR_DEFAULTS: dict[str, Any] = {
@@ -97,6 +100,7 @@ class Gemma3PromptRule:
     image_token: str = IMAGE_TOKEN
     boi_token: str = BOI_TOKEN
     eoi_token: str = EOI_TOKEN
+    control_tokens: tuple[str, ...] = CONTROL_TOKENS
 
     @property
     def output_kwargs_defaults(self) -> dict[str, Any]:
@@ -104,8 +108,8 @@ class Gemma3PromptRule:
 
     @property
     def reserved_strings(self) -> tuple[str, ...]:
-        """Strings user text may not contain: they would fake or break image placeholders."""
-        return (self.boi_token, self.image_token, self.eoi_token)
+        """Strings user text may not contain: they would fake or break image placeholders or turns."""
+        return (self.boi_token, self.image_token, self.eoi_token, *self.control_tokens)
 
     def expand(self, text: str, crops_per_item: list[int]) -> str:
         return expand_image_placeholders(text, crops_per_item, self.mm_tokens, boi=self.boi_token,

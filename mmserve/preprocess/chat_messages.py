@@ -77,7 +77,8 @@ def _image_url(value: Any, at: str) -> str:
 def _check_text(text: str, at: str, reserved: tuple[str, ...]) -> None:
     for token in reserved:
         if token in text:
-            raise InvalidRequestError(f"{at} contains the reserved image token {token!r}")
+            raise InvalidRequestError(f"{at} contains {token!r}, a control token of the model's prompt format "
+                                      "(it would fake a turn or an image); send it some other way")
 
 
 def _system_text(content: str | list[dict[str, Any]], where: str) -> str:
