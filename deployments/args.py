@@ -98,7 +98,7 @@ class IngressArgs(StageArgs):
     max_ongoing_requests: int = Field(1024, ge=1)
     max_body_bytes: int = Field(64 << 20, ge=1)  # bytes of one request body (inline images included); more: 413
     # Seconds a request may take from arrival to its last token; then it ends with a 504 (or an error
-    # event in a stream) and its KV blocks and encoder references are freed.
+    # event in a stream) and is cancelled downstream (its KV blocks freed, an encode under way dropped).
     request_timeout_s: float = Field(600.0, gt=0)
 
 

@@ -2,7 +2,7 @@
 
 Owns: building a handle's router once, when the replica starts, passing ObjectRefs by reference
 whatever Ray's transport default, and calling a handle from a worker thread. Does not own what is
-called (the stage files) nor routing policy (encoder_router.py).
+called (the stage files) nor routing policy (Serve's default router).
 """
 
 from __future__ import annotations

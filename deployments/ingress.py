@@ -145,19 +145,25 @@ class Ingress:
         timing = ServerTiming(started)
         try:
             check_declared_size(request.headers.get("content-length"), self.max_body_bytes)
-            raw = await read_bounded(request.stream(), self.max_body_bytes)
+            raw = await deadline.wait(read_bounded(request.stream(), self.max_body_bytes))  # a slow drip too
             body = ChatCompletionRequest.model_validate(parse_json(raw))
             if body.model not in (None, self.model_name):
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {self.model_name!r}")
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", self.default_max_tokens)
             timing.mark("parse")
-            pre = _raise_failed(await self._within(deadline, self.preprocess.process.remote(chat)))
+            preprocessing = self.preprocess.process.remote(chat)
+            try:
+                answer = await self._within(deadline, preprocessing)
+            except BaseException:
+                preprocessing.cancel()  # e.g. the deadline: the Preprocess replica stops working on it
+                raise
+            pre = _raise_failed(answer)
             timing.mark("preprocess")
             outputs = self.decoder.generate.remote(pre)
             try:  # errors before the first token get a 4xx/5xx status
                 first = _raise_failed(await self._within(deadline, outputs.__anext__()))
             except BaseException:
-                outputs.cancel()  # e.g. the deadline: the decoder drops the request and frees its holds
+                outputs.cancel()  # e.g. the deadline: the decoder drops the request and frees its KV blocks
                 raise
             timing.mark("first")
         except Exception as exc:
@@ -196,7 +202,8 @@ class Ingress:
             self._done(failure_status(exc), started)
             return _error(exc)
         finally:
-            outputs.cancel()  # no-op when finished; aborts the request if it failed or this handler was cancelled
+            if not last.finished:  # it failed, or this handler was cancelled: abort it in the decoder
+                outputs.cancel()
         self._done("ok", started, last)
         return JSONResponse(builder.build().model_dump(), headers=timing.header())
 
@@ -217,7 +224,8 @@ class Ingress:
             status = failure_status(exc)
             yield sse_error(_unwrap(exc))
         finally:
-            outputs.cancel()  # the client disconnected: abort in the decoder, free KV and encoder refs
+            if not last.finished:  # the client left, or the deadline: abort it in the decoder, free its KV
+                outputs.cancel()
             self._done(status, started, last)
 
     def _done(self, status: RequestStatus, started: float, last: Any = None) -> None:

@@ -87,9 +87,11 @@ class DecoderConfig(_Bounded):
     # A request's outputs are sent at most this often (ms), the first at once; what comes between is merged:
     # each send is a message through the stages to the client, so this bounds messages per second per stream.
     stream_interval_ms: float = at_least(0, 20.0)
-    # Requests admitted but not yet running, per replica; past it a new request is refused as overloaded
-    # (503 + Retry-After) at once instead of waiting behind the whole queue.
-    max_waiting_requests: int = at_least(1, 512)
+    # Requests accepted but not yet running, per replica; past it a new request is refused as overloaded
+    # (503 + Retry-After) at once instead of waiting behind the whole queue. NOTE: in the Ray app Serve lets
+    # in at most the decoder's max_ongoing_requests, so the bound that bites is the smaller of this and
+    # max_ongoing_requests - max_num_seqs (past that, Serve's own max_queued_requests answers 503).
+    max_waiting_requests: int = at_least(1, 128)
 
 
 @dataclass(frozen=True)

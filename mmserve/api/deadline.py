@@ -24,9 +24,11 @@ class Deadline:
 
     async def wait(self, awaitable: Awaitable[T]) -> T:
         """`await awaitable`, or DeadlineExceededError (the awaitable cancelled) once the deadline passes."""
-        remaining = self.at - asyncio.get_running_loop().time()
         try:
-            return await asyncio.wait_for(awaitable, timeout=max(remaining, 0.0))
+            async with asyncio.timeout_at(self.at) as scope:  # NOTE: no task per wait, unlike wait_for
+                return await awaitable
         except TimeoutError:
+            if not scope.expired():  # the awaitable's own TimeoutError, not the deadline
+                raise
             raise DeadlineExceededError(f"the request took longer than its deadline of {self.timeout_s:g} s "
                                         "(ingress.request_timeout_s)") from None

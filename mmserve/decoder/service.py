@@ -43,6 +43,7 @@ class DecoderService:
         self.stream_interval_s = stream_interval_s  # outputs go at most this often, the first at once
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
         self._live: dict[str, _Live] = {}
+        self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder
         decoder.on_missing = self._on_missing
 
     async def generate(
@@ -53,13 +54,17 @@ class DecoderService:
         self._admit_or_refuse()
         live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop())
         finished = False
+        self._arriving += 1
         try:
-            hashes = self._block_hashes(pre)
-            embeddings = await self._embeddings_outside_cache(live, hashes)
-            request = DecodeRequest(request_id, pre.prompt_token_ids, pre.features, embeddings, pre.sampling,
-                                    pre.cache_salt, tuple(hashes))
-            self.loop.open(request_id)
-            self.loop.submit(request_id, lambda: self.decoder.add(request))
+            try:
+                hashes = self._block_hashes(pre)
+                embeddings = await self._embeddings_outside_cache(live, hashes)
+                request = DecodeRequest(request_id, pre.prompt_token_ids, pre.features, embeddings, pre.sampling,
+                                        pre.cache_salt, tuple(hashes))
+                self.loop.open(request_id)
+                self.loop.submit(request_id, lambda: self.decoder.add(request))
+            finally:
+                self._arriving -= 1
             # NOTE: deltas that piled up while this consumer waited, or came within one stream interval,
             # go on as one: each output is a message through Serve to the ingress and on to the client.
             async for out in self.loop.outputs(request_id, merge=merge_outputs, interval_s=self.stream_interval_s):
@@ -74,12 +79,13 @@ class DecoderService:
     def _admit_or_refuse(self) -> None:
         """Raise OverloadedError when the requests waiting here (encoding, queued, preempted) fill the bound.
 
-        NOTE: counted on the consumers' loop from the step thread's running list (a list's len is atomic):
-        off by a request or two at a boundary, never unbounded.
+        NOTE: read on the consumers' loop while the step thread updates the scheduler's waiting list (a
+        list's len is atomic); a request between its submission and the step that adds it is in neither
+        count for that moment: off by a request or two at a boundary, never unbounded.
         """
         if self.max_waiting is None:
             return
-        waiting = len(self._live) - len(self.decoder.scheduler.running)
+        waiting = self._arriving + len(self.decoder.scheduler.waiting)
         if waiting >= self.max_waiting:
             raise OverloadedError(f"the decoder has {waiting} requests waiting (decoder.max_waiting_requests "
                                   f"{self.max_waiting}); retry later")

@@ -159,7 +159,7 @@ class EncoderStage:
         """Book items FIFO across requests until one miss does not fit; return the misses."""
         # NOTE: strict FIFO — stopping at the first miss that does not fit (rather than letting
         # later, smaller items through) keeps a large image from starving; at most one request is
-        # then partially booked, and validation guarantees it fits once earlier ones are released.
+        # then partially booked, and validation guarantees it fits once earlier ones are handed out.
         # NOTE: and no more crops than one forward takes (`max_batch_items`; an item with more runs alone),
         # so a step ends, and its requests go on to the decoder, after one forward: on a CPU a batch of
         # images costs the same per image as one alone, and waiting for the whole batch only delays all.

@@ -1,7 +1,7 @@
 """Drives one stage's `step()` in a worker thread and fans its outputs out to asyncio consumers.
 
 Owns: the bridge between a synchronous, single-threaded stage and many concurrent async callers:
-actions that touch the stage (add, abort, release) are queued and run by the loop thread between
+actions that touch the stage (add, abort) are queued and run by the loop thread between
 steps, so the stage itself needs no locks; each output goes to the asyncio queue of its request id.
 An optional batch window lets requests arriving together share the first step. Does not own what a
 step does. Used alike by the in-process Engine and by the Ray deployments.
@@ -205,7 +205,7 @@ class StepLoop:
             self._deliver(out.request_id, out)
         if not outputs and time.perf_counter() - started < 1e-3:
             # NOTE: the stage has work but could do nothing now (e.g. waiting for cache space that a
-            # release will free): yield the core instead of spinning; an action wakes us at once.
+            # handover or an abort will free): yield the core instead of spinning; an action wakes us at once.
             self._wake.wait(0.002)
             self._wake.clear()
 

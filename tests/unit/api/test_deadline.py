@@ -32,3 +32,15 @@ def test_waits_share_one_deadline_and_the_late_one_is_cancelled() -> None:
             await deadline.wait(slow(0.01))
 
     asyncio.run(asyncio.wait_for(run(), 5))
+
+
+def test_a_timeout_of_the_awaited_call_itself_is_not_the_deadline() -> None:
+    async def times_out() -> None:
+        raise TimeoutError("the callee's own")
+
+    async def run() -> None:
+        with pytest.raises(TimeoutError, match="the callee's own") as info:
+            await Deadline(10).wait(times_out())
+        assert not isinstance(info.value, DeadlineExceededError)
+
+    asyncio.run(run())

@@ -94,7 +94,7 @@ def test_a_submission_after_stop_fails_at_once() -> None:
         loop.stop()
         loop.open("r")
         loop.submit("r", lambda: None)
-        loop.submit(None, lambda: None)  # a release during shutdown: dropped, no error
+        loop.submit(None, lambda: None)  # an abort during shutdown: dropped, no error
         async for _ in loop.outputs("r"):
             pass
 
