@@ -68,3 +68,11 @@ class Decoder:
 
     def metrics(self) -> MetricsSnapshot:
         return decoder_snapshot(self.engine.stats())
+
+    def replica_info(self) -> dict[str, Any]:
+        """Read-only introspection (tests, debugging): who answered and the torch threads its steps use
+        (the counts measured at start-up unless configured)."""
+        threads = self.engine.runner.threads
+        return {"replica_id": serve.get_replica_context().replica_id.unique_id,
+                "torch_threads": threads.available, "small_step_threads": threads.threads_for(0),
+                "big_step_threads": threads.threads_for(threads.small_step_tokens + 1)}

@@ -184,19 +184,49 @@ class EncoderStage:
         return misses
 
     def _encode(self, misses: list[tuple[_Pending, MultiModalFeatureSpec]]) -> None:
+        """Encode the step's misses into the cache; raise EncoderStepError naming only the requests whose
+        own item failed (its pixels could not be read, or its forward failed alone).
+
+        NOTE: one bad item must not fail its batch mates: a batch whose forward fails is run again item
+        by item, so that only the culprit's requests fail (a GPU batch holds up to 16 crops of as many
+        requests). The others' embeddings are cached and handed out by the next step.
+        """
+        resolved: list[tuple[MultiModalFeatureSpec, ProcessedItem]] = []
+        failures: list[tuple[MultiModalFeatureSpec, BaseException]] = []
+        for req, spec in misses:
+            try:
+                resolved.append((spec, _resolve(req, spec)))
+            except Exception as exc:  # e.g. its pixels' owner died and the store has no copy
+                failures.append((spec, exc))
         try:
-            items = [_resolve(req, spec) for req, spec in misses]
-            embeddings = self.runner.embed_multimodal(items)  # each (n_crops * mm_tokens, hidden)
-            for (_, spec), emb in zip(misses, embeddings, strict=True):
-                if emb.shape[0] != spec.num_embeds:
-                    raise RuntimeError(
-                        f"item {spec.identifier} encoded to {emb.shape[0]} rows, spec says {spec.num_embeds}"
-                    )
+            encoded = self._forward(resolved)
         except Exception as exc:
-            failed = self._roll_back([spec.identifier for _, spec in misses])
-            raise EncoderStepError(failed, exc) from exc
-        for (_, spec), emb in zip(misses, embeddings, strict=True):
+            if len(resolved) == 1:
+                encoded, failures = [], [*failures, (resolved[0][0], exc)]
+            else:
+                encoded = []
+                for one in resolved:
+                    try:
+                        encoded += self._forward([one])
+                    except Exception as alone:
+                        failures.append((one[0], alone))
+        for spec, emb in encoded:
             self.cache.put(spec.identifier, emb)
+        if failures:
+            failed = self._roll_back([spec.identifier for spec, _ in failures])
+            raise EncoderStepError(failed, failures[0][1]) from failures[0][1]
+
+    def _forward(self, resolved: list[tuple[MultiModalFeatureSpec, ProcessedItem]]
+                 ) -> list[tuple[MultiModalFeatureSpec, torch.Tensor]]:
+        """One vision forward over the items; raises if it fails or a result has the wrong row count."""
+        if not resolved:
+            return []
+        embeddings = self.runner.embed_multimodal([item for _, item in resolved])  # each (rows, hidden)
+        for (spec, _), emb in zip(resolved, embeddings, strict=True):
+            if emb.shape[0] != spec.num_embeds:
+                raise RuntimeError(f"item {spec.identifier} encoded to {emb.shape[0]} rows, "
+                                   f"spec says {spec.num_embeds}")
+        return list(zip((spec for spec, _ in resolved), embeddings, strict=True))
 
     def _roll_back(self, new_hashes: list[str]) -> list[str]:
         """Forget this step's new entries and drop every request that referenced one."""

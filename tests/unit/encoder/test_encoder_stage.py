@@ -236,6 +236,43 @@ def test_failed_forward_rolls_back_the_books() -> None:
     assert stage.manager.num_cached == 0 and len(stage.cache) == 0 and not stage.has_pending()
 
 
+def test_a_lost_pixel_reference_fails_its_request_only() -> None:
+    stage, store = _stage(), Store()
+    store.items.update(k=_item(1), j=_item(2))  # "gone" is not there: its owner died
+    stage.add_request("ok1", [_spec("a", "k")], store.resolve)
+    stage.add_request("lost", [_spec("x", "gone")], store.resolve)
+    stage.add_request("ok2", [_spec("b", "j")], store.resolve)
+    with pytest.raises(EncoderStepError) as err:
+        stage.step()
+    assert err.value.request_ids == ["lost"] and "x" not in stage.manager
+    assert [r.request_id for r in stage.step()] == ["ok1", "ok2"]  # encoded in that same forward
+    assert stage.stats().forward_passes == 1
+
+
+def test_an_item_that_breaks_its_batch_fails_alone_and_the_others_match_alone() -> None:
+    vision = FakeVision()
+
+    def poisoned(px: torch.Tensor) -> torch.Tensor:  # any batch holding the all-zero image fails
+        if bool((px.flatten(1) == 0).all(dim=1).any()):
+            raise RuntimeError("a kernel rejects this image")
+        return vision(px)
+
+    stage = _stage(poisoned)
+    zero = ProcessedItem(np.zeros((1, 3, 8, 8), dtype=np.uint8))
+    a, b = _item(1), _item(2)
+    stage.add_request("r1", [_spec("a", a)])
+    stage.add_request("bad", [_spec("z", zero)])
+    stage.add_request("r2", [_spec("b", b)])
+    with pytest.raises(EncoderStepError, match="rejects this image") as err:
+        stage.step()
+    assert err.value.request_ids == ["bad"]
+    out = {r.request_id: r.embeddings[0] for r in stage.step()}
+    assert set(out) == {"r1", "r2"} and not stage.has_pending()
+    assert_close_ulps(out["r1"], _alone(vision, a), FAKE_ULPS)
+    assert_close_ulps(out["r2"], _alone(vision, b), FAKE_ULPS)
+    assert "z" not in stage.manager and stage.manager.referencing_requests() == []
+
+
 def test_read_only_arrays_encode_without_warnings() -> None:
     vision = FakeVision()
     item = _item(1, n_crops=2)
