@@ -8,6 +8,7 @@ Not thread-safe: one caller drives `add`, `abort` and `step` (the engine's step 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,14 +18,16 @@ from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.detokenizer import IncrementalDetokenizer
 from mmserve.decoder.kv_cache import KVCache
-from mmserve.decoder.model_runner import ModelRunner
+from mmserve.decoder.model_runner import ModelRunner, StepLogits
 from mmserve.decoder.prefix_cache import BlockHasher
 from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
-from mmserve.messages import DecodeRequest, RequestOutput, SamplingParams
+from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, SamplingParams
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.runtime.step_threads import StepThreads
+
+log = logging.getLogger(__name__)
 
 # Called with the request ids and their (n, vocab) logits of every step; tests use it for parity.
 LogitsObserver = Callable[[list[str], torch.Tensor], None]
@@ -122,13 +125,14 @@ class Decoder:
         """Requests added and not yet finished or aborted."""
         return list(self._states)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batched forward over everything scheduled; one output per request that sampled."""
+    def step(self) -> list[RequestOutput | RequestFailed]:
+        """Run one batched forward over everything scheduled; one output per request that sampled, and a
+        RequestFailed for each request whose own computation failed (it is aborted; the others go on)."""
         plan = self.scheduler.schedule()
         self._ask_for_missing(plan.missing)
         if not plan.scheduled:
             return []
-        result = self.runner.execute([(s.seq, s.num_new_tokens) for s in plan.scheduled])
+        result, failed = self._execute([(s.seq, s.num_new_tokens) for s in plan.scheduled])
         self.steps += 1
         ids = [seq.request_id for seq in result.seqs]
         if self.on_logits is not None:
@@ -139,7 +143,44 @@ class Decoder:
             [self._states[rid].generator for rid in ids],
         ).tolist()
         finished = {seq.request_id for seq in self.scheduler.update(plan, dict(zip(ids, tokens, strict=True)))}
-        return [self._emit(rid, tok, rid in finished) for rid, tok in zip(ids, tokens, strict=True)]
+        return [*(self._emit(rid, tok, rid in finished) for rid, tok in zip(ids, tokens, strict=True)), *failed]
+
+    def _execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepLogits, list[RequestFailed]]:
+        """The step's forward. If it raises, each sequence runs again alone, and only those that fail by
+        themselves are aborted and reported: one bad request (a token id past the vocabulary, a broken
+        embedding) must not take its batch mates down.
+
+        NOTE: safe to repeat: a forward only writes the KV slots of the positions it computes, and the
+        rerun writes the same ones; progress is recorded after the step (`Scheduler.update`), which skips
+        the aborted.
+        """
+        try:
+            return self.runner.execute(scheduled), []
+        except Exception as exc:
+            if len(scheduled) == 1:
+                return self._fail(scheduled, [exc])
+            log.warning("decoder step of %d sequences failed (%r); running each alone", len(scheduled), exc)
+        parts: list[StepLogits] = []
+        bad: list[tuple[Sequence, int]] = []
+        errors: list[Exception] = []
+        for one in scheduled:
+            try:
+                parts.append(self.runner.execute([one]))
+            except Exception as alone:
+                bad.append(one)
+                errors.append(alone)
+        ok, failed = self._fail(bad, errors)
+        seqs = [seq for part in parts for seq in part.seqs]
+        logits = torch.cat([part.logits for part in parts]) if parts else ok.logits  # (len(seqs), vocab)
+        return StepLogits(seqs, logits), failed
+
+    def _fail(self, bad: list[tuple[Sequence, int]], errors: list[Exception]) -> tuple[StepLogits, list[RequestFailed]]:
+        failed = []
+        for (seq, _), error in zip(bad, errors, strict=True):
+            log.warning("request %s failed in a decoder step: %r", seq.request_id, error)
+            self.abort(seq.request_id)  # its blocks back to the pool; update() skips it
+            failed.append(RequestFailed(seq.request_id, error))
+        return StepLogits([], torch.zeros((0, self.spec.vocab_size), device=self.runner.device)), failed
 
     def _emit(self, request_id: str, token: int, finished: bool) -> RequestOutput:
         state = self._states[request_id]

@@ -219,3 +219,38 @@ def test_a_full_waiting_queue_refuses_at_once_and_the_rest_complete(tiny_ckpt_22
 
 async def collect(eng: Engine, request: ChatRequest) -> list[Any]:
     return [o async for o in eng.stream(request)]
+
+
+def test_a_request_that_breaks_the_decoder_step_fails_alone_and_the_rest_match_alone(engine):
+    [ref_one] = engine.generate([chat("d1", IMAGE, text="Tell me", max_tokens=12)])
+    [ref_two] = engine.generate([chat("d2", text="Tell me about d2", max_tokens=12)])
+    runner = engine.decoder.runner
+    execute = runner.execute
+
+    def poisoned(scheduled):  # any step holding "bad" fails, as a token id past the vocabulary would
+        if any(seq.request_id == "bad" for seq, _ in scheduled):
+            raise IndexError("index out of range in self")
+        return execute(scheduled)
+
+    async def rest(stream, first):
+        return [first, *[o async for o in stream]]
+
+    async def run():
+        streams = [engine.stream(chat("d1x", IMAGE, text="Tell me", max_tokens=12)),
+                   engine.stream(chat("d2x", text="Tell me about d2", max_tokens=12))]
+        firsts = [await s.__anext__() for s in streams]  # both running: "bad" joins their decode batch
+        bad = collect(engine, chat("bad", text="Tell me about bad", max_tokens=12))
+        return await asyncio.gather(rest(streams[0], firsts[0]), bad, rest(streams[1], firsts[1]),
+                                    return_exceptions=True)
+
+    runner.execute = poisoned
+    try:
+        one, bad, two = asyncio.run(run())
+    finally:
+        runner.execute = execute
+    assert isinstance(bad, IndexError), bad
+    for outs, ref in ((one, ref_one), (two, ref_two)):
+        assert not isinstance(outs, BaseException), outs
+        assert [t for o in outs for t in o.new_token_ids] == ref.token_ids  # greedy: as when served alone
+    stats = engine.decoder.stats()
+    assert stats.running == 0 and stats.free_blocks == stats.total_blocks and "bad" not in engine.decoder.request_ids()
