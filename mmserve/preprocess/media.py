@@ -21,7 +21,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP address strings
 Dialer = Callable[..., socket.socket]  # socket.create_connection's signature
 
 MAX_REDIRECTS = 5
+MAX_PARALLEL_READS = 8  # reads of one prompt's images at once (the item count is capped by the config)
 # NOTE: an allowlist; PIL's other openers (EPS calls Ghostscript, ...) are not for untrusted input.
 _CHUNK = 64 * 1024  # bytes per read
 
@@ -66,9 +68,26 @@ class MediaLoader:
 
     def load(self, url: str, *, index: int = 1) -> Image.Image:
         """Decoded RGB image of item `index` (1-based, used in error messages)."""
+        return self._decode(lambda: self.read_bytes(url), index)
+
+    def load_all(self, urls: list[str]) -> Iterator[Image.Image]:
+        """A prompt's images decoded in order, their bytes read in parallel: a prompt waits for its
+        slowest image, not for the sum. NOTE: only the reading is parallel; each image is decoded when
+        the caller takes it, so at most one decoded image is held beside the caller's."""
+        if len(urls) <= 1:
+            yield from (self.load(url, index=i) for i, url in enumerate(urls, start=1))
+            return
+        pool = ThreadPoolExecutor(max_workers=min(len(urls), MAX_PARALLEL_READS), thread_name_prefix="media")
         try:
-            data = self.read_bytes(url)
-            return decode_image(data, max_pixels=self.config.max_image_pixels)
+            reads = [pool.submit(self.read_bytes, url) for url in urls]
+            for index, read in enumerate(reads, start=1):
+                yield self._decode(read.result, index)
+        finally:  # NOTE: after a refusal the other reads are not waited for (each has its own deadline)
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _decode(self, read: Callable[[], bytes], index: int) -> Image.Image:
+        try:
+            return decode_image(read(), max_pixels=self.config.max_image_pixels)
         except InvalidRequestError as err:
             raise type(err)(f"image {index}: {err}") from err
 

@@ -126,8 +126,7 @@ class Preprocessor:
         items: list[tuple[str, CachedItem]] = []
         local: dict[str, CachedItem] = {}  # repeats inside one request, even with the cache off
         hits = 0
-        for index, url in enumerate(urls, start=1):
-            image = self.loader.load(url, index=index)
+        for image in self.loader.load_all(urls):
             key = hash_image(image, model_id=self.model_id, kwargs=kwargs)
             item = self.cache.get(key)
             if item is not None:

@@ -65,9 +65,9 @@ class SpyLoader(MediaLoader):
         super().__init__(config)
         self.loads = 0
 
-    def load(self, url: str, *, index: int = 1) -> Image.Image:
+    def read_bytes(self, url: str) -> bytes:
         self.loads += 1
-        return super().load(url, index=index)
+        return super().read_bytes(url)
 
 
 def make(ckpt: Path, *, capacity: int = GiB, max_model_len: int = 8192, **media: Any) -> Preprocessor:
