@@ -13,12 +13,10 @@ Results: bench-results/path-<timestamp>.json and the table printed at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from bench_lib.path import (  # noqa: E402
     serve_floor,
     served,
 )
+from bench_lib.report import write_results  # noqa: E402
 
 # NOTE: 2 ms above Serve's floor for text, 5 ms for an image; 0.3 ms per token (issue 17)
 TARGETS = {"text": 2.0, "new image": 5.0, "repeated image": 5.0, "per token": 0.3}
@@ -99,11 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                for _ in range(max(args.reps // 2, 3))]
     results = summarize(floor, runs, streams)
     report(results)
-    out = Path(args.out)
-    out.mkdir(exist_ok=True)
-    path = out / f"path-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(results, indent=2))
-    print(f"results: {path}")
+    write_results(results, args.out, "path")
     engine.shutdown()
 
 

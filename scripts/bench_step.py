@@ -14,9 +14,7 @@ Results: bench-results/step-<timestamp>.json and the table printed at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from bench_lib.checkpoint import bench_checkpoint
+from bench_lib.report import write_results
 from bench_lib.step import (
     all_full,
     engine_decoder,
@@ -86,11 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                "fit_8k": {"per_kind": fit_now, "every_layer_every_block": fit_before,
                           "num_blocks": config.num_blocks}, "targets": TARGETS}
     report(results)
-    out = Path(args.out)
-    out.mkdir(exist_ok=True)
-    path = out / f"step-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(results, indent=2))
-    print(f"results: {path}")
+    write_results(results, args.out, "step")
 
 
 def report(results: dict) -> None:

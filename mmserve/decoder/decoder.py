@@ -158,29 +158,27 @@ class Decoder:
             return self.runner.execute(scheduled), []
         except Exception as exc:
             if len(scheduled) == 1:
-                return self._fail(scheduled, [exc])
+                return self._no_logits(), [self._fail(scheduled[0][0], exc)]
             log.warning("decoder step of %d sequences failed (%r); running each alone", len(scheduled), exc)
         parts: list[StepLogits] = []
-        bad: list[tuple[Sequence, int]] = []
-        errors: list[Exception] = []
+        failed: list[RequestFailed] = []
         for one in scheduled:
             try:
                 parts.append(self.runner.execute([one]))
             except Exception as alone:
-                bad.append(one)
-                errors.append(alone)
-        ok, failed = self._fail(bad, errors)
+                failed.append(self._fail(one[0], alone))
+        if not parts:
+            return self._no_logits(), failed
         seqs = [seq for part in parts for seq in part.seqs]
-        logits = torch.cat([part.logits for part in parts]) if parts else ok.logits  # (len(seqs), vocab)
-        return StepLogits(seqs, logits), failed
+        return StepLogits(seqs, torch.cat([part.logits for part in parts])), failed  # (len(seqs), vocab)
 
-    def _fail(self, bad: list[tuple[Sequence, int]], errors: list[Exception]) -> tuple[StepLogits, list[RequestFailed]]:
-        failed = []
-        for (seq, _), error in zip(bad, errors, strict=True):
-            log.warning("request %s failed in a decoder step: %r", seq.request_id, error)
-            self.abort(seq.request_id)  # its blocks back to the pool; update() skips it
-            failed.append(RequestFailed(seq.request_id, error))
-        return StepLogits([], torch.zeros((0, self.spec.vocab_size), device=self.runner.device)), failed
+    def _fail(self, seq: Sequence, error: Exception) -> RequestFailed:
+        log.warning("request %s failed in a decoder step: %r", seq.request_id, error)
+        self.abort(seq.request_id)  # its blocks back to the pool; update() skips it
+        return RequestFailed(seq.request_id, error)
+
+    def _no_logits(self) -> StepLogits:
+        return StepLogits([], torch.zeros((0, self.spec.vocab_size), device=self.runner.device))
 
     def _emit(self, request_id: str, token: int, finished: bool) -> RequestOutput:
         state = self._states[request_id]

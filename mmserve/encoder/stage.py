@@ -201,15 +201,12 @@ class EncoderStage:
         try:
             encoded = self._forward(resolved)
         except Exception as exc:
-            if len(resolved) == 1:
-                encoded, failures = [], [*failures, (resolved[0][0], exc)]
-            else:
+            alone: list[tuple[MultiModalFeatureSpec, BaseException]] = [(resolved[0][0], exc)]
+            if len(resolved) == 1:  # alone already: it failed by itself
                 encoded = []
-                for one in resolved:
-                    try:
-                        encoded += self._forward([one])
-                    except Exception as alone:
-                        failures.append((one[0], alone))
+            else:
+                encoded, alone = self._forward_each(resolved)
+            failures += alone
         for spec, emb in encoded:
             self.cache.put(spec.identifier, emb)
         if failures:
@@ -227,6 +224,19 @@ class EncoderStage:
                 raise RuntimeError(f"item {spec.identifier} encoded to {emb.shape[0]} rows, "
                                    f"spec says {spec.num_embeds}")
         return list(zip((spec for spec, _ in resolved), embeddings, strict=True))
+
+    def _forward_each(self, resolved: list[tuple[MultiModalFeatureSpec, ProcessedItem]]
+                      ) -> tuple[list[tuple[MultiModalFeatureSpec, torch.Tensor]],
+                                 list[tuple[MultiModalFeatureSpec, BaseException]]]:
+        """Each item in a forward of its own: (what encoded, what failed alone)."""
+        encoded: list[tuple[MultiModalFeatureSpec, torch.Tensor]] = []
+        failures: list[tuple[MultiModalFeatureSpec, BaseException]] = []
+        for one in resolved:
+            try:
+                encoded += self._forward([one])
+            except Exception as exc:
+                failures.append((one[0], exc))
+        return encoded, failures
 
     def _roll_back(self, new_hashes: list[str]) -> list[str]:
         """Forget this step's new entries and drop every request that referenced one."""

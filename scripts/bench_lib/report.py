@@ -6,8 +6,10 @@ Owns formatting only; the figures come from stats.py and prom.py.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,16 @@ COLUMNS = (  # (key, header, scale, format, higher is better)
     ("e2e_p50_s", "E2E p50 ms", 1e3, "{:.0f}", False),
     ("e2e_p99_s", "E2E p99 ms", 1e3, "{:.0f}", False),
 )
+
+
+def write_results(results: dict[str, Any], out_dir: str | Path, kind: str) -> Path:
+    """`results` as JSON in `out_dir/<kind>-<time>.json` (the folder made if needed); prints and returns the path."""
+    out = Path(out_dir)
+    out.mkdir(exist_ok=True)
+    path = out / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"results: {path}")
+    return path
 
 
 def machine() -> dict[str, Any]:
