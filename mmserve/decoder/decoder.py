@@ -77,7 +77,7 @@ class Decoder:
         self.on_missing: MissingEmbeddings | None = None  # set by whoever can fetch embeddings (the service)
         self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
                                   threads=StepThreads(device, config))
-        self.sampler = Sampler()
+        self.sampler = Sampler(spec.never_sampled)
         self._states: dict[str, _OutputState] = {}
         self.steps = 0
         if self.runner.threads.needs_calibration:

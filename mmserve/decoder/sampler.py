@@ -30,12 +30,20 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
+    """`never` are token ids no row may get, greedy or sampled (their logits count as -inf)."""
+
+    def __init__(self, never: tuple[int, ...] = ()) -> None:
+        self._never = torch.tensor(never, dtype=torch.int64)  # (k,) on the device of the last logits
+
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.Tensor:
         """(n, vocab) logits, one params and generator per row -> (n,) int64 token ids."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators")
         logits = logits.float()  # (n, V); NOTE: filter in float32 whatever the model dtype
+        if len(self._never):  # NOTE: out of place, the caller's logits stay as the model made them
+            self._never = self._never.to(logits.device)
+            logits = logits.index_fill(1, self._never, float("-inf"))
         tokens = logits.argmax(dim=-1)  # (n,)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row

@@ -45,6 +45,8 @@ class ModelSpec:
     max_model_len: int  # prompt + output tokens a sequence may hold (tokens)
     eos_token_ids: tuple[int, ...]  # ids that end generation (eos, end-of-turn)
     attention: AttentionPattern
+    # ids the sampler never picks (tokens): a prompt-only token such as an image's embedding row
+    never_sampled: tuple[int, ...] = ()
 
 
 # A vision callable maps (n_images, 3, H, W) uint8 pixels (a ProcessedItem's, on the encoder's device) to

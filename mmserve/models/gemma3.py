@@ -56,6 +56,7 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
             scaling=float(text.query_pre_attn_scalar) ** -0.5,
             softcap=text.attn_logit_softcapping,
         ),
+        never_sampled=(int(config.image_token_id),),  # an image row only exists inside a placeholder
     )
 
 

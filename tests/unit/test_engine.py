@@ -7,9 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from mmserve.config import DecoderConfig, EngineConfig, MediaConfig
+from mmserve.decoder.sampler import Sampler
 from mmserve.engine import Engine
 from mmserve.errors import (
     InvalidRequestError,
@@ -254,3 +256,27 @@ def test_a_request_that_breaks_the_decoder_step_fails_alone_and_the_rest_match_a
         assert [t for o in outs for t in o.new_token_ids] == ref.token_ids  # greedy: as when served alone
     stats = engine.decoder.stats()
     assert stats.running == 0 and stats.free_blocks == stats.total_blocks and "bad" not in engine.decoder.request_ids()
+
+
+def test_the_image_token_is_never_sampled_and_a_sampled_one_would_not_break_the_step(engine):
+    [ref] = engine.generate([chat("i1", IMAGE, text="Describe", max_tokens=10)])
+    image_token = engine.spec.image_token_id
+    runner, decoder = engine.decoder.runner, engine.decoder
+    execute, sampler = runner.execute, decoder.sampler
+
+    def favour_image_token(scheduled):  # the model's favourite is the image token at every step
+        result = execute(scheduled)
+        return type(result)(result.seqs, result.logits.index_add(  # out of place: inference tensors
+            1, torch.tensor([image_token]), torch.full((len(result.seqs), 1), 1e4)))
+
+    runner.execute = favour_image_token
+    try:
+        [suppressed] = engine.generate([chat("i2", IMAGE, text="Describe", max_tokens=10)])
+        decoder.sampler = Sampler()  # no suppression: the image token is sampled and fed back
+        [fed_back] = engine.generate([chat("i3", IMAGE, text="Describe", max_tokens=10)])
+    finally:
+        runner.execute, decoder.sampler = execute, sampler
+    assert suppressed.token_ids == ref.token_ids  # the runner-up is each step's own argmax
+    assert fed_back.token_ids == [image_token] * 10  # it runs: positions come from the placeholders
+    [after] = engine.generate([chat("i4", IMAGE, text="Describe", max_tokens=10)])
+    assert after.token_ids == ref.token_ids

@@ -79,7 +79,8 @@ def reference(model_dir, processor, model, case: str) -> tuple[list[int], list[t
     inputs = processor(text=rendered, images=images or None, add_special_tokens=False, return_tensors="pt",
                        **mm_kwargs)
     out = model.generate(**inputs, max_new_tokens=max_tokens(case), do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+                         suppress_tokens=[model.config.image_token_id])  # our rule: see ModelSpec.never_sampled
     n_prompt = inputs["input_ids"].shape[1]
     return out.sequences[0, n_prompt:].tolist(), [s[0] for s in out.logits], n_prompt
 

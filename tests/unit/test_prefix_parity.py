@@ -62,7 +62,8 @@ def reference(oracle: tuple[Any, Any, Any], messages: list[dict[str, Any]], imag
     inputs = processor(text=rendered, images=images or None, add_special_tokens=False, return_tensors="pt",
                        **mm_kwargs)
     out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+                         suppress_tokens=[model.config.image_token_id])  # our rule: see ModelSpec.never_sampled
     return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0] for s in out.logits]
 
 

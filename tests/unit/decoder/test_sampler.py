@@ -132,3 +132,16 @@ def test_helpers() -> None:
     lp = log_softmax(x)
     # a 50-term sum of exps, each a few roundings from exact: far inside allclose's default rtol 1e-5
     assert lp.dtype == torch.float32 and torch.allclose(lp.exp().sum(-1), torch.ones(2))
+
+
+def test_never_sampled_tokens_are_never_picked_and_the_logits_stay() -> None:
+    x = logits(4, seed=5)
+    banned = tuple(int(i) for i in x.argmax(-1))  # every row's favourite
+    before = x.clone()
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=50.0)
+    sampler = Sampler(banned)
+    assert not set(sampler.sample(x, [greedy] * 4, [None] * 4).tolist()) & set(banned)
+    for seed in range(30):  # at temperature 50 every other token is nearly as likely as the favourite
+        out = sampler.sample(x, [hot] * 4, [make_generator(seed * 4 + i) for i in range(4)])
+        assert not set(out.tolist()) & set(banned)
+    assert torch.equal(x, before)  # the caller's logits are left as the model made them
