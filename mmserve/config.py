@@ -43,8 +43,10 @@ class _Bounded:
 class MediaConfig(_Bounded):
     max_images_per_prompt: int = at_least(0, 8)  # items; more is a 400
     max_image_bytes: int = at_least(1, 20 * MiB)  # bytes read from one URL / data URL
-    max_image_pixels: int = at_least(1, 64_000_000)  # width * height; guards decompression bombs
-    fetch_timeout_s: float = above(0, 10.0)  # seconds for one http(s) fetch, connect + read
+    # width * height, checked from the header before any pixel is decoded (decompression bombs); NOTE:
+    # 4096² holds a 12-16 MP photo and 20 crops' worth of Gemma 3's 896² input, more than it keeps
+    max_image_pixels: int = at_least(1, 4096 * 4096)
+    fetch_timeout_s: float = above(0, 10.0)  # seconds for one http(s) fetch: connect, redirects, headers, body
     allowed_domains: tuple[str, ...] | None = None  # None = any public host; else host suffixes
     allow_private_addresses: bool = False  # loopback / private / link-local targets (tests only)
     allowed_local_media_path: str | None = None  # folder file:// URLs may read; None = no files

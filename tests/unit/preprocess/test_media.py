@@ -1,14 +1,9 @@
-"""media.py: data/file/http(s) sources, the fetch guards (also on redirects), decoding to RGB."""
+"""media.py and image_decode.py: data/file sources, decoding to RGB (http(s) fetches: test_fetch.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
-import threading
-import time
-import typing
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -17,7 +12,7 @@ from PIL import Image
 from mmserve.config import MediaConfig
 from mmserve.errors import MediaError, UnsupportedURLError
 from mmserve.preprocess.image_decode import decode_image
-from mmserve.preprocess.media import MediaLoader, is_public_address
+from mmserve.preprocess.media import MediaLoader
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **save: object) -> bytes:
@@ -144,151 +139,3 @@ def test_file_urls_only_under_the_allowed_folder(tmp_path: Path) -> None:
         loader.load(f"file://{root}/missing.png")
     with pytest.raises(UnsupportedURLError, match="disabled"):
         MediaLoader(MediaConfig()).load(f"file://{root}/a.png")
-
-
-# --- http(s) --------------------------------------------------------------------------------
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"  # no keep-alive; a body without Content-Length ends at close
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        path, port = self.path, typing.cast(tuple[str, int], self.server.server_address)[1]
-        if path == "/img.png":
-            self._send(200, PNG)
-        elif path.startswith("/redirect/"):
-            hops = int(path.rsplit("/", 1)[1])
-            self._redirect("/img.png" if hops == 0 else f"/redirect/{hops - 1}")
-        elif path == "/to-internal":
-            self._redirect(f"http://internal.test:{port}/img.png")
-        elif path == "/to-loopback":
-            self._redirect(f"http://127.0.0.1:{port}/img.png")
-        elif path == "/to-file":
-            self._redirect("file:///etc/passwd")
-        elif path == "/big":
-            self._send(200, b"\0" * 50_000)
-        elif path == "/big-no-length":
-            self._send(200, b"\0" * 50_000, length=False)
-        elif path == "/slow":
-            time.sleep(1.0)
-            self._send(200, PNG)
-        else:
-            self._send(404, b"no")
-
-    def _redirect(self, location: str) -> None:
-        self.send_response(302)
-        self.send_header("Location", location)
-        self.end_headers()
-
-    def _send(self, code: int, body: bytes, length: bool = True) -> None:
-        self.send_response(code)
-        if length:
-            self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
-
-
-def local(**kw: object) -> MediaLoader:
-    return MediaLoader(MediaConfig(allow_private_addresses=True, **kw))  # type: ignore[arg-type]
-
-
-def test_fetch_from_local_server(port: int) -> None:
-    assert local().load(f"http://127.0.0.1:{port}/img.png").size == (12, 8)
-
-
-def test_loopback_is_refused_without_the_test_flag(port: int) -> None:
-    for host in ("127.0.0.1", "localhost"):
-        with pytest.raises(UnsupportedURLError, match="non-public address"):
-            MediaLoader(MediaConfig()).load(f"http://{host}:{port}/img.png")
-
-
-def test_domain_allowlist(port: int) -> None:
-    with pytest.raises(UnsupportedURLError, match="not in the allowed domains"):
-        local(allowed_domains=("example.com",)).load(f"http://127.0.0.1:{port}/img.png")
-    with pytest.raises(UnsupportedURLError, match="not in the allowed domains"):
-        local(allowed_domains=("example.com",)).load("http://evilexample.com/img.png")
-
-
-def _fake_public(allowed: tuple[str, ...] | None = None) -> MediaLoader:
-    """public.test 'resolves' to 8.8.8.8 (dialled to our server); internal.test to loopback."""
-    table = {"public.test": ["8.8.8.8"], "internal.test": ["127.0.0.1"]}
-
-    def resolve(host: str, port: int) -> list[str]:
-        return table.get(host, [host])  # IP literals resolve to themselves
-
-    def dial(address: tuple[str, int], *args: object) -> object:
-        assert address[0] == "8.8.8.8", f"dialled a refused address {address}"
-        import socket
-        return socket.create_connection(("127.0.0.1", address[1]), *args)  # type: ignore[arg-type]
-
-    return MediaLoader(MediaConfig(allowed_domains=allowed), resolver=resolve, dial=dial)  # type: ignore[arg-type]
-
-
-def test_public_to_private_redirect_is_refused(port: int) -> None:
-    loader = _fake_public()
-    assert loader.load(f"http://public.test:{port}/img.png").size == (12, 8)  # control
-    with pytest.raises(UnsupportedURLError, match=r"internal\.test.*non-public address 127\.0\.0\.1"):
-        loader.load(f"http://public.test:{port}/to-internal")
-    with pytest.raises(UnsupportedURLError, match=r"non-public address 127\.0\.0\.1"):
-        loader.load(f"http://public.test:{port}/to-loopback")
-    with pytest.raises(UnsupportedURLError, match="not in the allowed domains"):
-        _fake_public(("public.test",)).load(f"http://public.test:{port}/to-loopback")
-
-
-def test_redirect_limit_and_scheme(port: int) -> None:
-    assert local().load(f"http://127.0.0.1:{port}/redirect/4").size == (12, 8)  # 5 redirects
-    with pytest.raises(MediaError, match="redirects"):
-        local().load(f"http://127.0.0.1:{port}/redirect/5")  # 6 redirects
-    with pytest.raises(UnsupportedURLError, match="scheme 'file'"):
-        local().load(f"http://127.0.0.1:{port}/to-file")
-
-
-@pytest.mark.parametrize("path", ["/big", "/big-no-length"])
-def test_byte_cap_on_fetch(port: int, path: str) -> None:
-    with pytest.raises(MediaError, match="byte limit"):
-        local(max_image_bytes=10_000).load(f"http://127.0.0.1:{port}{path}")
-
-
-def test_http_errors_and_timeouts(port: int) -> None:
-    with pytest.raises(MediaError, match="HTTP 404"):
-        local().load(f"http://127.0.0.1:{port}/nothing")
-    start = time.monotonic()
-    with pytest.raises(MediaError, match="image 1: fetching"):
-        local(fetch_timeout_s=0.2).load(f"http://127.0.0.1:{port}/slow")
-    assert time.monotonic() - start < 0.9
-
-
-def test_a_prompts_images_are_read_in_parallel_and_decoded_in_order(port: int) -> None:
-    slow, fast = f"http://127.0.0.1:{port}/slow", f"http://127.0.0.1:{port}/img.png"  # /slow: 1 s
-    start = time.monotonic()
-    images = list(local().load_all([slow, fast, slow, slow]))
-    assert [im.size for im in images] == [(12, 8)] * 4
-    assert time.monotonic() - start < 2.0  # three 1 s reads at once, not one after another (3 s)
-    with pytest.raises(MediaError, match=r"image 2: .*HTTP 404"):  # the first refusal in prompt order
-        list(local().load_all([fast, f"http://127.0.0.1:{port}/nothing", f"http://127.0.0.1:{port}/nope"]))
-
-
-@pytest.mark.parametrize("ip", ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254",
-                                "0.0.0.0", "224.0.0.1", "100.64.0.1", "240.0.0.1", "::1", "fe80::1%eth0",
-                                "fc00::1", "::ffff:127.0.0.1", "::"])
-def test_non_public_addresses(ip: str) -> None:
-    assert not is_public_address(ip)
-
-
-@pytest.mark.parametrize("ip", ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111"])
-def test_public_addresses(ip: str) -> None:
-    assert is_public_address(ip)

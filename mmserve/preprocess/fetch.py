@@ -1,0 +1,279 @@
+"""http(s) image fetches a public endpoint can afford: one deadline, a byte cap, public hosts only.
+
+Owns: the URL rules (scheme, no user info, no backslash or control characters, the domain allowlist),
+the address check on every connection (also each redirect hop's), dialling the checked address, at most
+`MAX_REDIRECTS` redirects, the byte cap, and one deadline over the whole fetch (connect, redirects,
+headers and body together). Does not own: `data:` and `file:` URLs or decoding (`media.py`,
+`image_decode.py`).
+
+Every refusal is an `UnsupportedURLError` (a source we refuse to read) or a `MediaError` (a source that
+did not give us an image in time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import ipaddress
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from mmserve.config import MediaConfig
+from mmserve.errors import MediaError, UnsupportedURLError
+
+Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP address strings
+Dialer = Callable[..., socket.socket]  # socket.create_connection's signature
+
+MAX_REDIRECTS = 5
+_CHUNK = 64 * 1024  # bytes per read
+# NAT64 prefixes (RFC 6052, RFC 8215): the low 32 bits are an IPv4 address a gateway dials for us
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+
+
+def default_resolver(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to (IPv4 and IPv6). NOTE: the C resolver also reads the other
+    spellings of an IPv4 literal (2130706433, 0177.0.0.1, 0x7f.1, 127.1), so they are checked as what
+    they dial."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+def is_public_address(ip: str) -> bool:
+    """False for loopback, private, link-local, multicast, reserved, unspecified and other non-global
+    addresses, also when an IPv6 address carries one inside (IPv4-mapped, 6to4, Teredo, NAT64)."""
+    addr = ipaddress.ip_address(ip.split("%", 1)[0])  # drop an IPv6 scope id
+    inner: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [addr]
+    if isinstance(addr, ipaddress.IPv6Address):
+        inner += [a for a in (addr.ipv4_mapped, addr.sixtofour, *(addr.teredo or ())) if a is not None]
+        if any(addr in net for net in _NAT64):
+            inner.append(ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF))
+    return not any(a.is_loopback or a.is_private or a.is_link_local or a.is_multicast or a.is_reserved
+                   or a.is_unspecified or not a.is_global for a in inner)
+
+
+class HttpFetcher:
+    """Fetches http(s) URLs for one engine; `resolver` and `dial` are injectable for tests."""
+
+    def __init__(self, config: MediaConfig, *, resolver: Resolver = default_resolver,
+                 dial: Dialer = socket.create_connection) -> None:
+        self.config = config
+        self._resolver = resolver
+        self._dial = dial
+
+    def check_url(self, url: str) -> None:
+        """The URL rules, for the first URL and every redirect target; addresses are checked on connect.
+
+        NOTE: user info and backslashes are refused outright: parsers disagree on where such a host
+        ends, and an allowlist read by one parser while another one dials is how allowlists get bypassed.
+        """
+        if any(c == "\\" or ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
+            raise UnsupportedURLError("URL contains a backslash, a space or a control character")
+        parts = split_url(url)
+        if parts.scheme.lower() not in ("http", "https"):
+            raise UnsupportedURLError(f"redirect to scheme {parts.scheme!r} is not allowed")
+        if "@" in parts.netloc:
+            raise UnsupportedURLError("URLs with user info (user@host) are not allowed")
+        self.check_host(parts.hostname or "")
+
+    def check_host(self, host: str) -> None:
+        host = host.rstrip(".").lower()
+        if not host:
+            raise UnsupportedURLError("URL has no host")
+        allowed = self.config.allowed_domains
+        if allowed is not None and not any(_host_matches(host, d) for d in allowed):
+            raise UnsupportedURLError(f"host {host!r} is not in the allowed domains")
+
+    def connect(self, address: tuple[str, int], timeout: float | None = None,
+                source_address: tuple[str, int] | None = None) -> socket.socket:
+        """Check the host actually dialled, resolve, refuse non-public addresses, dial the checked address.
+
+        NOTE: dialling the checked IP (not the host name again) closes the DNS-rebinding gap between the
+        check and the connection; TLS still verifies the certificate against the host.
+        """
+        host, port = address
+        self.check_host(host)
+        try:
+            ips = self._resolver(host, port)
+        except OSError as err:
+            raise MediaError(f"cannot resolve host {host!r}: {err}") from err
+        if not ips:
+            raise MediaError(f"host {host!r} has no address")
+        if not self.config.allow_private_addresses:
+            for ip in ips:
+                if not is_public_address(ip):
+                    raise UnsupportedURLError(f"host {host!r} resolves to non-public address {ip}")
+        last: OSError | None = None
+        for ip in ips:
+            try:
+                return self._dial((ip, port), timeout, source_address)
+            except OSError as err:
+                last = err
+        raise last or OSError(f"cannot connect to {host!r}")
+
+    def fetch(self, url: str) -> bytes:
+        self.check_url(url)
+        timeout = self.config.fetch_timeout_s
+        one = _OneFetch(self, time.monotonic() + timeout)
+        request = urllib.request.Request(url, headers={"User-Agent": "mmserve", "Accept": "image/*"})
+        timer = threading.Timer(timeout, one.expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            return self._read(one, request)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+            if one.expired:
+                raise one.timed_out(url) from err
+            raise _failure(url, err) from err
+        finally:
+            timer.cancel()
+            one.close()
+
+    def _read(self, one: _OneFetch, request: urllib.request.Request) -> bytes:
+        cap = self.config.max_image_bytes
+        with _build_opener(one).open(request, timeout=self.config.fetch_timeout_s) as response:
+            length = response.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > cap:
+                raise MediaError(f"image is {int(length)} bytes, more than the {cap}-byte limit")
+            data = _read_capped(response, cap)
+        if one.expired:  # the deadline cut the body short: what we have is not the image
+            raise one.timed_out(request.full_url)
+        return data
+
+
+class _OneFetch:
+    """One fetch's deadline: every socket it opens is shut down when the deadline passes, so no slow
+    drip, slow header or redirect chain outlives it (a socket timeout alone restarts at every byte)."""
+
+    def __init__(self, fetcher: HttpFetcher, deadline: float) -> None:
+        self.fetcher, self.deadline, self.expired = fetcher, deadline, False
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []  # duplicates: TLS wrapping detaches the original object
+
+    def connect(self, address: tuple[str, int], timeout: float | None = None,
+                source_address: tuple[str, int] | None = None) -> socket.socket:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("fetch deadline passed")
+        sock = self.fetcher.connect(address, min(left, timeout or left), source_address)
+        with self._lock:
+            if self.expired:
+                sock.close()
+                raise TimeoutError("fetch deadline passed")
+            self._socks.append(sock.dup())  # NOTE: shutdown acts on the socket behind every descriptor
+        return sock
+
+    def expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._socks:
+                with contextlib.suppress(OSError):  # already closed by the other side
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._socks:
+                sock.close()
+            self._socks.clear()
+
+    def timed_out(self, url: str) -> MediaError:
+        return MediaError(f"fetching {url} failed: no complete answer within {self.fetcher.config.fetch_timeout_s} s "
+                          "(connect, redirects, headers and body together)")
+
+
+def _failure(url: str, err: BaseException) -> MediaError:
+    if isinstance(err, urllib.error.HTTPError):
+        if 300 <= err.code < 400:
+            return MediaError(f"fetching {url} failed: more than {MAX_REDIRECTS} redirects")
+        return MediaError(f"fetching {url} failed: HTTP {err.code}")
+    if isinstance(err, urllib.error.URLError):
+        return MediaError(f"fetching {url} failed: {err.reason}")
+    return MediaError(f"fetching {url} failed: {err!r}")  # timeouts, resets, bad responses
+
+
+def split_url(url: str) -> urllib.parse.SplitResult:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError as err:
+        raise UnsupportedURLError(f"malformed URL: {err}") from err
+    return parts
+
+
+def _host_matches(host: str, domain: str) -> bool:
+    domain = domain.strip(".").lower()
+    return host == domain or host.endswith("." + domain)
+
+
+def _read_capped(stream: http.client.HTTPResponse, cap: int) -> bytes:
+    """Read until EOF; stop past `cap` bytes."""
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := stream.read(_CHUNK):
+        total += len(chunk)
+        if total > cap:
+            raise MediaError(f"image is more than the {cap}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _GuardedRedirects(urllib.request.HTTPRedirectHandler):
+    max_redirections = MAX_REDIRECTS
+
+    def __init__(self, fetcher: HttpFetcher) -> None:
+        self._fetcher = fetcher
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        self._fetcher.check_url(newurl)  # newurl is absolute here
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    def http_error_302(self, req, fp, code, msg, headers):
+        # NOTE: check before urllib's own scheme test, so file:/ftp: targets raise UnsupportedURLError.
+        target = headers.get("location") or headers.get("uri")
+        if target:
+            self._fetcher.check_url(urllib.parse.urljoin(req.full_url, target))
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+
+def _guarded(base: type[http.client.HTTPConnection], one: _OneFetch) -> Any:
+    """A connection factory whose sockets come from `one.connect` (deadline, check, resolve, dial)."""
+    def make(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
+        conn = base(*args, **kwargs)
+        conn._create_connection = one.connect  # type: ignore[attr-defined]
+        return conn
+    return make
+
+
+class _GuardedHTTP(urllib.request.HTTPHandler):
+    def __init__(self, one: _OneFetch) -> None:
+        super().__init__()
+        self._make = _guarded(http.client.HTTPConnection, one)
+
+    def http_open(self, req):
+        return self.do_open(self._make, req)
+
+
+class _GuardedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, one: _OneFetch) -> None:
+        super().__init__()
+        self._make = _guarded(http.client.HTTPSConnection, one)
+
+    def https_open(self, req):
+        return self.do_open(self._make, req)
+
+
+def _build_opener(one: _OneFetch) -> urllib.request.OpenerDirector:
+    """Only the handlers we need. NOTE: no ProxyHandler, so environment proxies are ignored."""
+    opener = urllib.request.OpenerDirector()
+    for handler in (_GuardedHTTP(one), _GuardedHTTPS(one), _GuardedRedirects(one.fetcher),
+                    urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor(),
+                    urllib.request.UnknownHandler()):
+        opener.add_handler(handler)
+    return opener
