@@ -1,0 +1,137 @@
+"""image_decode.py against hostile and odd images: decompression bombs in every accepted format refused
+from the header, every PIL mode and animated images decoded as transformers' processor reads them."""
+
+from __future__ import annotations
+
+import io
+import struct
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image, ImageFile
+
+from mmserve.config import MediaConfig
+from mmserve.errors import MediaError
+from mmserve.preprocess.image_decode import decode_image
+
+BOMB_FORMATS = ["PNG", "GIF", "WEBP", "TIFF", "BMP"]
+CAP = MediaConfig().max_image_pixels
+
+
+def encode(image: Image.Image, fmt: str, **save: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **save)
+    return buf.getvalue()
+
+
+def noise(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def no_pixel_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: ImageFile.ImageFile) -> None:
+        raise AssertionError("pixels were decoded")
+    monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
+
+
+@pytest.mark.parametrize("fmt", BOMB_FORMATS)
+def test_over_the_pixel_cap_is_refused_from_the_header_in_every_format(fmt: str, no_pixel_decoding: None) -> None:
+    with pytest.raises(MediaError, match="64x64 pixels, more than the 4000-pixel limit"):
+        decode_image(encode(noise(64, 64), fmt), max_pixels=4000)
+
+
+def _png_header_claiming(width: int, height: int) -> bytes:
+    data = bytearray(encode(Image.new("L", (8, 8)), "PNG"))
+    ihdr = struct.pack(">II", width, height) + bytes(data[24:29])  # size, then depth, colour, ...
+    data[16:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return bytes(data)
+
+
+def _patched(fmt: str, offsets: tuple[int, int], pack: str, size: int) -> bytes:
+    data = bytearray(encode(Image.new("L" if fmt != "BMP" else "RGB", (8, 8)), fmt))
+    for offset in offsets:
+        data[offset:offset + struct.calcsize(pack)] = struct.pack(pack, size)
+    return bytes(data)
+
+
+def _tiff_claiming(width: int, height: int) -> bytes:
+    """A little-endian TIFF whose one IFD claims `width` x `height` 8-bit grey pixels over 8 bytes of data."""
+    tags = [(256, 4, width), (257, 4, height), (258, 3, 8), (259, 3, 1), (262, 3, 1), (273, 4, 8),
+            (278, 4, height), (279, 4, 8)]
+    ifd = struct.pack("<H", len(tags)) + b"".join(struct.pack("<HHII", t, k, 1, v) for t, k, v in tags)
+    return b"II*\0" + struct.pack("<I", 16) + b"\0" * 8 + ifd + b"\0\0\0\0"
+
+
+# Headers that claim 8000 x 8000 (or 65535 x 65535) pixels over a few hundred bytes of data
+BOMBS = {
+    "PNG": lambda: _png_header_claiming(8000, 8000),
+    "GIF": lambda: _patched("GIF", (6, 8), "<H", 65535),  # the logical screen
+    "BMP": lambda: _patched("BMP", (18, 22), "<i", 8000),
+    "TIFF": lambda: _tiff_claiming(8000, 8000),
+}
+
+
+@pytest.mark.parametrize("fmt", list(BOMBS))
+def test_a_bomb_header_is_refused_at_the_default_cap_without_allocating(fmt: str, no_pixel_decoding: None) -> None:
+    start = time.monotonic()
+    with pytest.raises(MediaError, match=r"pixels, more than the \d+-pixel limit|DecompressionBomb"):
+        decode_image(BOMBS[fmt](), max_pixels=CAP)
+    assert time.monotonic() - start < 1.0  # the header is read, 64 Mpx of RGB (192 MB) never are
+
+
+def test_the_cap_is_settable_from_the_config() -> None:
+    assert MediaConfig(max_image_pixels=10).max_image_pixels == 10
+    with pytest.raises(ValueError):
+        MediaConfig(max_image_pixels=0)
+
+
+# --- modes and animations, as transformers' processor reads them ---------------------------------
+
+
+def _modes() -> dict[str, tuple[Image.Image, str]]:
+    base = noise(45, 30, seed=1)
+    rgba = np.array(base.convert("RGBA"))
+    rgba[..., 3] = np.random.default_rng(2).integers(0, 256, rgba.shape[:2])  # partial transparency
+    grey16 = np.random.default_rng(3).integers(0, 65535, (30, 45)).astype(np.uint16)
+    palette = base.convert("P")
+    palette.info["transparency"] = 0
+    return {"RGBA": (Image.fromarray(rgba), "PNG"), "LA": (Image.fromarray(rgba).convert("LA"), "PNG"),
+            "P": (base.convert("P"), "PNG"), "P-transparent": (palette, "PNG"),
+            "CMYK": (base.convert("CMYK"), "JPEG"), "I;16": (Image.fromarray(grey16), "PNG"),
+            "1": (base.convert("1"), "PNG"), "L": (base.convert("L"), "GIF"), "I": (base.convert("I"), "TIFF"),
+            "F": (base.convert("F"), "TIFF")}
+
+
+MODES = _modes()
+
+
+@pytest.fixture(scope="module")
+def image_processor(tiny_ckpt_224: Path) -> Any:
+    from transformers import AutoImageProcessor
+    return AutoImageProcessor.from_pretrained(tiny_ckpt_224)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_gives_the_pixels_transformers_gives(image_processor: Any, mode: str) -> None:
+    image, fmt = MODES[mode]
+    data = encode(image, fmt)
+    ours = image_processor(decode_image(data, max_pixels=CAP), return_tensors="np")["pixel_values"]
+    # transformers' own reading of the file: its processor converts to RGB (alpha on white)
+    ref = image_processor(Image.open(io.BytesIO(data)), do_convert_rgb=True, return_tensors="np")["pixel_values"]
+    assert np.array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP", "PNG"])
+def test_an_animated_image_is_its_first_frame(fmt: str) -> None:
+    frames = [Image.new("RGB", (16, 16), colour) for colour in ((255, 0, 0), (0, 0, 255), (0, 255, 0))]
+    data = encode(frames[0], fmt, save_all=True, append_images=frames[1:], duration=100, loop=0,
+                  **({"lossless": True} if fmt == "WEBP" else {}))
+    assert getattr(Image.open(io.BytesIO(data)), "n_frames", 1) == 3  # the file really is animated
+    assert decode_image(data, max_pixels=CAP).getpixel((8, 8)) == (255, 0, 0)
