@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayTaskError
@@ -26,6 +27,7 @@ from deployments.metrics_hub import MetricsReporter
 from mmserve.api.body import check_declared_size, parse_json, read_bounded
 from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
+from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError
@@ -35,6 +37,17 @@ from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.stages import StageFactory
 
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's document plus the chat body, which the handler parses itself (mmserve.api.openapi)."""
+    if api.openapi_schema is None:
+        document = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        api.openapi_schema = with_request_body(document, "/v1/chat/completions", "post", ChatCompletionRequest)
+    return api.openapi_schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
 # NOTE: serve.status() is an RPC to Serve's controller: probes from every load balancer and kubelet
 # share one answer for this long instead of each making one.
 HEALTH_STATUS_TTL_S = 2.0
