@@ -59,7 +59,9 @@ class DecoderService:
             try:
                 hashes = self._block_hashes(pre)
                 embeddings = await self._embeddings_outside_cache(live, hashes)
-                request = DecodeRequest(request_id, pre.prompt_token_ids, pre.features, embeddings, pre.sampling,
+                pre = live.pre = without_encoded_pixels(pre, embeddings)  # a late fetch reads the rest here
+                specs = [replace(f, data=None) for f in pre.features]  # the decoder needs no pixels
+                request = DecodeRequest(request_id, pre.prompt_token_ids, specs, embeddings, pre.sampling,
                                         pre.cache_salt, tuple(hashes))
                 self.loop.open(request_id)
                 self.loop.submit(request_id, lambda: self.decoder.add(request))
@@ -137,6 +139,7 @@ class DecoderService:
 
             self.loop.submit(request_id, fail)  # fails the request: its consumer raises, then aborts it
             return
+        live.pre = without_encoded_pixels(live.pre, got)
         self.loop.submit(request_id, lambda: self.decoder.provide_embeddings(request_id, {i: got[i] for i in indices}))
 
     def busy(self) -> bool:
@@ -148,3 +151,14 @@ class DecoderService:
     def stop(self) -> None:
         self.loop.stop()
 
+
+
+def without_encoded_pixels(pre: PreprocessedRequest, embeddings: list[Any]) -> PreprocessedRequest:
+    """`pre` with the pixel data of every item that has its embeddings dropped: the sequence keeps its
+    embeddings for its whole life (a preemption recomputes from them), so the pixels are never needed
+    again. NOTE: in the Ray app the object store still keeps such pixels until the decode call ends (Ray
+    pins references nested in a call's arguments while it runs); this frees the decoder's own hold."""
+    if all(emb is None for emb in embeddings):
+        return pre
+    pairs = zip(pre.features, embeddings, strict=True)
+    return replace(pre, features=[replace(f, data=None) if emb is not None else f for f, emb in pairs])

@@ -280,3 +280,18 @@ def test_the_image_token_is_never_sampled_and_a_sampled_one_would_not_break_the_
     assert fed_back.token_ids == [image_token] * 10  # it runs: positions come from the placeholders
     [after] = engine.generate([chat("i4", IMAGE, text="Describe", max_tokens=10)])
     assert after.token_ids == ref.token_ids
+
+
+def test_once_encoded_no_pixels_are_held_for_the_rest_of_the_generation(engine):
+    async def run():
+        stream = engine.stream(chat("px", IMAGE, WIDE, text="Compare", max_tokens=6))
+        first = await stream.__anext__()  # prefilled: both images were encoded
+        [seq] = [s for s in engine.decoder.scheduler.running if s.request_id == "px"]
+        live = engine.decoder_service._live["px"]
+        held = [f.data for f in seq.features] + [f.data for f in live.pre.features]
+        rest = [o async for o in stream]
+        return first, held, len(seq.features), rest
+
+    first, held, n_features, rest = asyncio.run(run())
+    assert n_features == 2 and held == [None] * 4
+    assert [first, *rest][-1].finished
