@@ -15,6 +15,7 @@ the pixels to the store and waiting for its ref cost the request several times a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -24,11 +25,16 @@ from ray.exceptions import ObjectLostError
 
 from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
+from deployments.retry import replica_lost
 from mmserve.messages import MultiModalFeatureSpec, ProcessedItem, StoredItem
 from mmserve.preprocess.processor_cache import CachedItem, InMemoryStorage, ProcessorCache
 from mmserve.runtime.metrics import MetricsSnapshot, processor_cache_snapshot
 
 log = logging.getLogger(__name__)
+# NOTE: a lookup answers in about a millisecond; this long means the store is down or restarting (Serve
+# queues calls to a deployment without replicas), and the item is cheaper to process again.
+LOOKUP_TIMEOUT_S = 5.0
+RESOLVE_TIMEOUT_S = 60.0  # reading pixels from the object store (another node's: a transfer)
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
@@ -69,7 +75,9 @@ class ProcessorCacheStore:
             log.warning("could not adopt processed item %s", key, exc_info=True)
             self.cache.discard(key)
             return
-        self.cache.replace(key, StoredItem(ref=ray.put(item), num_tiles=num_tiles, nbytes=nbytes))
+        # NOTE: in a thread: a put of several MiB on this loop would hold every replica's lookups meanwhile
+        copy = await asyncio.to_thread(ray.put, item)
+        self.cache.replace(key, StoredItem(ref=copy, num_tiles=num_tiles, nbytes=nbytes))  # if still held
 
     def metrics(self) -> MetricsSnapshot:
         return processor_cache_snapshot(self.cache.stats())
@@ -84,7 +92,15 @@ class SharedProcessorCache:
         self.bind = self._store.bind
 
     def get(self, key: str) -> CachedItem | None:
-        return self._store.call("lookup", key)
+        """The store's entry, or None; a store that is down or slow is a miss (the item is processed
+        again), never a failed request."""
+        try:
+            return self._store.call("lookup", key, timeout_s=LOOKUP_TIMEOUT_S)
+        except Exception as exc:
+            if not (replica_lost(exc) or isinstance(exc, TimeoutError)):
+                raise
+            log.warning("processor cache store unavailable (%s); a miss", type(exc).__name__)
+            return None
 
     def store(self, key: str, item: ProcessedItem) -> StoredItem:
         ref = ray.put(item)  # owned by this replica; the request carries it on at once
@@ -107,10 +123,15 @@ class PixelResolver:
         if not isinstance(data, StoredItem):
             return data
         try:
-            return ray.get(data.ref)
-        except ObjectLostError:  # OwnerDiedError included
-            kept = self._store.call("kept_copy", spec.identifier)  # the store's key is the content hash
-            if not isinstance(kept, StoredItem):
-                raise
-            log.info("pixels of %s lost with their maker; using the store's copy", spec.identifier)
-            return ray.get(kept.ref)
+            return ray.get(data.ref, timeout=RESOLVE_TIMEOUT_S)
+        except ObjectLostError as lost:  # OwnerDiedError included
+            # NOTE: whatever goes wrong from here, the loss is the reason reported: callers retry a request
+            # whose pixels were lost from its preprocessing on (deployments/retry.py)
+            try:
+                kept = self._store.call("kept_copy", spec.identifier, timeout_s=LOOKUP_TIMEOUT_S)  # key: the hash
+                if isinstance(kept, StoredItem):
+                    log.info("pixels of %s lost with their maker; using the store's copy", spec.identifier)
+                    return ray.get(kept.ref, timeout=RESOLVE_TIMEOUT_S)
+            except Exception:
+                log.warning("no kept copy of %s either", spec.identifier, exc_info=True)
+            raise lost from None

@@ -19,6 +19,7 @@ from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
+from deployments.retry import retrying
 from mmserve.errors import InvalidRequestError, OverloadedError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
 from mmserve.runtime.embeddings_wire import from_wire
@@ -35,6 +36,7 @@ class Decoder:
         stages.release_unused()
         self.engine = self.service.decoder
         self.encoder = hold(encoder)
+        self.replica_loss_retries = app_args.replica_loss_retries
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -47,9 +49,10 @@ class Decoder:
             yield RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
 
     async def _encode(self, request: PreprocessedRequest) -> list[torch.Tensor]:
-        try:
-            out: EncoderOutput | RequestFailed = await self.encoder.encode.remote(request.request_id,
-                                                                                  request.features)
+        try:  # NOTE: only the call is retried; a RequestFailed is the encoder's verdict on the request
+            out: EncoderOutput | RequestFailed = await retrying(
+                lambda: self.encoder.encode.remote(request.request_id, request.features),
+                retries=self.replica_loss_retries, what=f"encode of {request.request_id}")
         except BackPressureError as exc:
             raise OverloadedError(f"the encoder's queue is full ({exc}); retry later") from None
         if isinstance(out, RequestFailed):

@@ -49,10 +49,11 @@ class FromThread:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
 
-    def call(self, method: str, *args: Any) -> Any:
-        """`await handle.method.remote(*args)` on the loop; blocks this (worker) thread for the answer."""
+    def call(self, method: str, *args: Any, timeout_s: float) -> Any:
+        """`await handle.method.remote(*args)` on the loop; blocks this (worker) thread for the answer,
+        at most `timeout_s` (then TimeoutError, and the call is cancelled)."""
         async def remote() -> Any:
-            return await getattr(self._handle, method).remote(*args)
+            return await asyncio.wait_for(getattr(self._handle, method).remote(*args), timeout_s)
 
         return asyncio.run_coroutine_threadsafe(remote(), self._bound()).result()
 

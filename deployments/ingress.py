@@ -24,13 +24,14 @@ from ray.serve.exceptions import BackPressureError
 from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
+from deployments.retry import replica_lost, retrying
 from mmserve.api.body import check_declared_size, parse_json, read_bounded
 from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
 from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
-from mmserve.errors import OverloadedError
+from mmserve.errors import OverloadedError, ReplicaLostError
 from mmserve.messages import RequestFailed, RequestOutput
 from mmserve.runtime.metrics import IngressMetrics, RequestStatus
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
@@ -54,7 +55,10 @@ HEALTH_STATUS_TTL_S = 2.0
 
 
 def _unwrap(exc: BaseException) -> BaseException:
-    """The replica's own exception, without Ray's wrapper (whose text carries a traceback)."""
+    """The replica's own exception, without Ray's wrapper (whose text carries a traceback); a lost
+    replica (after the retries) as a ReplicaLostError."""
+    if replica_lost(exc):
+        return ReplicaLostError(f"a serving replica was lost ({type(exc).__name__}); retry")
     while isinstance(exc, RayTaskError) and exc.cause is not None:
         exc = exc.cause
     return exc
@@ -116,6 +120,7 @@ class Ingress:
         self.default_max_tokens = spec.max_model_len
         self.max_body_bytes = app_args.ingress.max_body_bytes
         self.request_timeout_s = app_args.ingress.request_timeout_s
+        self.replica_loss_retries = app_args.replica_loss_retries
         self.preprocess, self.hub = hold(preprocess), hold(hub)
         # NOTE: options() builds a new handle (and its router): once here, not once per request
         self.decoder = hold(decoder).options(stream=True)
@@ -164,21 +169,8 @@ class Ingress:
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {self.model_name!r}")
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", self.default_max_tokens)
             timing.mark("parse")
-            preprocessing = self.preprocess.process.remote(chat)
-            try:
-                answer = await self._within(deadline, preprocessing)
-            except BaseException:
-                preprocessing.cancel()  # e.g. the deadline: the Preprocess replica stops working on it
-                raise
-            pre = _raise_failed(answer)
-            timing.mark("preprocess")
-            outputs = self.decoder.generate.remote(pre)
-            try:  # errors before the first token get a 4xx/5xx status
-                first = _raise_failed(await self._within(deadline, outputs.__anext__()))
-            except BaseException:
-                outputs.cancel()  # e.g. the deadline: the decoder drops the request and frees its KV blocks
-                raise
-            timing.mark("first")
+            first, outputs = await retrying(lambda: self._first(chat, deadline, timing),
+                                            retries=self.replica_loss_retries, what=f"request {chat.request_id}")
         except Exception as exc:
             self._done(failure_status(exc), started)
             return _error(exc)
@@ -187,6 +179,28 @@ class Ingress:
             stream = self._sse(chat.request_id, body.include_usage, first, outputs, started, deadline)
             return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
         return await self._complete(chat.request_id, first, outputs, started, deadline, timing)
+
+    async def _first(self, chat: Any, deadline: Deadline, timing: ServerTiming) -> tuple[Any, Any]:
+        """Preprocess, then the Decoder's stream up to its first output: (that output, the stream).
+
+        NOTE: idempotent (nothing has reached the client yet), so a replica lost on the way is retried.
+        """
+        preprocessing = self.preprocess.process.remote(chat)
+        try:
+            answer = await self._within(deadline, preprocessing)
+        except BaseException:
+            preprocessing.cancel()  # e.g. the deadline: the Preprocess replica stops working on it
+            raise
+        pre = _raise_failed(answer)
+        timing.mark("preprocess")
+        outputs = self.decoder.generate.remote(pre)
+        try:  # errors before the first token get a 4xx/5xx status
+            first = _raise_failed(await self._within(deadline, outputs.__anext__()))
+        except BaseException:
+            outputs.cancel()  # e.g. the deadline: the decoder drops the request and frees its KV blocks
+            raise
+        timing.mark("first")
+        return first, outputs
 
     async def _within(self, deadline: Deadline, awaitable: Any) -> Any:
         """`await awaitable` by the request's deadline; Serve's BackPressureError (a stage's queue is full)

@@ -26,21 +26,26 @@ class Preprocess:
         self.preprocessor = StageFactory(app_args.engine_config()).preprocessor(self.cache)
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
+        self.ongoing = 0  # requests being processed here now
 
     async def process(self, request: ChatRequest) -> PreprocessedRequest | RequestFailed:
         self.reporter.ensure_started()
         self.cache.bind()
+        self.ongoing += 1
         try:
             # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
             return await asyncio.to_thread(self.preprocessor.process, request)
         except InvalidRequestError as exc:
             return RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
+        finally:
+            self.ongoing -= 1
 
     def metrics(self) -> MetricsSnapshot:
         return preprocess_snapshot(self.preprocessor.image_processor_calls)
 
     def replica_info(self) -> dict[str, Any]:
-        """Read-only introspection (tests, debugging): who answered, where, and its processor calls."""
+        """Read-only introspection (tests, debugging): who answered, where, its processor calls and the
+        requests it is processing now."""
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "image_processor_calls": self.preprocessor.image_processor_calls}
+                "image_processor_calls": self.preprocessor.image_processor_calls, "ongoing": self.ongoing}

@@ -68,6 +68,14 @@ class OverloadedError(RuntimeError):
     retry_after_s = 1  # seconds a client should wait before retrying (HTTP's Retry-After)
 
 
+class ReplicaLostError(OverloadedError):
+    """A replica serving the request died and the retries on live ones did not get it through (or the
+    request was already streaming from it); 503 with `Retry-After`: the service replaces the replica."""
+
+    code = "replica_lost"
+    retry_after_s = 5
+
+
 class DeadlineExceededError(RuntimeError):
     """A request outlived its deadline (waiting or running); maps to HTTP 504. Its holds are freed."""
 

@@ -1,0 +1,159 @@
+"""A replica of each stage killed under a steady load of 4 clients: no request hangs, no accepted request
+is lost (except those a killed Decoder or Ingress was serving at that moment), the service is whole again
+afterwards, and nothing is left held."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from tests.integration.conftest import AppInfo
+from tests.integration.helpers import (
+    SSEStream,
+    chat_body,
+    data_url,
+    post_json,
+    replica_actors,
+    replica_states,
+    replica_suffix,
+    wait_until,
+)
+from tests.integration.test_cluster_cancellation import idle, referenced
+
+CLIENTS = 4
+CLIENT_TIMEOUT_S = 60.0  # a request still open this long is a hang
+STEADY_S = 3.0  # load before each kill
+# in the order a request meets them; the Decoder and the Ingress hold streams that cannot move
+VICTIMS = ("Preprocess", "Encoder", "ProcessorCacheStore", "Decoder", "Ingress")
+MAY_LOSE_IN_FLIGHT = {"Decoder", "Ingress"}
+
+
+@dataclass
+class Outcome:
+    start: float  # monotonic s
+    end: float
+    ok: bool
+    detail: str  # status and error text when not ok
+
+
+def _one(app: AppInfo, n: int) -> Outcome:
+    start = time.monotonic()
+    body = chat_body(data_url(seed=300 + n % 6), max_tokens=6, temperature=0.0)  # 6 images: hits and misses
+    try:
+        if n % 4 == 3:  # every fourth streams
+            stream = SSEStream(app.cluster.http_port, "/v1/chat/completions", {**body, "stream": True},
+                               timeout=CLIENT_TIMEOUT_S)
+            events = list(stream.events())
+            stream.close()
+            errors = [e for e in events if isinstance(e, dict) and "error" in e]
+            ok, detail = (not errors and events[-1:] == ["[DONE]"]), f"stream: {errors or events[-1:]}"
+        else:
+            status, answer = post_json(app.base_url, "/v1/chat/completions", body, timeout=CLIENT_TIMEOUT_S)
+            ok, detail = status == 200, f"{status}: {answer}"
+    except Exception as exc:  # a hang (timeout), a dropped connection
+        ok, detail = False, repr(exc)
+    return Outcome(start, time.monotonic(), ok, detail[:300])
+
+
+def _load(app: AppInfo, stop: threading.Event, out: list[Outcome], counter: itertools.count) -> None:
+    while not stop.is_set():
+        out.append(_one(app, next(counter)))
+
+
+# deployment -> whether a `replica_info()` shows a request in flight there (both stages are quick: the test
+# kills a replica caught working, with a burst of heavy requests in flight, not one that happens to idle)
+BUSY: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "Preprocess": lambda info: info["ongoing"] > 0,
+    "Encoder": lambda info: bool(info["referenced_requests"]),
+}
+
+
+def _heavy(app: AppInfo, n: int) -> Outcome:
+    """Two new 3000x1500 images with pan-and-scan: long in Preprocess (decode, crops) and the Encoder."""
+    start = time.monotonic()
+    body = chat_body(data_url(seed=5000 + 2 * n, width=3000, height=1500),
+                     data_url(seed=5001 + 2 * n, width=3000, height=1500),
+                     max_tokens=4, mm_processor_kwargs={"do_pan_and_scan": True})
+    try:
+        status, answer = post_json(app.base_url, "/v1/chat/completions", body, timeout=CLIENT_TIMEOUT_S)
+        ok, detail = status == 200, f"heavy {status}: {answer}"
+    except Exception as exc:
+        ok, detail = False, f"heavy {exc!r}"
+    return Outcome(start, time.monotonic(), ok, detail[:300])
+
+
+def _busy_victim(app: AppInfo, deployment: str, out: list[Outcome], counter: itertools.count) -> dict[str, Any]:
+    """Send a burst of heavy requests, then return the actor of a replica caught with one in flight."""
+    burst = [threading.Thread(target=lambda: out.append(_heavy(app, next(counter))), name="heavy", daemon=True)
+             for _ in range(6)]
+    for thread in burst:
+        thread.start()
+
+    def caught() -> str | None:
+        info = app.handle(deployment).replica_info.remote().result(timeout_s=10)
+        return info["replica_id"] if BUSY[deployment](info) else None
+
+    replica_id = wait_until(caught, timeout=30, interval=0.01, what=f"a {deployment} replica at work")
+    return next(a for a in replica_actors(app.name, deployment) if replica_suffix(a["name"]) == replica_id)
+
+
+def _kill_one(app: AppInfo, deployment: str, out: list[Outcome], counter: itertools.count) -> tuple[float, float]:
+    """Kill one replica of `deployment`; (kill time, time Serve had replaced it) in monotonic s."""
+    alive = replica_actors(app.name, deployment)
+    victim = _busy_victim(app, deployment, out, counter) if deployment in BUSY else alive[0]
+    killed = time.monotonic()
+    ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
+
+    def replaced() -> bool:
+        names = {a["name"] for a in replica_actors(app.name, deployment)}
+        return victim["name"] not in names and len(names) == len(alive) and \
+            replica_states(app.name, deployment) == {"RUNNING": len(alive)}
+
+    wait_until(replaced, timeout=180, interval=0.5, what=f"Serve to replace the killed {deployment} replica")
+    return killed, time.monotonic()
+
+
+def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(mm_app: AppInfo):
+    outcomes: list[Outcome] = []
+    stop, counter = threading.Event(), itertools.count()
+    clients = [threading.Thread(target=_load, args=(mm_app, stop, outcomes, counter), daemon=True)
+               for _ in range(CLIENTS)]
+    for client in clients:
+        client.start()
+    kills: dict[str, tuple[float, float]] = {}
+    try:
+        for deployment in VICTIMS:
+            time.sleep(STEADY_S)
+            kills[deployment] = _kill_one(mm_app, deployment, outcomes, counter)
+        time.sleep(STEADY_S)
+        wait_until(lambda: not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("heavy")),
+                   timeout=CLIENT_TIMEOUT_S, what="the heavy bursts to end")
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(timeout=CLIENT_TIMEOUT_S + 10)
+    assert not any(client.is_alive() for client in clients), "a client is stuck past its timeout"
+
+    def excused(o: Outcome) -> bool:  # in flight at the moment a stream-holding replica was killed
+        return any(o.start <= kills[d][0] <= o.end for d in MAY_LOSE_IN_FLIGHT)
+
+    lost = [o for o in outcomes if not o.ok and not excused(o)]
+    summary = {d: f"killed at +{k - outcomes[0].start:.1f} s, replaced in {b - k:.1f} s" for d, (k, b) in kills.items()}
+    print(f"{len(outcomes)} requests, {sum(not o.ok for o in outcomes)} failed "
+          f"({sum(not o.ok and excused(o) for o in outcomes)} in flight on a killed Decoder/Ingress); {summary}")
+    assert not lost, [o.detail for o in lost]
+    assert all(o.end - o.start < CLIENT_TIMEOUT_S for o in outcomes)
+    assert sum(o.ok for o in outcomes) > 4 * len(VICTIMS)  # the load really ran throughout
+
+    started = time.monotonic()
+    for n in range(10):  # the service is whole again: ten in a row
+        assert _one(mm_app, 1000 + n).ok
+    assert time.monotonic() - started < 90
+    wait_until(lambda: idle(mm_app), timeout=30, what="the decoder to hold nothing")
+    assert all(not refs for refs in referenced(mm_app).values())

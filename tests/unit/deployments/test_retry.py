@@ -1,0 +1,50 @@
+"""retry.py: which errors are a lost replica, and a bounded retry of only those."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
+
+from deployments import retry
+from deployments.retry import replica_lost, retrying
+from mmserve.errors import MediaError
+
+
+@pytest.mark.parametrize("exc, lost", [
+    (ActorDiedError(), True), (ActorUnavailableError("gone", None), True), (OwnerDiedError("00" * 28, None, ""), True),
+    (RayTaskError("generate", "tb", ActorDiedError()), True),  # a replica passing on its callee's loss
+    (RayTaskError("generate", "tb", MediaError("bad image")), False), (MediaError("bad image"), False),
+    (TimeoutError(), False),
+])
+def test_what_counts_as_a_lost_replica(exc: BaseException, lost: bool) -> None:
+    assert replica_lost(exc) is lost
+
+
+def _flaky(failures: list[BaseException]):
+    calls = []
+
+    async def call() -> str:
+        calls.append(1)
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+    return call, calls
+
+
+def test_a_lost_replica_is_retried_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(retry, "BACKOFF_S", 0.0)
+    call, calls = _flaky([ActorDiedError(), ActorDiedError()])
+    assert asyncio.run(retrying(call, retries=2, what="t")) == "ok" and len(calls) == 3
+    call, calls = _flaky([ActorDiedError()] * 3)
+    with pytest.raises(ActorDiedError):
+        asyncio.run(retrying(call, retries=2, what="t"))
+    assert len(calls) == 3
+
+
+def test_other_errors_are_not_retried() -> None:
+    call, calls = _flaky([MediaError("bad image")])
+    with pytest.raises(MediaError):
+        asyncio.run(retrying(call, retries=5, what="t"))
+    assert len(calls) == 1
