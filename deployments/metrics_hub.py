@@ -20,9 +20,11 @@ from ray.util import metrics as ray_metrics
 
 from deployments.handles import hold
 from mmserve.runtime.metrics import HistogramValue, Metric, MetricsSnapshot, merge
+from mmserve.runtime.process_memory import resident_memory_snapshot
 
 log = logging.getLogger(__name__)
 STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges stop counting, its counters stay
+RETIRE_AFTER_S = 600.0  # ...and this long: its counters are folded into one sum and its entry dropped
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
@@ -30,14 +32,18 @@ STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges stop coun
 class MetricsHub:
     def __init__(self) -> None:
         self._latest: dict[str, tuple[float, MetricsSnapshot]] = {}  # source -> (time, snapshot)
+        self._retired = MetricsSnapshot()  # the counters of replicas long gone, summed into one
 
     def report(self, source: str, snapshot: MetricsSnapshot) -> None:
         self._latest[source] = (time.monotonic(), snapshot)
 
     def collect(self) -> MetricsSnapshot:
         now = time.monotonic()
+        gone = [source for source, (t, _) in self._latest.items() if now - t > RETIRE_AFTER_S]
+        if gone:  # NOTE: so the hub's memory does not grow with every replica ever started
+            self._retired = merge([self._retired, *(_without_gauges(self._latest.pop(s)[1]) for s in gone)])
         snapshots = [s if now - t < STALE_AFTER_S else _without_gauges(s) for t, s in self._latest.values()]
-        return merge(snapshots)
+        return merge([self._retired, *snapshots])
 
 
 def _without_gauges(snapshot: MetricsSnapshot) -> MetricsSnapshot:
@@ -73,7 +79,7 @@ class MetricsReporter:
             self._task.cancel()
 
     async def push(self) -> None:
-        snapshot = self.snapshot()
+        snapshot = merge([self.snapshot(), resident_memory_snapshot(self.source)])
         await self.hub.report.remote(self.source, snapshot)
         self.mirror.update(snapshot)
 
