@@ -19,8 +19,8 @@ from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
-from deployments.retry import retrying
-from mmserve.errors import InvalidRequestError, OverloadedError
+from deployments.retry import ACTOR_LOST, retrying
+from mmserve.errors import InvalidRequestError, OverloadedError, ReplicaLostError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
 from mmserve.runtime.embeddings_wire import from_wire
 from mmserve.runtime.metrics import MetricsSnapshot, decoder_snapshot
@@ -49,12 +49,18 @@ class Decoder:
             yield RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
 
     async def _encode(self, request: PreprocessedRequest) -> list[torch.Tensor]:
-        try:  # NOTE: only the call is retried; a RequestFailed is the encoder's verdict on the request
+        # NOTE: only a dead encoder is retried here (a RequestFailed is the encoder's verdict, and lost pixels
+        # stay lost: the ingress preprocesses such a request again); past the retries a ReplicaLostError,
+        # which the ingress does not retry again
+        try:
             out: EncoderOutput | RequestFailed = await retrying(
-                lambda: self.encoder.encode.remote(request.request_id, request.features),
-                retries=self.replica_loss_retries, what=f"encode of {request.request_id}")
+                lambda attempt: self.encoder.encode.remote(
+                    request.request_id if not attempt else f"{request.request_id}/retry-{attempt}", request.features),
+                retries=self.replica_loss_retries, what=f"encode of {request.request_id}", kinds=ACTOR_LOST)
         except BackPressureError as exc:
             raise OverloadedError(f"the encoder's queue is full ({exc}); retry later") from None
+        except ACTOR_LOST as exc:
+            raise ReplicaLostError(f"encoder replicas lost ({type(exc).__name__}); retry") from None
         if isinstance(out, RequestFailed):
             raise out.error
         return from_wire(out.embeddings, out.dtype)

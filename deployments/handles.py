@@ -8,6 +8,7 @@ called (the stage files) nor routing policy (Serve's default router).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 
@@ -28,6 +29,17 @@ def hold(handle: Any) -> Any:
     `_by_reference` is private in Ray 2.60.
     """
     return handle.options(_by_reference=True)
+
+
+def cancel(response: Any) -> None:
+    """Cancel a handle call, whatever became of it.
+
+    NOTE: a DeploymentResponse(Generator)'s `cancel()` first waits for the call's assignment to a replica
+    and re-raises what that raised (a BackPressureError): called while handling that very error, it
+    turned a 503 into a 500.
+    """
+    with contextlib.suppress(Exception):
+        response.cancel()
 
 
 class FromThread:
@@ -53,7 +65,12 @@ class FromThread:
         """`await handle.method.remote(*args)` on the loop; blocks this (worker) thread for the answer,
         at most `timeout_s` (then TimeoutError, and the call is cancelled)."""
         async def remote() -> Any:
-            return await asyncio.wait_for(getattr(self._handle, method).remote(*args), timeout_s)
+            response = getattr(self._handle, method).remote(*args)
+            try:
+                return await asyncio.wait_for(response, timeout_s)
+            except TimeoutError:
+                cancel(response)  # on the replica too, if it got there
+                raise
 
         return asyncio.run_coroutine_threadsafe(remote(), self._bound()).result()
 

@@ -9,9 +9,11 @@ through here: the ingress holds only small specs with ObjectRefs.
 # NOTE: no `from __future__ import annotations` here: FastAPI reads handler annotations at runtime.
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +24,7 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from deployments.args import AppArgs
-from deployments.handles import hold
+from deployments.handles import cancel, hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import replica_lost, retrying
 from mmserve.api.body import check_declared_size, parse_json, read_bounded
@@ -32,11 +34,12 @@ from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError, ReplicaLostError
-from mmserve.messages import RequestFailed, RequestOutput
+from mmserve.messages import ChatRequest, RequestFailed, RequestOutput
 from mmserve.runtime.metrics import IngressMetrics, RequestStatus
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.stages import StageFactory
 
+log = logging.getLogger(__name__)
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 
 
@@ -106,8 +109,10 @@ def _raise_failed(message: Any) -> Any:
 
 
 def _error(exc: BaseException) -> JSONResponse:
-    exc = _unwrap(exc)
+    original, exc = exc, _unwrap(exc)
     status, body = error_body(exc)
+    if status == 500:  # NOTE: the client is told nothing of a server fault; the log says what it was
+        log.error("request failed with a server fault", exc_info=original)
     return JSONResponse(body, status_code=status, headers=error_headers(exc))
 
 
@@ -169,7 +174,7 @@ class Ingress:
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {self.model_name!r}")
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", self.default_max_tokens)
             timing.mark("parse")
-            first, outputs = await retrying(lambda: self._first(chat, deadline, timing),
+            first, outputs = await retrying(lambda attempt: self._first(chat, attempt, deadline, timing),
                                             retries=self.replica_loss_retries, what=f"request {chat.request_id}")
         except Exception as exc:
             self._done(failure_status(exc), started)
@@ -180,16 +185,20 @@ class Ingress:
             return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
         return await self._complete(chat.request_id, first, outputs, started, deadline, timing)
 
-    async def _first(self, chat: Any, deadline: Deadline, timing: ServerTiming) -> tuple[Any, Any]:
+    async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline,
+                     timing: ServerTiming) -> tuple[Any, Any]:
         """Preprocess, then the Decoder's stream up to its first output: (that output, the stream).
 
-        NOTE: idempotent (nothing has reached the client yet), so a replica lost on the way is retried.
+        NOTE: idempotent (nothing has reached the client yet), so a replica lost on the way is retried;
+        each retry under a request id of its own downstream (the client still sees `chat.request_id`).
         """
+        if attempt:
+            chat = replace(chat, request_id=f"{chat.request_id}/retry-{attempt}")
         preprocessing = self.preprocess.process.remote(chat)
         try:
             answer = await self._within(deadline, preprocessing)
         except BaseException:
-            preprocessing.cancel()  # e.g. the deadline: the Preprocess replica stops working on it
+            cancel(preprocessing)  # e.g. the deadline: the Preprocess replica stops working on it
             raise
         pre = _raise_failed(answer)
         timing.mark("preprocess")
@@ -197,7 +206,7 @@ class Ingress:
         try:  # errors before the first token get a 4xx/5xx status
             first = _raise_failed(await self._within(deadline, outputs.__anext__()))
         except BaseException:
-            outputs.cancel()  # e.g. the deadline: the decoder drops the request and frees its KV blocks
+            cancel(outputs)  # e.g. the deadline: the decoder drops the request and frees its KV blocks
             raise
         timing.mark("first")
         return first, outputs
@@ -230,7 +239,7 @@ class Ingress:
             return _error(exc)
         finally:
             if not last.finished:  # it failed, or this handler was cancelled: abort it in the decoder
-                outputs.cancel()
+                cancel(outputs)
         self._done("ok", started, last)
         return JSONResponse(builder.build().model_dump(), headers=timing.header())
 
@@ -252,7 +261,7 @@ class Ingress:
             yield sse_error(_unwrap(exc))
         finally:
             if not last.finished:  # the client left, or the deadline: abort it in the decoder, free its KV
-                outputs.cancel()
+                cancel(outputs)
             self._done(status, started, last)
 
     def _done(self, status: RequestStatus, started: float, last: Any = None) -> None:

@@ -33,15 +33,18 @@ class MetricsHub:
     def __init__(self) -> None:
         self._latest: dict[str, tuple[float, MetricsSnapshot]] = {}  # source -> (time, snapshot)
         self._retired = MetricsSnapshot()  # the counters of replicas long gone, summed into one
+        self._retired_sources: set[str] = set()  # NOTE: names only; a late report from one is dropped
 
     def report(self, source: str, snapshot: MetricsSnapshot) -> None:
-        self._latest[source] = (time.monotonic(), snapshot)
+        if source not in self._retired_sources:  # (its counters are in `_retired` already)
+            self._latest[source] = (time.monotonic(), snapshot)
 
     def collect(self) -> MetricsSnapshot:
         now = time.monotonic()
         gone = [source for source, (t, _) in self._latest.items() if now - t > RETIRE_AFTER_S]
-        if gone:  # NOTE: so the hub's memory does not grow with every replica ever started
+        if gone:  # NOTE: so the hub's snapshots do not grow with every replica ever started
             self._retired = merge([self._retired, *(_without_gauges(self._latest.pop(s)[1]) for s in gone)])
+            self._retired_sources.update(gone)
         snapshots = [s if now - t < STALE_AFTER_S else _without_gauges(s) for t, s in self._latest.values()]
         return merge([self._retired, *snapshots])
 

@@ -19,27 +19,31 @@ from ray.serve.exceptions import ReplicaUnavailableError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-REPLICA_LOST = (RayActorError, ObjectLostError, NodeDiedError, WorkerCrashedError, ReplicaUnavailableError)
-BACKOFF_S = 0.25  # before the first retry; doubled for each next one (Serve needs a moment to route around)
+ACTOR_LOST = (RayActorError, NodeDiedError, WorkerCrashedError, ReplicaUnavailableError)  # the callee died
+REPLICA_LOST = (*ACTOR_LOST, ObjectLostError)  # ...or the replica that made an object the call reads
+BACKOFF_S = 0.5  # before the first retry; doubled for each next one (Serve needs a moment to route around)
 
 
-def replica_lost(exc: BaseException) -> bool:
-    """True when `exc`, or the error a replica passed on inside a RayTaskError, is a replica loss."""
+def replica_lost(exc: BaseException, kinds: tuple[type[BaseException], ...] = REPLICA_LOST) -> bool:
+    """True when `exc`, or the error a replica passed on inside a RayTaskError, is one of `kinds`."""
     while True:
-        if isinstance(exc, REPLICA_LOST):
+        if isinstance(exc, kinds):
             return True
         if not isinstance(exc, RayTaskError) or exc.cause is None or exc.cause is exc:
             return False
         exc = exc.cause
 
 
-async def retrying(call: Callable[[], Awaitable[T]], *, retries: int, what: str) -> T:
-    """`await call()`, made again (up to `retries` more times) while it fails with a replica loss."""
+async def retrying(call: Callable[[int], Awaitable[T]], *, retries: int, what: str,
+                   kinds: tuple[type[BaseException], ...] = REPLICA_LOST) -> T:
+    """`await call(attempt)` (attempt 0, 1, ...), made again up to `retries` more times while it fails with
+    a loss of `kinds`. NOTE: the attempt number lets a caller give each attempt its own request id: a call
+    Ray reports lost may still be running on a replica that is only unreachable."""
     for attempt in range(retries + 1):
         try:
-            return await call()
+            return await call(attempt)
         except Exception as exc:
-            if attempt == retries or not replica_lost(exc):
+            if attempt == retries or not replica_lost(exc, kinds):
                 raise
             log.warning("%s: replica lost (%s); retry %d of %d", what, type(exc).__name__, attempt + 1, retries)
         await asyncio.sleep(BACKOFF_S * 2**attempt)

@@ -152,7 +152,6 @@ class DecoderService:
         self.loop.stop()
 
 
-
 def without_encoded_pixels(pre: PreprocessedRequest, embeddings: list[Any]) -> PreprocessedRequest:
     """`pre` with the pixel data of every item that has its embeddings dropped: the sequence keeps its
     embeddings for its whole life (a preemption recomputes from them), so the pixels are never needed

@@ -25,12 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 from mmserve.config import MediaConfig
-from mmserve.errors import MediaError, UnsupportedURLError
+from mmserve.errors import InvalidRequestError, MediaError, UnsupportedURLError
 
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP address strings
 Dialer = Callable[..., socket.socket]  # socket.create_connection's signature
 
 MAX_REDIRECTS = 5
+MAX_DIALS = 3  # addresses of one host tried in turn
 _CHUNK = 64 * 1024  # bytes per read
 # NAT64 prefixes (RFC 6052, RFC 8215): the low 32 bits are an IPv4 address a gateway dials for us
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
@@ -72,8 +73,9 @@ class HttpFetcher:
         NOTE: user info and backslashes are refused outright: parsers disagree on where such a host
         ends, and an allowlist read by one parser while another one dials is how allowlists get bypassed.
         """
-        if any(c == "\\" or ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
-            raise UnsupportedURLError("URL contains a backslash, a space or a control character")
+        if any(c == "\\" or ord(c) <= 0x20 or ord(c) >= 0x7F for c in url):
+            raise UnsupportedURLError("URL contains a backslash, a space, a control or a non-ASCII character "
+                                      "(percent-encode the path, punycode the host)")
         parts = split_url(url)
         if parts.scheme.lower() not in ("http", "https"):
             raise UnsupportedURLError(f"redirect to scheme {parts.scheme!r} is not allowed")
@@ -90,8 +92,9 @@ class HttpFetcher:
             raise UnsupportedURLError(f"host {host!r} is not in the allowed domains")
 
     def connect(self, address: tuple[str, int], timeout: float | None = None,
-                source_address: tuple[str, int] | None = None) -> socket.socket:
-        """Check the host actually dialled, resolve, refuse non-public addresses, dial the checked address.
+                source_address: tuple[str, int] | None = None, *, deadline: float | None = None) -> socket.socket:
+        """Check the host actually dialled, resolve, refuse non-public addresses, dial the checked address
+        (at most `MAX_DIALS` of them, each with what is left of `deadline`, a monotonic time).
 
         NOTE: dialling the checked IP (not the host name again) closes the DNS-rebinding gap between the
         check and the connection; TLS still verifies the certificate against the host.
@@ -109,9 +112,13 @@ class HttpFetcher:
                 if not is_public_address(ip):
                     raise UnsupportedURLError(f"host {host!r} resolves to non-public address {ip}")
         last: OSError | None = None
-        for ip in ips:
+        for ip in ips[:MAX_DIALS]:  # NOTE: a name with many dead addresses must not multiply the deadline
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("fetch deadline passed")
+            budget = [t for t in (timeout, left) if t is not None]
             try:
-                return self._dial((ip, port), timeout, source_address)
+                return self._dial((ip, port), min(budget) if budget else None, source_address)
             except OSError as err:
                 last = err
         raise last or OSError(f"cannot connect to {host!r}")
@@ -126,8 +133,10 @@ class HttpFetcher:
         timer.start()
         try:
             return self._read(one, request)
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-            if one.expired:
+        except InvalidRequestError:  # our own refusals (a redirect target, the byte cap) as they are
+            raise
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:  # UnicodeError too
+            if one.expired or time.monotonic() >= one.deadline:  # (the timer may not have fired yet)
                 raise one.timed_out(url) from err
             raise _failure(url, err) from err
         finally:
@@ -160,12 +169,15 @@ class _OneFetch:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("fetch deadline passed")
-        sock = self.fetcher.connect(address, min(left, timeout or left), source_address)
+        sock = self.fetcher.connect(address, min(left, timeout or left), source_address, deadline=self.deadline)
         with self._lock:
-            if self.expired:
+            try:
+                if self.expired:
+                    raise TimeoutError("fetch deadline passed")
+                self._socks.append(sock.dup())  # NOTE: shutdown acts on the socket behind every descriptor
+            except BaseException:
                 sock.close()
-                raise TimeoutError("fetch deadline passed")
-            self._socks.append(sock.dup())  # NOTE: shutdown acts on the socket behind every descriptor
+                raise
         return sock
 
     def expire(self) -> None:

@@ -29,6 +29,8 @@ def test_gone_replicas_keep_their_counters_but_not_their_gauges_nor_an_entry(mon
     hub.report("Decoder#b", _snap(9, 0))
     merged = hub.collect()
     assert merged.value("mmserve_requests_total") == 14 and list(hub._latest) == ["Decoder#b"]
+    hub.report("Decoder#a", _snap(6, 1))  # a late report from a retired one is not counted twice
+    assert hub.collect().value("mmserve_requests_total") == 14
 
 
 def test_resident_memory_is_one_series_per_replica() -> None:

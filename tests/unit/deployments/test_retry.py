@@ -23,10 +23,10 @@ def test_what_counts_as_a_lost_replica(exc: BaseException, lost: bool) -> None:
 
 
 def _flaky(failures: list[BaseException]):
-    calls = []
+    calls: list[int] = []
 
-    async def call() -> str:
-        calls.append(1)
+    async def call(attempt: int) -> str:
+        calls.append(attempt)
         if failures:
             raise failures.pop(0)
         return "ok"
@@ -36,7 +36,7 @@ def _flaky(failures: list[BaseException]):
 def test_a_lost_replica_is_retried_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(retry, "BACKOFF_S", 0.0)
     call, calls = _flaky([ActorDiedError(), ActorDiedError()])
-    assert asyncio.run(retrying(call, retries=2, what="t")) == "ok" and len(calls) == 3
+    assert asyncio.run(retrying(call, retries=2, what="t")) == "ok" and calls == [0, 1, 2]
     call, calls = _flaky([ActorDiedError()] * 3)
     with pytest.raises(ActorDiedError):
         asyncio.run(retrying(call, retries=2, what="t"))
@@ -48,3 +48,11 @@ def test_other_errors_are_not_retried() -> None:
     with pytest.raises(MediaError):
         asyncio.run(retrying(call, retries=5, what="t"))
     assert len(calls) == 1
+
+
+def test_only_the_kinds_asked_for_are_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(retry, "BACKOFF_S", 0.0)
+    call, calls = _flaky([OwnerDiedError("00" * 28, None, "")])  # lost pixels: retrying the call cannot help
+    with pytest.raises(OwnerDiedError):
+        asyncio.run(retrying(call, retries=2, what="t", kinds=retry.ACTOR_LOST))
+    assert calls == [0]
