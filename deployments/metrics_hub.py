@@ -24,6 +24,7 @@ from mmserve.runtime.process_memory import resident_memory_snapshot
 
 log = logging.getLogger(__name__)
 STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges stop counting, its counters stay
+_clock = time.monotonic  # NOTE: a module name of its own, so tests can move the hub's clock alone
 RETIRE_AFTER_S = 600.0  # ...and this long: its counters are folded into one sum and its entry dropped
 
 
@@ -37,10 +38,10 @@ class MetricsHub:
 
     def report(self, source: str, snapshot: MetricsSnapshot) -> None:
         if source not in self._retired_sources:  # (its counters are in `_retired` already)
-            self._latest[source] = (time.monotonic(), snapshot)
+            self._latest[source] = (_clock(), snapshot)
 
     def collect(self) -> MetricsSnapshot:
-        now = time.monotonic()
+        now = _clock()
         gone = [source for source, (t, _) in self._latest.items() if now - t > RETIRE_AFTER_S]
         if gone:  # NOTE: so the hub's snapshots do not grow with every replica ever started
             self._retired = merge([self._retired, *(_without_gauges(self._latest.pop(s)[1]) for s in gone)])

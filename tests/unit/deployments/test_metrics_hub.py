@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import typing
+from typing import Any
+
 import pytest
 
 from deployments import metrics_hub
@@ -16,8 +19,8 @@ def _snap(requests: float, running: float) -> MetricsSnapshot:
 
 def test_gone_replicas_keep_their_counters_but_not_their_gauges_nor_an_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(metrics_hub.time, "monotonic", lambda: clock[0])
-    hub = metrics_hub.MetricsHub.func_or_class()
+    monkeypatch.setattr(metrics_hub, "_clock", lambda: clock[0])
+    hub = typing.cast(Any, metrics_hub.MetricsHub).func_or_class()  # the class under Serve's decorator
     hub.report("Decoder#a", _snap(5, 2))
     hub.report("Decoder#b", _snap(7, 1))
     assert hub.collect().value("mmserve_decoder_running_requests") == 3
