@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import DecoderStats, LogitsObserver
 from mmserve.encoder.stage import EncoderStats
-from mmserve.messages import ChatRequest, PreprocessedRequest, RequestOutput
+from mmserve.messages import ChatRequest, PreprocessedRequest, RequestOutput, TokenLogprob
 from mmserve.preprocess.processor_cache import ProcessorCache, ProcessorCacheStats
 from mmserve.stages import StageFactory
 
@@ -29,6 +29,7 @@ class Completion:
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_prompt_tokens: int  # prompt tokens, image tokens included (tokens)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,16 @@ class Engine:
     async def _complete(self, pre: PreprocessedRequest) -> Completion:
         texts: list[str] = []
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = None
         reason, cached = None, 0
         async for out in self._serve(pre):
             texts.append(out.new_text)
             tokens += out.new_token_ids
+            if out.logprobs is not None:
+                logprobs = [*(logprobs or []), *out.logprobs]
             reason, cached = out.finish_reason, out.num_cached_tokens
-        return Completion(pre.request_id, "".join(texts), tokens, reason, len(pre.prompt_token_ids), cached)
+        return Completion(pre.request_id, "".join(texts), tokens, reason, len(pre.prompt_token_ids), cached,
+                          logprobs)
 
     def has_unfinished(self) -> bool:
         return self.encoder_service.busy() or self.decoder_service.busy()

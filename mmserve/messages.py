@@ -20,6 +20,9 @@ from mmserve.errors import InvalidSamplingError
 FinishReason = Literal["stop", "length", "abort"]
 
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI allows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # tokens to generate at most
@@ -30,6 +33,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (model eos added)
     ignore_eos: bool = False  # keep going past eos / end-of-turn (benchmarks)
+    # log-probabilities of each sampled token and of this many top alternatives (0-20); None = none
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise InvalidSamplingError naming the first out-of-range field."""
@@ -40,6 +45,8 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -132,6 +139,17 @@ class DecodeRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and its top alternatives, from the model's raw logits
+    (before temperature, top-k/top-p and the never-sampled mask), as vLLM's default reports them."""
+
+    token_id: int
+    token: str  # the token's own text, decoded alone (a byte of a character may decode to U+FFFD)
+    logprob: float  # natural log of its probability
+    top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob) of the most likely, best first
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one decoder step produced for one request: a delta, not the whole text."""
 
@@ -143,6 +161,7 @@ class RequestOutput:
     num_prompt_tokens: int  # prompt tokens, image tokens included (tokens)
     num_output_tokens: int  # tokens generated so far (tokens)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -153,6 +172,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         outputs[-1],
         new_token_ids=[t for out in outputs for t in out.new_token_ids],
         new_text="".join(out.new_text for out in outputs),
+        logprobs=None if outputs[-1].logprobs is None else [lp for out in outputs for lp in out.logprobs or []],
     )
 
 

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from mmserve.api.errors import UnsupportedParameterError, with_param
+from mmserve.api.logprobs import ChoiceLogprobs
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
 from mmserve.messages import ChatRequest, SamplingParams
 
@@ -102,8 +103,6 @@ def _is_off(value: Any) -> bool:
 # field -> (is the value one we can serve, why not). Checked by `to_chat_request`.
 _DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v in (None, 1), "only n=1 is supported"),
-    "logprobs": (_is_off, "logprobs are not supported"),
-    "top_logprobs": (_is_off, "top_logprobs are not supported"),
     "presence_penalty": (_is_off, "presence_penalty is not supported (only 0)"),
     "frequency_penalty": (_is_off, "frequency_penalty is not supported (only 0)"),
     "logit_bias": (_is_off, "logit_bias is not supported"),
@@ -161,6 +160,8 @@ class ChatCompletionRequest(_Lenient):
         for name, (ok, why) in _DEFAULT_ONLY.items():
             if not ok(getattr(self, name)):
                 raise with_param(UnsupportedParameterError(f"{name}: {why}"), name)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise with_param(InvalidRequestError("top_logprobs requires logprobs: true"), "top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise with_param(InvalidRequestError("stream_options is only allowed when stream is true"),
                              "stream_options")
@@ -179,6 +180,7 @@ class ChatCompletionRequest(_Lenient):
             seed=self.seed,
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
         try:
             params.validate()
@@ -219,6 +221,7 @@ class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None  # "stop" | "length" | "abort"; NOTE: "abort" is vLLM's, not OpenAI's
+    logprobs: ChoiceLogprobs | None = None  # when the request set `logprobs`
 
 
 class ChatCompletionResponse(BaseModel):

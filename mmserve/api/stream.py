@@ -15,8 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from mmserve.api.errors import error_body
+from mmserve.api.logprobs import ChoiceLogprobs, choice_logprobs
 from mmserve.api.protocol import AssistantMessage, ChatCompletionResponse, Choice, PromptTokensDetails, Usage
-from mmserve.messages import RequestFailed, RequestOutput
+from mmserve.messages import RequestFailed, RequestOutput, TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -34,6 +35,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None  # set on the last content chunk only
+    logprobs: ChoiceLogprobs | None = None  # the tokens since the last chunk, when the request set `logprobs`
 
 
 class ChatCompletionChunk(BaseModel):
@@ -76,6 +78,7 @@ class CompletionBuilder:
         self.response_id, self.model = response_id, model
         self.created = int(time.time()) if created is None else created
         self._texts: list[str] = []
+        self._logprobs: list[TokenLogprob] | None = None  # None while the request asked for none
         self._last: RequestOutput | None = None
 
     @property
@@ -86,13 +89,16 @@ class CompletionBuilder:
         """Fold one delta in; re-raises a `RequestFailed`'s error."""
         out = _ok(out)
         self._texts.append(out.new_text)
+        if out.logprobs is not None:
+            self._logprobs = [*(self._logprobs or []), *out.logprobs]
         self._last = out
 
     def build(self) -> ChatCompletionResponse:
         last = self._last
         if last is None or not last.finished:
             raise RuntimeError(f"response {self.response_id} built before its request finished")
-        choice = Choice(message=AssistantMessage(content="".join(self._texts)), finish_reason=last.finish_reason)
+        choice = Choice(message=AssistantMessage(content="".join(self._texts)), finish_reason=last.finish_reason,
+                        logprobs=None if self._logprobs is None else choice_logprobs(self._logprobs))
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                       choices=[choice], usage=_usage(last))
 
@@ -106,16 +112,21 @@ class ChunkBuilder:
         self.created = int(time.time()) if created is None else created
         self._sent_role = False
         self._done = False
+        self._pending: list[TokenLogprob] | None = None  # log-probs of tokens whose text is not sent yet
 
     def chunks(self, out: RequestOutput | RequestFailed) -> list[ChatCompletionChunk]:
         """The chunks for one delta (maybe none); re-raises a `RequestFailed`'s error."""
         out = _ok(out)
+        if out.logprobs is not None:
+            self._pending = [*(self._pending or []), *out.logprobs]
         if self._done or (self._sent_role and not out.new_text and not out.finished):
             return []  # NOTE: no empty chunks for steps that produced no text (held back or mid-character)
         first, self._sent_role = not self._sent_role, True
         delta = Delta(role="assistant" if first else None, content=out.new_text if out.new_text or first else None)
         reason = out.finish_reason if out.finished else None
-        chunks = [self._chunk([ChunkChoice(delta=delta, finish_reason=reason)])]
+        pending, self._pending = self._pending, None if self._pending is None else []
+        logprobs = None if pending is None else choice_logprobs(pending)  # NOTE: a held-back token's go later
+        chunks = [self._chunk([ChunkChoice(delta=delta, finish_reason=reason, logprobs=logprobs)])]
         if out.finished:
             self._done = True
             if self.include_usage:

@@ -20,10 +20,10 @@ from mmserve.decoder.detokenizer import IncrementalDetokenizer
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.model_runner import ModelRunner, StepLogits
 from mmserve.decoder.prefix_cache import BlockHasher
-from mmserve.decoder.sampler import Sampler, make_generator
+from mmserve.decoder.sampler import Sampler, make_generator, token_logprobs
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
-from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, SamplingParams
+from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, SamplingParams, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.runtime.step_threads import StepThreads
 
@@ -137,13 +137,35 @@ class Decoder:
         ids = [seq.request_id for seq in result.seqs]
         if self.on_logits is not None:
             self.on_logits(ids, result.logits)
-        tokens = self.sampler.sample(
+        sampled = self.sampler.sample(
             result.logits,
             [seq.sampling for seq in result.seqs],
             [self._states[rid].generator for rid in ids],
-        ).tolist()
+        )  # (n,)
+        tokens = sampled.tolist()
+        logprobs = self._logprobs(result, sampled, tokens)
         finished = {seq.request_id for seq in self.scheduler.update(plan, dict(zip(ids, tokens, strict=True)))}
-        return [*(self._emit(rid, tok, rid in finished) for rid, tok in zip(ids, tokens, strict=True)), *failed]
+        return [*(self._emit(rid, tok, rid in finished, logprobs.get(i))
+                  for i, (rid, tok) in enumerate(zip(ids, tokens, strict=True))), *failed]
+
+    def _logprobs(self, result: StepLogits, sampled: torch.Tensor, tokens: list[int]) -> dict[int, TokenLogprob]:
+        """Row -> its token's log-prob (and top alternatives), for the rows whose request asked."""
+        rows = [i for i, seq in enumerate(result.seqs) if seq.sampling.logprobs is not None]
+        if not rows:
+            return {}
+        top = max(result.seqs[i].sampling.logprobs or 0 for i in rows)
+        index = torch.tensor(rows, device=result.logits.device)
+        chosen, best, best_ids = (t.tolist() for t in token_logprobs(result.logits[index], sampled[index], top))
+        out = {}
+        for j, i in enumerate(rows):
+            k = result.seqs[i].sampling.logprobs or 0
+            token = tokens[i]
+            alternatives = tuple((t, self._text(t), lp) for t, lp in zip(best_ids[j][:k], best[j][:k], strict=True))
+            out[i] = TokenLogprob(token, self._text(token), chosen[j], alternatives)
+        return out
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepLogits, list[RequestFailed]]:
         """The step's forward. If it raises, each sequence runs again alone, and only those that fail by
@@ -180,7 +202,7 @@ class Decoder:
     def _no_logits(self) -> StepLogits:
         return StepLogits([], torch.zeros((0, self.spec.vocab_size), device=self.runner.device))
 
-    def _emit(self, request_id: str, token: int, finished: bool) -> RequestOutput:
+    def _emit(self, request_id: str, token: int, finished: bool, logprob: TokenLogprob | None) -> RequestOutput:
         state = self._states[request_id]
         text = state.detokenizer.add(token)
         if not finished and state.detokenizer.stopped:
@@ -190,9 +212,10 @@ class Decoder:
             text += state.detokenizer.flush()
             del self._states[request_id]
         return self._output(state, [token], text, finish_reason=state.seq.finish_reason if finished else None,
-                            finished=finished)
+                            finished=finished, logprobs=None if logprob is None else [logprob])
 
-    def _output(self, state, tokens, text, *, finish_reason, finished: bool = True) -> RequestOutput:
+    def _output(self, state, tokens, text, *, finish_reason, finished: bool = True,
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         seq = state.seq
         return RequestOutput(
             request_id=seq.request_id,
@@ -203,6 +226,7 @@ class Decoder:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens or 0,
+            logprobs=logprobs if logprobs is not None or seq.sampling.logprobs is None else [],
         )
 
     def prefix_hit_tokens(self, block_hashes: list[bytes], num_tokens: int) -> int:

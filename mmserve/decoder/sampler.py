@@ -58,6 +58,14 @@ class Sampler:
         return tokens
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """(n, vocab) raw logits, (n,) sampled ids -> ((n,) their log-probs, (n, top) best log-probs, (n, top) ids)."""
+    logp = log_softmax(logits)  # (n, V) float32
+    best, ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())  # (n, top) each
+    return logp.gather(1, tokens[:, None])[:, 0], best, ids
+
+
 def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
                     candidates: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, V) temperature-scaled logits -> ((g, K) probabilities after top-k then top-p, (g, K) ids).

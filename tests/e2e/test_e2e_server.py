@@ -492,3 +492,17 @@ def test_models_health_and_metrics(client, e2e_server):
     assert "# TYPE mmserve_processor_cache_queries_total counter" in text or \
         "# TYPE mmserve_processor_cache_queries counter" in text
     assert "\nmmserve_processor_cache_queries_total " in text and "\nmmserve_encoder_cache_hits_total " in text
+
+
+def test_logprobs_streamed_and_not_agree(client, e2e_server):
+    kwargs = {"model": e2e_server.model_name, "messages": typing.cast(Any, user("Tell me about cats.")),
+              "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    full = client.chat.completions.create(**kwargs)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    for token in content:
+        best = [alt.logprob for alt in token.top_logprobs]
+        assert len(best) == 3 and best == sorted(best, reverse=True) and token.logprob <= best[0] + 1e-6
+    streamed = [t for chunk in client.chat.completions.create(**kwargs, stream=True) for choice in chunk.choices
+                if choice.logprobs is not None for t in choice.logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]

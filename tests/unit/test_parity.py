@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -163,3 +164,23 @@ def test_pan_and_scan_item_split_between_crops_matches(oracle):
     engine, rec = make_engine(model_dir, max_num_batched_tokens=budget)
     out = engine.generate([build_request("pan_and_scan")[0]])[0]
     assert_matches(refs["pan_and_scan"], out.token_ids, rec.logits["pan_and_scan"], 0, out.num_prompt_tokens)
+
+
+@pytest.mark.parametrize("case", ["one_image", "long_generation"])
+def test_greedy_logprobs_are_log_softmax_of_transformers_logits(oracle, case):
+    model_dir, refs = oracle
+    ref_tokens, ref_logits, _ = refs[case]
+    engine, _ = make_engine(model_dir)
+    request, _ = build_request(case)
+    [out] = engine.generate([replace(request, sampling=replace(request.sampling, logprobs=5))])
+    assert out.token_ids == ref_tokens and out.logprobs is not None and len(out.logprobs) == len(ref_tokens)
+    for step, (lp, theirs) in enumerate(zip(out.logprobs, ref_logits, strict=True)):
+        ref_lp = torch.log_softmax(theirs.float(), dim=-1)  # (vocab,)
+        assert lp.token_id == ref_tokens[step] and lp.token == engine.preprocessor.tokenizer.decode([lp.token_id])
+        # log_softmax moves by at most twice the largest logit difference
+        assert abs(lp.logprob - float(ref_lp[lp.token_id])) <= 2 * LOGITS_ATOL, step
+        values = [v for _, _, v in lp.top]
+        assert len(lp.top) == 5 and values == sorted(values, reverse=True)
+        assert max(abs(v - float(r)) for v, r in zip(values, ref_lp.topk(5).values, strict=True)) <= 2 * LOGITS_ATOL
+        assert lp.logprob <= values[0] + 1e-6  # greedy: the best, unless the best is a never-sampled token
+        assert lp.token_id in [t for t, _, _ in lp.top] or lp.top[0][0] in engine.spec.never_sampled

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from mmserve.api.errors import ModelNotFoundError, UnsupportedParameterError, er
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
 from mmserve.errors import InvalidRequestError, InvalidSamplingError, MediaError
-from mmserve.messages import RequestFailed, RequestOutput
+from mmserve.messages import RequestFailed, RequestOutput, TokenLogprob
 
 openai = pytest.importorskip("openai")
 # NOTE: the HTTP library the installed client is built on (httpx, or httpx2 in recent releases).
@@ -206,7 +207,7 @@ def test_unknown_fields_and_default_valued_unsupported_fields_are_tolerated() ->
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 2), ("n", 0), ("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5),
+    ("n", 2), ("n", 0), ("presence_penalty", 0.5),
     ("frequency_penalty", -1.0), ("logit_bias", {"42": 10}), ("tool_choice", "auto"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
@@ -237,6 +238,7 @@ def test_stream_options_need_stream() -> None:
     ({"top_k": -2}, "top_k"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"seed": 2**64}, "seed"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_sampling_errors_name_the_field(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidSamplingError) as info:
@@ -310,7 +312,8 @@ def test_first_chunk_carries_role_even_without_text() -> None:
     assert json.loads(first[0].model_dump_json())["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert builder.chunks(RequestOutput("r", [2], "", False, None, 3, 2)) == []
     last = builder.chunks(RequestOutput("r", [3], "", True, "stop", 3, 3))
-    assert json.loads(last[0].model_dump_json())["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "stop"}
+    assert json.loads(last[0].model_dump_json())["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "stop",
+                                                                   "logprobs": None}  # as OpenAI sends it
     assert len(last) == 1  # no usage chunk unless asked
     assert builder.chunks(RequestOutput("r", [], "", True, "stop", 3, 3)) == []  # nothing after the end
 
@@ -330,3 +333,56 @@ def test_sse_framing() -> None:
     event = sse(chunk)
     assert event.startswith("data: {") and event.endswith("}\n\n") and event.count("\n") == 2
     assert SSE_DONE == "data: [DONE]\n\n"
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+
+def _with_logprobs(outs: list[RequestOutput]) -> list[RequestOutput]:
+    """Each output's token with a log-prob and two alternatives, as the decoder makes them."""
+    def one(i: int, token: int) -> TokenLogprob:
+        return TokenLogprob(token, f"t{token}", -0.5 - i, ((token, f"t{token}", -0.5 - i), (99, "ü", -3.0)))
+    return [replace(o, logprobs=[one(i, o.new_token_ids[0])]) for i, o in enumerate(outs)]
+
+
+def test_logprobs_map_to_sampling_and_top_logprobs_needs_logprobs() -> None:
+    def asked(**fields: Any) -> int | None:
+        return parse({"messages": USER, **fields}).to_chat_request("r", 16).sampling.logprobs
+    assert (asked(logprobs=True, top_logprobs=3), asked(logprobs=True), asked(logprobs=False)) == (3, 0, None)
+    with pytest.raises(InvalidRequestError, match="requires logprobs") as info:
+        parse({"messages": USER, "top_logprobs": 2}).to_chat_request("r", 16)
+    assert error_body(info.value)[1]["error"]["param"] == "top_logprobs"
+
+
+def test_official_client_reads_logprobs_in_a_response_and_in_chunks() -> None:
+    outs = _with_logprobs(outputs(["A", "", "B"]))  # the second token's text is held back
+
+    def complete(body: dict[str, Any]) -> Any:
+        builder = CompletionBuilder("c", "gemma-3")
+        for out in outs:
+            builder.add(out)
+        return http.Response(200, json=builder.build().model_dump())
+
+    choice = fake_client(complete, {}).chat.completions.create(model="gemma-3", messages=USER, logprobs=True,
+                                                                top_logprobs=2).choices[0]
+    assert [t.token for t in choice.logprobs.content] == ["t0", "t1", "t2"]
+    assert [t.logprob for t in choice.logprobs.content] == [-0.5, -1.5, -2.5]
+    assert [a.token for a in choice.logprobs.content[0].top_logprobs] == ["t0", "ü"]
+    assert choice.logprobs.content[0].top_logprobs[1].bytes == list("ü".encode())
+
+    def stream(body: dict[str, Any]) -> Any:
+        builder = ChunkBuilder("c", "gemma-3")
+        events = "".join(e for out in outs for e in builder.events(out))
+        return http.Response(200, headers={"content-type": "text/event-stream"}, content=events.encode())
+
+    chunks = list(fake_client(stream, {}).chat.completions.create(model="gemma-3", messages=USER, stream=True,
+                                                                   logprobs=True))
+    # the held-back token's log-prob comes with the next chunk that is sent: none is lost, none doubled
+    assert [[t.token for t in c.choices[0].logprobs.content] for c in chunks] == [["t0"], ["t1", "t2"]]
+
+
+def test_without_logprobs_a_choice_says_null() -> None:
+    builder = CompletionBuilder("c", "gemma-3")
+    for out in outputs(["A"]):
+        builder.add(out)
+    assert builder.build().model_dump()["choices"][0]["logprobs"] is None

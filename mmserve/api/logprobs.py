@@ -1,0 +1,33 @@
+"""OpenAI's `logprobs` objects of a chat completion (a choice's, or a stream chunk's).
+
+Owns: the response models of token log-probabilities and building them from the engine's
+`TokenLogprob`s. Does not own: computing them (`mmserve.decoder.sampler.token_logprobs`, from the raw
+logits) nor where they go in a response (`protocol.py`, `stream.py`).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from mmserve.messages import TokenLogprob
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float  # natural log
+    bytes: list[int]  # the token's text as UTF-8
+
+
+class ContentLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # best first; as many as `top_logprobs` asked (0 when not set)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ContentLogprob]  # one per generated token
+
+
+def choice_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(content=[
+        ContentLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()),
+                       top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for _, s, lp in t.top])
+        for t in tokens])
