@@ -1,8 +1,9 @@
 """How a replica holds handles to the deployments it calls.
 
 Owns: building a handle's router once, when the replica starts, passing ObjectRefs by reference
-whatever Ray's transport default, and calling a handle from a worker thread. Does not own what is
-called (the stage files) nor routing policy (Serve's default router).
+whatever Ray's transport default, calling a handle from a worker thread (with a timeout), and
+cancelling a call whatever became of it. Does not own what is called (the stage files), routing
+policy (Serve's default router) nor retries (retry.py).
 """
 
 from __future__ import annotations
