@@ -35,6 +35,11 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past eos / end-of-turn (benchmarks)
     # log-probabilities of each sampled token and of this many top alternatives (0-20); None = none
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it occurs in the output, [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output, [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; divides positive logits of prompt and output tokens (vLLM's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
+    min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens (vLLM's)
 
     def validate(self) -> None:
         """Raise InvalidSamplingError naming the first out-of-range field."""
@@ -45,12 +50,25 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
+            (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidSamplingError(message)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, a bias or `min_tokens` changes this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

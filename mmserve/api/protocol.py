@@ -103,9 +103,6 @@ def _is_off(value: Any) -> bool:
 # field -> (is the value one we can serve, why not). Checked by `to_chat_request`.
 _DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v in (None, 1), "only n=1 is supported"),
-    "presence_penalty": (_is_off, "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": (_is_off, "frequency_penalty is not supported (only 0)"),
-    "logit_bias": (_is_off, "logit_bias is not supported"),
     "tools": (_is_off, "tool calling is not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "functions": (_is_off, "function calling is not supported"),
@@ -131,13 +128,16 @@ class ChatCompletionRequest(_Lenient):
     ignore_eos: bool = False  # extension
     mm_processor_kwargs: dict[str, Any] | None = None  # extension, e.g. {"do_pan_and_scan": true}
     cache_salt: str | None = Field(None, min_length=1)  # extension (vLLM's): other salts share no cached KV
-    # Accepted only at their default (see _DEFAULT_ONLY); declared so their types are checked.
-    n: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    repetition_penalty: float | None = None  # extension (vLLM's); None = 1.0, off
+    min_tokens: int | None = None  # extension (vLLM's): no end before this many tokens
+    stop_token_ids: list[int] | None = None  # extension (vLLM's): token ids that end generation too
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # alternatives per token (0-20); needs logprobs
+    # Accepted only at their default (see _DEFAULT_ONLY); declared so their types are checked.
+    n: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -181,6 +181,12 @@ class ChatCompletionRequest(_Lenient):
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
+            min_tokens=self.min_tokens or 0,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
         )
         try:
             params.validate()
@@ -188,6 +194,16 @@ class ChatCompletionRequest(_Lenient):
             field = str(exc).split(" ", 1)[0]  # NOTE: SamplingParams' messages start with the field name
             raise with_param(exc, max_param if field == "max_tokens" else field) from None
         return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as (id, bias) pairs; a key that is no token id is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise with_param(InvalidSamplingError(f"logit_bias keys must be token ids, got {key!r}"), "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _message_dict(message: Message) -> dict[str, Any]:

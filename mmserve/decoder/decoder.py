@@ -77,7 +77,7 @@ class Decoder:
         self.on_missing: MissingEmbeddings | None = None  # set by whoever can fetch embeddings (the service)
         self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
                                   threads=StepThreads(device, config))
-        self.sampler = Sampler(spec.never_sampled)
+        self.sampler = Sampler(spec.never_sampled, spec.eos_token_ids)
         self._states: dict[str, _OutputState] = {}
         self.steps = 0
         if self.runner.threads.needs_calibration:
@@ -137,10 +137,13 @@ class Decoder:
         ids = [seq.request_id for seq in result.seqs]
         if self.on_logits is not None:
             self.on_logits(ids, result.logits)
+        adjust = any(seq.sampling.adjusts_logits for seq in result.seqs)  # NOTE: else no token lists built
         sampled = self.sampler.sample(
             result.logits,
             [seq.sampling for seq in result.seqs],
             [self._states[rid].generator for rid in ids],
+            [seq.output_token_ids for seq in result.seqs] if adjust else None,
+            [seq.prompt_token_ids for seq in result.seqs] if adjust else None,
         )  # (n,)
         tokens = sampled.tolist()
         logprobs = self._logprobs(result, sampled, tokens)

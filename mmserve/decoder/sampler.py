@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from mmserve.decoder.penalties import penalized
 from mmserve.messages import SamplingParams
 
 CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort only if its nucleus is wider
@@ -32,15 +33,21 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """`never` are token ids no row may get, greedy or sampled (their logits count as -inf)."""
 
-    def __init__(self, never: tuple[int, ...] = ()) -> None:
+    def __init__(self, never: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = ()) -> None:
         self._never = torch.tensor(never, dtype=torch.int64)  # (k,) on the device of the last logits
+        self._eos = eos_token_ids  # what `min_tokens` holds back
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> torch.Tensor:
-        """(n, vocab) logits, one params and generator per row -> (n,) int64 token ids."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               outputs: list[list[int]] | None = None, prompts: list[list[int]] | None = None) -> torch.Tensor:
+        """(n, vocab) logits, one params and generator per row (and, for penalties, each row's output and
+        prompt token ids) -> (n,) int64 token ids."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators")
         logits = logits.float()  # (n, V); NOTE: filter in float32 whatever the model dtype
+        if any(p.adjusts_logits for p in params):
+            if outputs is None or prompts is None:
+                raise ValueError("penalties need each row's output and prompt token ids")
+            logits = penalized(logits, params, outputs, prompts, self._eos)
         if len(self._never):  # NOTE: out of place, the caller's logits stay as the model made them
             self._never = self._never.to(logits.device)
             logits = logits.index_fill(1, self._never, float("-inf"))

@@ -295,3 +295,17 @@ def test_once_encoded_no_pixels_are_held_for_the_rest_of_the_generation(engine):
     first, held, n_features, rest = asyncio.run(run())
     assert n_features == 2 and held == [None] * 4
     assert [first, *rest][-1].finished
+
+
+def test_penalties_and_biases_change_what_is_generated(engine):
+    [plain] = engine.generate([chat("p0", text="Say something", max_tokens=8)])
+    favourite = plain.token_ids[0]
+    [biased] = engine.generate([chat("p1", text="Say something", max_tokens=8, logit_bias=((favourite, 10.0),))])
+    assert biased.token_ids == [favourite] * 8  # +10 wins every step (the tiny model's logits are close)
+    [fresh] = engine.generate([chat("p2", text="Say something", max_tokens=8, logit_bias=((favourite, 10.0),),
+                                    presence_penalty=2.0, frequency_penalty=2.0)])
+    # once out it pays 2 + 2 per occurrence: by its fourth the bias is spent
+    assert fresh.token_ids[0] == favourite and fresh.token_ids.count(favourite) < 8
+    [held] = engine.generate([chat("p3", text="Say something", max_tokens=8, stop_token_ids=(favourite,),
+                                   min_tokens=3)])
+    assert len(held.token_ids) >= 3 and favourite not in held.token_ids[:2]  # no stop before 3 tokens

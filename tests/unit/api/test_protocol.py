@@ -207,8 +207,7 @@ def test_unknown_fields_and_default_valued_unsupported_fields_are_tolerated() ->
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 2), ("n", 0), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1.0), ("logit_bias", {"42": 10}), ("tool_choice", "auto"),
+    ("n", 2), ("n", 0), ("tool_choice", "auto"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]),
@@ -239,6 +238,12 @@ def test_stream_options_need_stream() -> None:
     ({"stop": ["ok", ""]}, "stop"),
     ({"seed": 2**64}, "seed"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
 ])
 def test_sampling_errors_name_the_field(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidSamplingError) as info:
@@ -386,3 +391,12 @@ def test_without_logprobs_a_choice_says_null() -> None:
     for out in outputs(["A"]):
         builder.add(out)
     assert builder.build().model_dump()["choices"][0]["logprobs"] is None
+
+
+def test_penalties_and_biases_map_to_sampling() -> None:
+    s = parse({"messages": USER, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+               "logit_bias": {"42": -100, "7": 3},
+               "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [9]}).to_chat_request("r", 16).sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, -0.25, 1.1, 2)
+    assert s.logit_bias == ((42, -100.0), (7, 3.0)) and s.stop_token_ids == (9,) and s.adjusts_logits
+    assert not parse({"messages": USER}).to_chat_request("r", 16).sampling.adjusts_logits
