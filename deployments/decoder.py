@@ -19,7 +19,7 @@ from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
-from deployments.retry import ACTOR_LOST, retrying
+from deployments.retry import ACTOR_LOST, attempt_id, retrying
 from mmserve.errors import InvalidRequestError, OverloadedError, ReplicaLostError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
 from mmserve.runtime.embeddings_wire import from_wire
@@ -54,8 +54,7 @@ class Decoder:
         # which the ingress does not retry again
         try:
             out: EncoderOutput | RequestFailed = await retrying(
-                lambda attempt: self.encoder.encode.remote(
-                    request.request_id if not attempt else f"{request.request_id}/retry-{attempt}", request.features),
+                lambda attempt: self.encoder.encode.remote(attempt_id(request.request_id, attempt), request.features),
                 retries=self.replica_loss_retries, what=f"encode of {request.request_id}", kinds=ACTOR_LOST)
         except BackPressureError as exc:
             raise OverloadedError(f"the encoder's queue is full ({exc}); retry later") from None

@@ -26,7 +26,7 @@ from ray.serve.exceptions import BackPressureError
 from deployments.args import AppArgs
 from deployments.handles import cancel, hold
 from deployments.metrics_hub import MetricsReporter
-from deployments.retry import replica_lost, retrying
+from deployments.retry import attempt_id, replica_lost, retrying
 from mmserve.api.body import check_declared_size, parse_json, read_bounded
 from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
@@ -192,8 +192,7 @@ class Ingress:
         NOTE: idempotent (nothing has reached the client yet), so a replica lost on the way is retried;
         each retry under a request id of its own downstream (the client still sees `chat.request_id`).
         """
-        if attempt:
-            chat = replace(chat, request_id=f"{chat.request_id}/retry-{attempt}")
+        chat = replace(chat, request_id=attempt_id(chat.request_id, attempt))
         preprocessing = self.preprocess.process.remote(chat)
         try:
             answer = await self._within(deadline, preprocessing)

@@ -34,6 +34,11 @@ def replica_lost(exc: BaseException, kinds: tuple[type[BaseException], ...] = RE
         exc = exc.cause
 
 
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The downstream request id of an attempt: the request's own for the first, a new one per retry."""
+    return request_id if not attempt else f"{request_id}/retry-{attempt}"
+
+
 async def retrying(call: Callable[[int], Awaitable[T]], *, retries: int, what: str,
                    kinds: tuple[type[BaseException], ...] = REPLICA_LOST) -> T:
     """`await call(attempt)` (attempt 0, 1, ...), made again up to `retries` more times while it fails with

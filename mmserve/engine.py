@@ -88,7 +88,8 @@ class Engine:
             texts.append(out.new_text)
             tokens += out.new_token_ids
             if out.logprobs is not None:
-                logprobs = [*(logprobs or []), *out.logprobs]
+                logprobs = logprobs if logprobs is not None else []
+                logprobs.extend(out.logprobs)
             reason, cached = out.finish_reason, out.num_cached_tokens
         return Completion(pre.request_id, "".join(texts), tokens, reason, len(pre.prompt_token_ids), cached,
                           logprobs)

@@ -90,7 +90,8 @@ class CompletionBuilder:
         out = _ok(out)
         self._texts.append(out.new_text)
         if out.logprobs is not None:
-            self._logprobs = [*(self._logprobs or []), *out.logprobs]
+            self._logprobs = self._logprobs if self._logprobs is not None else []
+            self._logprobs.extend(out.logprobs)
         self._last = out
 
     def build(self) -> ChatCompletionResponse:
@@ -118,7 +119,8 @@ class ChunkBuilder:
         """The chunks for one delta (maybe none); re-raises a `RequestFailed`'s error."""
         out = _ok(out)
         if out.logprobs is not None:
-            self._pending = [*(self._pending or []), *out.logprobs]
+            self._pending = self._pending if self._pending is not None else []
+            self._pending.extend(out.logprobs)
         if self._done or (self._sent_role and not out.new_text and not out.finished):
             return []  # NOTE: no empty chunks for steps that produced no text (held back or mid-character)
         first, self._sent_role = not self._sent_role, True

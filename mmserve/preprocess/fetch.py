@@ -166,10 +166,9 @@ class _OneFetch:
 
     def connect(self, address: tuple[str, int], timeout: float | None = None,
                 source_address: tuple[str, int] | None = None) -> socket.socket:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
+        if time.monotonic() >= self.deadline:  # (a redirect hop after it: no new resolve)
             raise TimeoutError("fetch deadline passed")
-        sock = self.fetcher.connect(address, min(left, timeout or left), source_address, deadline=self.deadline)
+        sock = self.fetcher.connect(address, timeout, source_address, deadline=self.deadline)
         with self._lock:
             try:
                 if self.expired:
