@@ -24,6 +24,14 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI allows
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match (response_format / vLLM's structured outputs)."""
+
+    kind: Literal["json", "regex", "choice", "lark"]  # how `spec` reads
+    spec: str  # a JSON Schema as JSON text, a regex, a JSON list of choice strings, or a Lark grammar
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # tokens to generate at most
     temperature: float = 1.0  # 0 means greedy
@@ -40,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; divides positive logits of prompt and output tokens (vLLM's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
     min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens (vLLM's)
+    structured: StructuredOutput | None = None  # the output must match it; None = free text
 
     def validate(self) -> None:
         """Raise InvalidSamplingError naming the first out-of-range field."""

@@ -25,6 +25,7 @@ from pydantic import (
 
 from mmserve.api.errors import UnsupportedParameterError, with_param
 from mmserve.api.logprobs import ChoiceLogprobs
+from mmserve.api.structured import StructuredFields
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
 from mmserve.messages import ChatRequest, SamplingParams
 
@@ -107,13 +108,11 @@ _DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "functions": (_is_off, "function calling is not supported"),
     "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
-    "response_format": (lambda v: v is None or v.get("type") == "text",
-                        "only response_format {'type': 'text'} is supported"),
     "modalities": (lambda v: v is None or set(v) <= {"text"}, "only the 'text' output modality is supported"),
 }
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM's guided_* come from there
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     stream: bool | None = False  # OpenAI allows null
@@ -142,7 +141,6 @@ class ChatCompletionRequest(_Lenient):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
 
     @property
@@ -187,6 +185,7 @@ class ChatCompletionRequest(_Lenient):
             logit_bias=_logit_bias(self.logit_bias),
             min_tokens=self.min_tokens or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            structured=self.structured(),
         )
         try:
             params.validate()

@@ -11,12 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.detokenizer import IncrementalDetokenizer
+from mmserve.decoder.grammar import Grammars
+from mmserve.decoder.grammar_step import GrammarStep
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.model_runner import ModelRunner, StepLogits
 from mmserve.decoder.prefix_cache import BlockHasher
@@ -40,6 +43,7 @@ class _OutputState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    matcher: Any = None  # the request's llguidance matcher when its output is constrained
 
 
 @dataclass(frozen=True)
@@ -78,13 +82,17 @@ class Decoder:
         self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
                                   threads=StepThreads(device, config))
         self.sampler = Sampler(spec.never_sampled, spec.eos_token_ids)
+        self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
+        self.grammar_step = GrammarStep(self.grammars, device)
         self._states: dict[str, _OutputState] = {}
         self.steps = 0
         if self.runner.threads.needs_calibration:
             self._calibrate_threads()
 
-    def add(self, request: DecodeRequest) -> None:
-        """Queue a request; raises CapacityError if it can never be scheduled."""
+    def add(self, request: DecodeRequest, matcher: Any = None) -> None:
+        """Queue a request; raises CapacityError if it can never be scheduled, InvalidGrammarError if its
+        structured output does not compile. `matcher`: its grammar's matcher, made off the step thread
+        (`grammars.matcher`); made here when None."""
         images = PromptImages.of(request.prompt_token_ids, request.features, self.spec.image_token_id) \
             if request.features else None
         seq = Sequence(
@@ -98,11 +106,15 @@ class Decoder:
             cache_salt=request.cache_salt,
             block_hashes=list(request.block_hashes),
         )
+        structured = request.sampling.structured
+        if structured is not None and matcher is None:
+            matcher = self.grammars.matcher(structured)  # before any KV is held
         self.scheduler.add(seq)
         self._states[seq.request_id] = _OutputState(
             seq=seq,
             detokenizer=IncrementalDetokenizer(self.tokenizer, stop=request.sampling.stop),
             generator=make_generator(request.sampling.seed),
+            matcher=matcher,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -132,6 +144,8 @@ class Decoder:
         self._ask_for_missing(plan.missing)
         if not plan.scheduled:
             return []
+        masks = self.grammar_step.start([(s.seq.request_id, self._states[s.seq.request_id].matcher)
+                                         for s in plan.scheduled if s.samples])  # beside the forward
         result, failed = self._execute([(s.seq, s.num_new_tokens) for s in plan.scheduled])
         self.steps += 1
         ids = [seq.request_id for seq in result.seqs]
@@ -144,12 +158,18 @@ class Decoder:
             [self._states[rid].generator for rid in ids],
             [seq.output_token_ids for seq in result.seqs] if adjust else None,
             [seq.prompt_token_ids for seq in result.seqs] if adjust else None,
+            self.grammar_step.finish(masks, ids),
         )  # (n,)
         tokens = sampled.tolist()
         logprobs = self._logprobs(result, sampled, tokens)
+        ended, broken = self.grammar_step.advance(ids, tokens, [self._states[rid].matcher for rid in ids])
         finished = {seq.request_id for seq in self.scheduler.update(plan, dict(zip(ids, tokens, strict=True)))}
+        for rid in ended - finished:  # the grammar is complete: nothing may follow
+            self.scheduler.finish(rid, "stop")
+        finished |= ended
+        failed += [self._fail(self._states[rid].seq, exc) for rid, exc in broken.items()]
         return [*(self._emit(rid, tok, rid in finished, logprobs.get(i))
-                  for i, (rid, tok) in enumerate(zip(ids, tokens, strict=True))), *failed]
+                  for i, (rid, tok) in enumerate(zip(ids, tokens, strict=True)) if rid not in broken), *failed]
 
     def _logprobs(self, result: StepLogits, sampled: torch.Tensor, tokens: list[int]) -> dict[int, TokenLogprob]:
         """Row -> its token's log-prob (and top alternatives), for the rows whose request asked."""

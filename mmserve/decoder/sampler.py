@@ -38,9 +38,11 @@ class Sampler:
         self._eos = eos_token_ids  # what `min_tokens` holds back
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               outputs: list[list[int]] | None = None, prompts: list[list[int]] | None = None) -> torch.Tensor:
+               outputs: list[list[int]] | None = None, prompts: list[list[int]] | None = None,
+               forbidden: torch.Tensor | None = None) -> torch.Tensor:
         """(n, vocab) logits, one params and generator per row (and, for penalties, each row's output and
-        prompt token ids) -> (n,) int64 token ids."""
+        prompt token ids; for structured output, an (n, vocab) bool of the tokens each row's grammar
+        forbids, `grammar.Grammars.forbidden`) -> (n,) int64 token ids."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators")
         logits = logits.float()  # (n, V); NOTE: filter in float32 whatever the model dtype
@@ -51,6 +53,8 @@ class Sampler:
         if len(self._never):  # NOTE: out of place, the caller's logits stay as the model made them
             self._never = self._never.to(logits.device)
             logits = logits.index_fill(1, self._never, float("-inf"))
+        if forbidden is not None:
+            logits = logits.masked_fill(forbidden, float("-inf"))
         tokens = logits.argmax(dim=-1)  # (n,)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row

@@ -63,8 +63,9 @@ class DecoderService:
                 specs = [replace(f, data=None) for f in pre.features]  # the decoder needs no pixels
                 request = DecodeRequest(request_id, pre.prompt_token_ids, specs, embeddings, pre.sampling,
                                         pre.cache_salt, tuple(hashes))
+                matcher = await self._matcher(pre)
                 self.loop.open(request_id)
-                self.loop.submit(request_id, lambda: self.decoder.add(request))
+                self.loop.submit(request_id, lambda: self.decoder.add(request, matcher))
             finally:
                 self._arriving -= 1
             # NOTE: deltas that piled up while this consumer waited, or came within one stream interval,
@@ -91,6 +92,14 @@ class DecoderService:
         if waiting >= self.max_waiting:
             raise OverloadedError(f"the decoder has {waiting} requests waiting (decoder.max_waiting_requests "
                                   f"{self.max_waiting}); retry later")
+
+    async def _matcher(self, pre: PreprocessedRequest) -> Any:
+        """The request's grammar matcher, compiled on a worker thread: compiling a new schema can take longer
+        than a decode step, and must stall neither the step thread nor this event loop."""
+        structured = pre.sampling.structured
+        if structured is None:
+            return None
+        return await asyncio.to_thread(self.decoder.grammars.matcher, structured)
 
     def _block_hashes(self, pre: PreprocessedRequest) -> list[bytes]:
         hashes: list[bytes] = []

@@ -11,10 +11,13 @@ its decode step. Ours is the median time of `Decoder.step()` once every sequence
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.decoder import Decoder
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import Sequence
-from mmserve.messages import DecodeRequest, SamplingParams
+from mmserve.messages import DecodeRequest, SamplingParams, StructuredOutput
 from mmserve.models.base import FULL, AttentionPattern
 from mmserve.stages import StageFactory
 
@@ -70,11 +73,22 @@ def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int) -> De
     return decoder
 
 
-def our_step_ms(decoder: Decoder, ids: torch.Tensor, new_tokens: int) -> tuple[StepTime, list[int]]:
-    """Median decode step with `ids.shape[0]` sequences decoding; and the pages each one held."""
-    sampling = SamplingParams(max_tokens=new_tokens + 8, temperature=0.0, ignore_eos=True)
+# A constraint that lasts: an array of at least 200 small records, each a few dozen tokens.
+LONG_JSON = StructuredOutput("json", json.dumps({
+    "type": "array", "minItems": 200, "items": {
+        "type": "object", "additionalProperties": False, "required": ["sku", "qty", "note"], "properties": {
+            "sku": {"enum": ["A1", "B2", "C3"]}, "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+            "note": {"type": "string", "maxLength": 24}}}}))
+
+
+def our_step_ms(decoder: Decoder, ids: torch.Tensor, new_tokens: int,
+                constrained: int = 0) -> tuple[StepTime, list[int]]:
+    """Median decode step with `ids.shape[0]` sequences decoding, the first `constrained` of them under
+    LONG_JSON; and the pages each one held."""
+    free = SamplingParams(max_tokens=new_tokens + 8, temperature=0.0, ignore_eos=True)
     names = [f"bench-{i}-{time.monotonic_ns()}" for i in range(ids.shape[0])]
-    for name, row in zip(names, ids.tolist(), strict=True):
+    for i, (name, row) in enumerate(zip(names, ids.tolist(), strict=True)):
+        sampling = replace(free, structured=LONG_JSON) if i < constrained else free
         decoder.add(DecodeRequest(name, row, [], [], sampling))
     while any(s.is_prefill for s in decoder.scheduler.running) or decoder.scheduler.waiting:
         decoder.step()
@@ -117,3 +131,82 @@ def all_full(pattern: AttentionPattern) -> AttentionPattern:
     """The same model as if every layer kept every block (how the pool was counted before)."""
     return AttentionPattern((FULL,) * len(pattern.layer_kinds), None, pattern.bidirectional_images,
                             pattern.scaling, pattern.softcap)
+
+
+@dataclass(frozen=True)
+class GrammarCost:
+    step_ms: float  # median decode step of the batch with `constrained` rows under LONG_JSON (ms)
+    critical_us: float  # of which, per step, grammar work the step waits for: the masks' tail, advancing (µs)
+    share: float  # critical_us plus the sampler's masking over the step: what the grammar rows add to it
+    beside_us: float  # per step, the masks' computation on the grammar thread, beside the forward (µs)
+    constrained: int  # rows with a grammar in the batch (rows)
+    free_ms: float  # median step of the same batch with no constraint, interleaved rounds (ms; noisy)
+    mixed_ms: float  # the same with the grammar rows, interleaved with free_ms (ms; noisy)
+    sample_free_us: float  # Sampler.sample over the batch's logits, no mask (µs)
+    sample_masked_us: float  # the same with the constrained rows masked (µs)
+
+
+def grammar_cost(decoder: Decoder, ids: torch.Tensor, new_tokens: int, rounds: int = 3) -> GrammarCost:
+    """What grammar rows cost their batch: the grammar work the step waits for, timed inside the same steps
+    (robust to the machine's drift), beside whole steps with and without them in interleaved rounds."""
+    constrained = ids.shape[0] // 2
+    free, mixed, waited, beside = [], [], [], []
+    for _ in range(rounds):  # NOTE: interleaved, so that the machine's drift falls on both alike
+        free.append(our_step_ms(decoder, ids, new_tokens)[0].ms)
+        with _timing(decoder.grammar_step, "finish", "advance") as on_path, \
+                _timing(decoder.grammars, "forbidden") as off_path:
+            mixed.append(our_step_ms(decoder, ids, new_tokens, constrained)[0].ms)
+        waited.append(on_path.total / off_path.calls)
+        beside.append(off_path.total / off_path.calls)
+    n = ids.shape[0]
+    matchers = [decoder.grammars.matcher(LONG_JSON) if i < constrained else None for i in range(n)]
+    logits = torch.randn(n, decoder.spec.vocab_size)
+    params = [SamplingParams(temperature=0.0)] * n
+    generators: list[torch.Generator | None] = [None] * n
+    forbid = decoder.grammars.forbidden(matchers, logits.device)
+    sample_free = _best_us(lambda: decoder.sampler.sample(logits, params, generators))
+    sample_masked = _best_us(lambda: decoder.sampler.sample(logits, params, generators, forbidden=forbid))
+    step_ms, critical_us = statistics.median(mixed), statistics.median(waited) * 1e6
+    return GrammarCost(step_ms, critical_us, (critical_us + max(0.0, sample_masked - sample_free)) / 1e3 / step_ms,
+                       statistics.median(beside) * 1e6, constrained, statistics.median(free), step_ms,
+                       sample_free, sample_masked)
+
+
+@dataclass
+class _Timer:
+    total: float = 0.0  # seconds inside the timed calls
+    calls: int = 0  # calls of the first timed method
+
+
+@contextlib.contextmanager
+def _timing(owner: Any, *names: str) -> Iterator[_Timer]:
+    """Time calls of `owner`'s methods `names` (instance-level wrappers, removed on exit)."""
+    timer = _Timer()
+
+    def timed(fn: Any, first: bool) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer.total += time.perf_counter() - started
+                timer.calls += first
+        return call
+
+    for i, name in enumerate(names):
+        setattr(owner, name, timed(getattr(owner, name), i == 0))
+    try:
+        yield timer
+    finally:
+        for name in names:
+            delattr(owner, name)
+
+
+def _best_us(fn: Any, repeat: int = 200) -> float:
+    """Median of `repeat` calls of `fn` (µs)."""
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6

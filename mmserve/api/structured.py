@@ -1,0 +1,125 @@
+"""The structured-output fields of a chat request: OpenAI's `response_format` and vLLM's equivalents.
+
+Owns: their pydantic shapes, reading them into one `StructuredOutput`, and the 400 when more than one is
+set or the constraint does not compile (naming the field). Does not own: compiling and enforcing the
+grammar (`mmserve.decoder.grammar`).
+
+vLLM's spellings served: `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and the
+older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; a `grammar` is llguidance's Lark.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mmserve.api.errors import with_param
+from mmserve.decoder.grammar import InvalidGrammarError, check
+from mmserve.errors import InvalidRequestError
+from mmserve.messages import StructuredOutput
+
+_ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object, as OpenAI defines that mode
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None  # OpenAI requires it; it names the schema and changes nothing here
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's `structured_outputs` object: one of its fields set."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class StructuredFields(_Lenient):
+    """The request fields this module reads (a mixin of `ChatCompletionRequest`)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM's)
+    guided_json: str | dict[str, Any] | None = None  # extension (vLLM's, older)
+    guided_regex: str | None = None  # extension (vLLM's, older)
+    guided_choice: list[str] | None = Field(None, min_length=1)  # extension (vLLM's, older)
+    guided_grammar: str | None = None  # extension (vLLM's, older): a Lark grammar
+
+    def structured(self) -> StructuredOutput | None:
+        """The one constraint the request sets, checked to compile; raises InvalidRequestError naming the field."""
+        found = [(name, s) for name, s in self._candidates() if s is not None]
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise with_param(InvalidRequestError(f"set at most one structured output constraint, got {names}"),
+                             found[1][0])
+        if not found:
+            return None
+        name, structured = found[0]
+        try:
+            check(structured)
+        except InvalidGrammarError as exc:
+            raise with_param(exc, name) from None
+        return structured
+
+    def _candidates(self) -> list[tuple[str, StructuredOutput | None]]:
+        so = self.structured_outputs or StructuredOutputs()
+        return [
+            ("response_format", _from_response_format(self.response_format)),
+            ("structured_outputs", _first(_json(so.json_), _regex(so.regex), _choice(so.choice), _lark(so.grammar),
+                                          StructuredOutput("json", _ANY_OBJECT) if so.json_object else None)),
+            ("guided_json", _json(self.guided_json)),
+            ("guided_regex", _regex(self.guided_regex)),
+            ("guided_choice", _choice(self.guided_choice)),
+            ("guided_grammar", _lark(self.guided_grammar)),
+        ]
+
+
+def _from_response_format(fmt: ResponseFormat | None) -> StructuredOutput | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput("json", _ANY_OBJECT)
+    if fmt.json_schema is None:
+        raise with_param(InvalidRequestError("response_format of type json_schema needs a json_schema"),
+                         "response_format")
+    return _json(fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {})
+
+
+def _first(*found: StructuredOutput | None) -> StructuredOutput | None:
+    given = [s for s in found if s is not None]
+    if len(given) > 1:
+        raise with_param(InvalidRequestError("structured_outputs: set exactly one of json, regex, choice, grammar, "
+                                             "json_object"), "structured_outputs")
+    return given[0] if given else None
+
+
+def _json(schema: str | dict[str, Any] | None) -> StructuredOutput | None:
+    if schema is None:
+        return None
+    return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def _regex(pattern: str | None) -> StructuredOutput | None:
+    return None if pattern is None else StructuredOutput("regex", pattern)
+
+
+def _choice(choices: list[str] | None) -> StructuredOutput | None:
+    return None if choices is None else StructuredOutput("choice", json.dumps(choices))
+
+
+def _lark(grammar: str | None) -> StructuredOutput | None:
+    return None if grammar is None else StructuredOutput("lark", grammar)

@@ -1,0 +1,166 @@
+"""Structured output: the grammar a request's output must match, enforced token by token with llguidance.
+
+Owns: turning a `StructuredOutput` into an llguidance grammar and checking that it compiles (the edge
+calls `check` for its 400), the model's vocabulary as llguidance sees it (built once, on the first request
+that asks), one matcher per request, the batch's allowed-token bitmask and its application to logits.
+Does not own: when a row is masked (the decoder's step) nor sampling (sampler.py).
+
+NOTE: JSON is compiled without free whitespace (llguidance's `whitespace_flexible: false`, vLLM's
+`disable_any_whitespace`) and with `", "` / `": "` separators: a model cannot spend its tokens on runs of
+blanks, and the output reads as `json.dumps` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+from mmserve.errors import InvalidRequestError
+from mmserve.messages import StructuredOutput
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # NOTE: a typing-only name, not exported at run time
+
+_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
+}
+PARALLEL_ROWS = 32  # constrained rows in a step from which their masks are computed on llguidance's pool
+_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "lark": "Lark grammar"}
+_BITS = torch.arange(32, dtype=torch.int32)  # (32,): bit k of a mask word is token 32 * word + k
+
+
+class InvalidGrammarError(InvalidRequestError):
+    """The requested schema, regex, choice list or grammar does not compile."""
+
+
+def grammar_of(structured: StructuredOutput) -> str:
+    """The llguidance grammar (its JSON text) for a request's constraint."""
+    if structured.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(structured.spec, defaults=_JSON_OPTIONS)
+    if structured.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(structured.spec)
+    if structured.kind == "choice":
+        choices = json.loads(structured.spec)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if structured.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(structured.spec)
+    raise InvalidGrammarError(f"unknown kind of structured output {structured.kind!r}")
+
+
+def check(structured: StructuredOutput) -> None:
+    """Raise InvalidGrammarError with llguidance's reason when the constraint does not compile."""
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(structured))
+    except ValueError as exc:  # not a JSON object where one is needed
+        raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {exc}") from None
+    if failed:
+        reason = messages[0] if messages else "no reason given"
+        raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {reason}")
+
+
+class GrammarViolationError(RuntimeError):
+    """A sampled token that the request's grammar did not allow (a bug: its mask forbade it)."""
+
+
+class Grammars:
+    """The model's vocabulary for llguidance and fresh matchers for requests, thread-safe.
+
+    `vocab_size` is the logits' width (it may exceed the tokenizer's); `eos_token_ids` are what a finished
+    grammar allows, so a constrained output ends with the model's own end of turn. The vocabulary is built
+    on the first request that asks (NOTE: not at start-up: it is slow on a large vocabulary, and many
+    deployments never ask). The last `cached` constraints are kept compiled: production traffic sends the
+    same extraction schema again and again, and copying a compiled matcher costs next to nothing against
+    compiling it (docs/benchmarks.md).
+    """
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cached: int = 64) -> None:
+        self._hf, self._vocab, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()  # pristine, LRU
+        self._cached, self._lock = cached, threading.Lock()
+        self.words = (vocab_size + 31) // 32  # int32 words per row of a bitmask
+
+    def matcher(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher for one request; raises InvalidGrammarError if the constraint does not compile."""
+        with self._lock:
+            pristine = self._compiled.get(structured)
+            if pristine is not None:
+                self._compiled.move_to_end(structured)
+                return pristine.deep_copy()
+            tokenizer = self._vocabulary()
+        pristine = llguidance.LLMatcher(tokenizer, grammar_of(structured))  # NOTE: outside the lock: compiling is slow
+        if pristine.is_error():
+            raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {pristine.get_error()}")
+        with self._lock:
+            self._compiled[structured] = pristine
+            while len(self._compiled) > self._cached:
+                self._compiled.popitem(last=False)
+        return pristine.deep_copy()
+
+    def bitmask(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """(g, words) int32 allowed-token bits of each matcher's next token.
+
+        NOTE: computed on the calling thread below PARALLEL_ROWS rows (as vLLM does): llguidance's thread
+        pool spins for work after each call, and on a CPU host those spinning threads take the cores
+        from the forward's own threads; a large batch of constrained rows is worth the pool.
+        """
+        mask = torch.empty((len(matchers), self.words), dtype=torch.int32)
+        row_bytes = self.words * 4
+        if len(matchers) < PARALLEL_ROWS:
+            for i, matcher in enumerate(matchers):
+                matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
+            return mask
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
+                                               row_bytes, len(matchers))
+        return mask
+
+    def forbidden(self, matchers: list[llguidance.LLMatcher | None], device: torch.device) -> torch.Tensor:
+        """(len(matchers), vocab) bool on `device`: the tokens each row's matcher forbids next (None: none)."""
+        present = [(i, m) for i, m in enumerate(matchers) if m is not None]
+        bitmask = self.bitmask([m for _, m in present])
+        return forbidden(bitmask, [i for i, _ in present], len(matchers), self._vocab, device)
+
+    def _vocabulary(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            start = time.perf_counter()
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab, eos_token=self._eos)
+            log.info("structured output: vocabulary of %d tokens built in %.2f s", self._vocab,
+                     time.perf_counter() - start)
+        return self._tokenizer
+
+
+def forbidden(bitmask: torch.Tensor, rows: list[int], n: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """(g, words) int32 allowed-token bits of `rows` -> (n, vocab) bool on `device`, True where a row's token
+    is forbidden; the other rows forbid nothing.
+
+    NOTE: unpacked with numpy on a CPU (one call, where torch takes several kernels); sent packed, 32x
+    smaller, to any other device and unpacked there. Bit k of word w is token 32 w + k, so on a
+    little-endian host the words' bytes unpack in token order.
+    """
+    if device.type == "cpu":
+        out = np.zeros((n, vocab), dtype=bool)
+        out[rows] = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little") == 0
+        return torch.from_numpy(out)
+    return _forbidden_on(device, bitmask, rows, n, vocab)
+
+
+def _forbidden_on(device: torch.device, bitmask: torch.Tensor, rows: list[int], n: int, vocab: int) -> torch.Tensor:
+    """`forbidden` unpacked by torch kernels on `device`."""
+    bits = (bitmask.to(device, non_blocking=True)[:, :, None] >> _BITS.to(device)) & 1  # (g, words, 32)
+    forbid = torch.zeros((n, vocab), dtype=torch.bool, device=device)
+    forbid[torch.tensor(rows, device=device)] = bits.reshape(len(rows), -1)[:, :vocab] == 0
+    return forbid

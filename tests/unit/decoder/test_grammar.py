@@ -1,0 +1,93 @@
+"""The grammar plumbing: bitmasks from llguidance matchers and their application to a batch's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from mmserve.decoder.grammar import Grammars, InvalidGrammarError, _forbidden_on, check, forbidden
+from mmserve.decoder.sampler import Sampler
+from mmserve.messages import SamplingParams, StructuredOutput
+
+
+def bits_allowing(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """(g, words) int32 bitmask with exactly `allowed[i]` set in row i."""
+    mask = torch.zeros((len(allowed), (vocab + 31) // 32), dtype=torch.int64)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            mask[row, t // 32] |= 1 << (t % 32)
+    return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)  # bit 31 is the sign bit
+
+
+def test_forbidden_unpacks_each_constrained_row_and_leaves_the_others_free() -> None:
+    vocab = 70  # not a multiple of 32: the last word's spare bits must not matter
+    allowed = [{0, 31, 32, 69}, {5}]
+    out = forbidden(bits_allowing(allowed, vocab), [1, 3], 4, vocab, torch.device("cpu"))
+    assert out.shape == (4, vocab) and not out[[0, 2]].any()
+    for row, tokens in zip((1, 3), allowed, strict=True):
+        assert {t for t in range(vocab) if not out[row, t]} == tokens
+
+
+def test_the_device_unpacking_agrees_with_the_hosts() -> None:
+    vocab = 100
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32)
+    on_host = forbidden(bitmask, [0, 2, 4], 5, vocab, torch.device("cpu"))
+    assert torch.equal(_forbidden_on(torch.device("cpu"), bitmask, [0, 2, 4], 5, vocab), on_host)
+
+
+def test_the_sampler_picks_only_allowed_tokens_greedy_or_sampled() -> None:
+    vocab = 40
+    logits = torch.randn(3, vocab)
+    allowed = [{7, 9}, {39}]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]
+    generators = [None, torch.Generator().manual_seed(1), None]
+    forbid = forbidden(bits_allowing(allowed, vocab), [0, 1], 3, vocab, torch.device("cpu"))
+    for _ in range(20):
+        tokens = Sampler().sample(logits, params, generators, forbidden=forbid)
+        assert tokens[0].item() == max((7, 9), key=lambda t: logits[0, t].item())
+        assert tokens[1].item() == 39 and tokens[2].item() == logits[2].argmax().item()
+    assert not torch.isinf(logits).any()  # the caller's logits are left as they were
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_ckpt_224) -> tuple[Grammars, object]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt_224)
+    return Grammars(tokenizer, vocab_size=len(tokenizer) + 50, eos_token_ids=(tokenizer.eos_token_id,)), tokenizer
+
+
+def test_a_matcher_allows_exactly_the_tokens_that_keep_the_output_in_its_language(grammars) -> None:
+    book, tokenizer = grammars
+    matcher = book.matcher(StructuredOutput("choice", json.dumps(["yes", "no"])))
+    mask = book.bitmask([matcher])
+    vocab = len(tokenizer)
+    allowed = {t for t in range(book.words * 32) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+    texts = {t: tokenizer.decode([t]) for t in range(vocab)}
+    expected = {t for t, text in texts.items() if text and ("yes".startswith(text) or "no".startswith(text))}
+    assert allowed == expected and len(expected) >= 4  # "y", "n" and their byte-fallback twins at least
+    for t in tokenizer.encode("yes", add_special_tokens=False):
+        assert matcher.consume_token(t)
+    assert matcher.is_stopped()  # nothing may follow a complete choice
+
+
+def test_a_finished_json_allows_only_the_end_of_sequence(grammars) -> None:
+    book, tokenizer = grammars
+    matcher = book.matcher(StructuredOutput("json", '{"type": "object", "additionalProperties": false}'))
+    for t in tokenizer.encode("{}", add_special_tokens=False):
+        assert matcher.consume_token(t)
+    mask = book.bitmask([matcher])
+    allowed = {t for t in range(book.words * 32) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+    assert allowed == {tokenizer.eos_token_id}
+
+
+@pytest.mark.parametrize(("structured", "words"), [
+    (StructuredOutput("json", '{"type": "nope"}'), "invalid JSON schema"),
+    (StructuredOutput("json", "[1, 2"), "invalid JSON schema"),
+    (StructuredOutput("regex", "a{2,1}"), "invalid regex"),
+    (StructuredOutput("lark", "start: ("), "invalid Lark grammar"),
+])
+def test_check_names_what_does_not_compile(structured: StructuredOutput, words: str) -> None:
+    with pytest.raises(InvalidGrammarError, match=words):
+        check(structured)
