@@ -34,7 +34,7 @@ from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError, ReplicaLostError
-from mmserve.messages import ChatRequest, RequestFailed, RequestOutput
+from mmserve.messages import ChatRequest, RequestFailed
 from mmserve.runtime.metrics import IngressMetrics, RequestStatus
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.stages import StageFactory
@@ -181,9 +181,9 @@ class Ingress:
             return _error(exc)
         self.stats.observe_ttft(time.perf_counter() - started)
         if body.stream:
-            stream = self._sse(chat.request_id, body.include_usage, first, outputs, started, deadline)
+            stream = self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started, deadline)
             return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
-        return await self._complete(chat.request_id, first, outputs, started, deadline, timing)
+        return await self._complete(chat.request_id, chat.sampling.n, first, outputs, started, deadline, timing)
 
     async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline,
                      timing: ServerTiming) -> tuple[Any, Any]:
@@ -225,46 +225,43 @@ class Ingress:
         except StopAsyncIteration:
             return None
 
-    async def _complete(self, request_id: str, first: Any, outputs: Any, started: float, deadline: Deadline,
-                        timing: "ServerTiming") -> Response:
-        builder = CompletionBuilder(request_id, self.model_name)
-        last = first
+    async def _complete(self, request_id: str, n: int, first: Any, outputs: Any, started: float,
+                        deadline: Deadline, timing: "ServerTiming") -> Response:
+        builder = CompletionBuilder(request_id, self.model_name, n=n)
         try:
             builder.add(first)
-            while not last.finished and (message := await self._next(outputs, deadline)) is not None:
-                builder.add(last := message)
+            while not builder.finished and (message := await self._next(outputs, deadline)) is not None:
+                builder.add(message)
         except Exception as exc:
-            self._done(failure_status(exc), started)
+            self._done(failure_status(exc), started, builder.choices.tokens)
             return _error(exc)
         finally:
-            if not last.finished:  # it failed, or this handler was cancelled: abort it in the decoder
+            if not builder.finished:  # it failed, or this handler was cancelled: abort it in the decoder
                 cancel(outputs)
-        self._done("ok", started, last)
+        self._done("ok", started, builder.choices.tokens)
         return JSONResponse(builder.build().model_dump(), headers=timing.header())
 
-    async def _sse(self, request_id: str, include_usage: bool, first: Any, outputs: Any,
+    async def _sse(self, request_id: str, n: int, include_usage: bool, first: Any, outputs: Any,
                    started: float, deadline: Deadline) -> AsyncIterator[str]:
-        chunks = ChunkBuilder(request_id, self.model_name, include_usage=include_usage)
+        chunks = ChunkBuilder(request_id, self.model_name, n=n, include_usage=include_usage)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
-        last = first
         try:
             for event in chunks.events(first):
                 yield event
-            while not last.finished and (message := await self._next(outputs, deadline)) is not None:
-                last = message
-                for event in chunks.events(last):
+            while not chunks.finished and (message := await self._next(outputs, deadline)) is not None:
+                for event in chunks.events(message):
                     yield event
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             status = failure_status(exc)
             yield sse_error(_unwrap(exc))
         finally:
-            if not last.finished:  # the client left, or the deadline: abort it in the decoder, free its KV
+            if not chunks.finished:  # the client left, or the deadline: abort it in the decoder, free its KV
                 cancel(outputs)
-            self._done(status, started, last)
+            self._done(status, started, chunks.choices.tokens)
 
-    def _done(self, status: RequestStatus, started: float, last: Any = None) -> None:
-        tokens = (last.num_prompt_tokens, last.num_output_tokens) if isinstance(last, RequestOutput) else (0, 0)
+    def _done(self, status: RequestStatus, started: float, tokens: tuple[int, int] = (0, 0)) -> None:
+        """Count a finished request with its (prompt, output) tokens."""
         self.stats.observe_request(status, time.perf_counter() - started, *tokens)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import DecoderStats, LogitsObserver
 from mmserve.encoder.stage import EncoderStats
-from mmserve.messages import ChatRequest, PreprocessedRequest, RequestOutput, TokenLogprob
+from mmserve.messages import ChatRequest, PreprocessedRequest, RequestOutput, TokenLogprob, merge_outputs
 from mmserve.preprocess.processor_cache import ProcessorCache, ProcessorCacheStats
 from mmserve.stages import StageFactory
 
@@ -30,6 +30,7 @@ class Completion:
     num_prompt_tokens: int  # prompt tokens, image tokens included (tokens)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked
+    index: int = 0  # which of the request's `n` choices (choice index)
 
 
 @dataclass(frozen=True)
@@ -71,28 +72,21 @@ class Engine:
             yield out
 
     def generate(self, requests: list[ChatRequest]) -> list[Completion]:
-        """Run requests together through the batching pipeline; for callers without an event loop."""
+        """Run requests together through the batching pipeline; for callers without an event loop.
+
+        One Completion per choice: the requests in order, a request's `n` choices by index."""
         pres = [self.preprocess(r) for r in requests]
 
-        async def run_all() -> list[Completion]:
+        async def run_all() -> list[list[Completion]]:
             return list(await asyncio.gather(*(self._complete(pre) for pre in pres)))
 
-        return asyncio.run(run_all())
+        return [choice for choices in asyncio.run(run_all()) for choice in choices]
 
-    async def _complete(self, pre: PreprocessedRequest) -> Completion:
-        texts: list[str] = []
-        tokens: list[int] = []
-        logprobs: list[TokenLogprob] | None = None
-        reason, cached = None, 0
+    async def _complete(self, pre: PreprocessedRequest) -> list[Completion]:
+        outputs: dict[int, list[RequestOutput]] = {i: [] for i in range(pre.sampling.n)}
         async for out in self._serve(pre):
-            texts.append(out.new_text)
-            tokens += out.new_token_ids
-            if out.logprobs is not None:
-                logprobs = logprobs if logprobs is not None else []
-                logprobs.extend(out.logprobs)
-            reason, cached = out.finish_reason, out.num_cached_tokens
-        return Completion(pre.request_id, "".join(texts), tokens, reason, len(pre.prompt_token_ids), cached,
-                          logprobs)
+            outputs[out.index].append(out)
+        return [_completion(pre, index, outs) for index, outs in outputs.items()]
 
     def has_unfinished(self) -> bool:
         return self.encoder_service.busy() or self.decoder_service.busy()
@@ -118,6 +112,13 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def _completion(pre: PreprocessedRequest, index: int, outputs: list[RequestOutput]) -> Completion:
+    """One choice's outputs folded into its Completion."""
+    whole = merge_outputs(outputs)
+    return Completion(pre.request_id, whole.new_text, whole.new_token_ids, whole.finish_reason,
+                      len(pre.prompt_token_ids), whole.num_cached_tokens, whole.logprobs, index)
 
 
 def new_request_id() -> str:

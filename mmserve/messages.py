@@ -21,6 +21,7 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI allows
+MAX_CHOICES = 16  # `n` at most; NOTE: OpenAI allows 128, but each choice is a running sequence of its own
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
     min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens (vLLM's)
     structured: StructuredOutput | None = None  # the output must match it; None = free text
+    n: int = 1  # choices generated from the prompt, which is computed once (choices)
 
     def validate(self) -> None:
         """Raise InvalidSamplingError naming the first out-of-range field."""
@@ -66,6 +68,7 @@ class SamplingParams:
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
             (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (1 <= self.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
         ]
@@ -189,6 +192,7 @@ class RequestOutput:
     num_output_tokens: int  # tokens generated so far (tokens)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    index: int = 0  # which of the request's `n` choices this output belongs to (choice index)
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

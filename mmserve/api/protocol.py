@@ -103,7 +103,6 @@ def _is_off(value: Any) -> bool:
 
 # field -> (is the value one we can serve, why not). Checked by `to_chat_request`.
 _DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v in (None, 1), "only n=1 is supported"),
     "tools": (_is_off, "tool calling is not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "functions": (_is_off, "function calling is not supported"),
@@ -135,8 +134,8 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     logprobs: bool | None = None
     top_logprobs: int | None = None  # alternatives per token (0-20); needs logprobs
+    n: int | None = None  # choices (1-16); the prompt is computed once
     # Accepted only at their default (see _DEFAULT_ONLY); declared so their types are checked.
-    n: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -186,6 +185,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             min_tokens=self.min_tokens or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             structured=self.structured(),
+            n=1 if self.n is None else self.n,
         )
         try:
             params.validate()

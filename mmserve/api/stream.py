@@ -59,10 +59,13 @@ def sse_error(exc: BaseException) -> str:
     return sse(error_body(exc)[1])
 
 
-def _usage(out: RequestOutput) -> Usage:
-    return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                 total_tokens=out.num_prompt_tokens + out.num_output_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+def _usage(lasts: dict[int, RequestOutput]) -> Usage:
+    """The prompt counted once (choice 0's cached share), the completion tokens of every choice summed."""
+    first = lasts[min(lasts)]
+    completion = sum(out.num_output_tokens for out in lasts.values())
+    return Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=completion,
+                 total_tokens=first.num_prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens))
 
 
 def _ok(out: RequestOutput | RequestFailed) -> RequestOutput:
@@ -71,74 +74,106 @@ def _ok(out: RequestOutput | RequestFailed) -> RequestOutput:
     return out
 
 
-class CompletionBuilder:
-    """Accumulates one request's outputs into the non-streaming response."""
+class _Choices:
+    """The latest output of each of a request's `n` choices."""
 
-    def __init__(self, response_id: str, model: str, *, created: int | None = None) -> None:
-        self.response_id, self.model = response_id, model
-        self.created = int(time.time()) if created is None else created
-        self._texts: list[str] = []
-        self._logprobs: list[TokenLogprob] | None = None  # None while the request asked for none
-        self._last: RequestOutput | None = None
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.last: dict[int, RequestOutput] = {}
+
+    def note(self, out: RequestOutput) -> None:
+        self.last[out.index] = out
 
     @property
     def finished(self) -> bool:
-        return self._last is not None and self._last.finished
+        return len(self.last) == self.n and all(out.finished for out in self.last.values())
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        """(prompt tokens, output tokens of all choices) so far."""
+        if not self.last:
+            return 0, 0
+        return next(iter(self.last.values())).num_prompt_tokens, sum(o.num_output_tokens for o in self.last.values())
+
+
+class CompletionBuilder:
+    """Accumulates one request's outputs (each of its `n` choices) into the non-streaming response."""
+
+    def __init__(self, response_id: str, model: str, *, n: int = 1, created: int | None = None) -> None:
+        self.response_id, self.model = response_id, model
+        self.created = int(time.time()) if created is None else created
+        self.choices = _Choices(n)
+        self._texts: dict[int, list[str]] = {i: [] for i in range(n)}
+        self._logprobs: dict[int, list[TokenLogprob]] = {}  # only for choices whose outputs carry them
+
+    @property
+    def finished(self) -> bool:
+        return self.choices.finished
 
     def add(self, out: RequestOutput | RequestFailed) -> None:
         """Fold one delta in; re-raises a `RequestFailed`'s error."""
         out = _ok(out)
-        self._texts.append(out.new_text)
+        self._texts[out.index].append(out.new_text)
         if out.logprobs is not None:
-            self._logprobs = self._logprobs if self._logprobs is not None else []
-            self._logprobs.extend(out.logprobs)
-        self._last = out
+            self._logprobs.setdefault(out.index, []).extend(out.logprobs)
+        self.choices.note(out)
 
     def build(self) -> ChatCompletionResponse:
-        last = self._last
-        if last is None or not last.finished:
+        if not self.finished:
             raise RuntimeError(f"response {self.response_id} built before its request finished")
-        choice = Choice(message=AssistantMessage(content="".join(self._texts)), finish_reason=last.finish_reason,
-                        logprobs=None if self._logprobs is None else choice_logprobs(self._logprobs))
+        lasts = self.choices.last
+        choices = [Choice(index=i, message=AssistantMessage(content="".join(self._texts[i])),
+                          finish_reason=lasts[i].finish_reason,
+                          logprobs=choice_logprobs(self._logprobs[i]) if i in self._logprobs else None)
+                   for i in sorted(lasts)]
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=[choice], usage=_usage(last))
+                                      choices=choices, usage=_usage(lasts))
 
 
 class ChunkBuilder:
-    """Turns one request's outputs into stream chunks; one instance per streamed response."""
+    """Turns one request's outputs (each of its `n` choices) into stream chunks; one per streamed response."""
 
-    def __init__(self, response_id: str, model: str, *, include_usage: bool = False,
+    def __init__(self, response_id: str, model: str, *, n: int = 1, include_usage: bool = False,
                  created: int | None = None) -> None:
         self.response_id, self.model, self.include_usage = response_id, model, include_usage
         self.created = int(time.time()) if created is None else created
-        self._sent_role = False
-        self._done = False
-        self._pending: list[TokenLogprob] | None = None  # log-probs of tokens whose text is not sent yet
+        self.choices = _Choices(n)
+        self._sent_role: set[int] = set()
+        self._done: set[int] = set()
+        self._pending: dict[int, list[TokenLogprob]] = {}  # log-probs of tokens whose text is not sent yet
+
+    @property
+    def finished(self) -> bool:
+        return self.choices.finished
 
     def chunks(self, out: RequestOutput | RequestFailed) -> list[ChatCompletionChunk]:
         """The chunks for one delta (maybe none); re-raises a `RequestFailed`'s error."""
         out = _ok(out)
+        index = out.index
+        self.choices.note(out)
         if out.logprobs is not None:
-            self._pending = self._pending if self._pending is not None else []
-            self._pending.extend(out.logprobs)
-        if self._done or (self._sent_role and not out.new_text and not out.finished):
+            self._pending.setdefault(index, []).extend(out.logprobs)
+        if index in self._done or (index in self._sent_role and not out.new_text and not out.finished):
             return []  # NOTE: no empty chunks for steps that produced no text (held back or mid-character)
-        first, self._sent_role = not self._sent_role, True
+        first = index not in self._sent_role
+        self._sent_role.add(index)
         delta = Delta(role="assistant" if first else None, content=out.new_text if out.new_text or first else None)
         reason = out.finish_reason if out.finished else None
-        pending, self._pending = self._pending, None if self._pending is None else []
-        logprobs = None if pending is None else choice_logprobs(pending)  # NOTE: a held-back token's go later
-        chunks = [self._chunk([ChunkChoice(delta=delta, finish_reason=reason, logprobs=logprobs)])]
+        pending = self._pending.pop(index, None)
+        if pending is not None:
+            self._pending[index] = []  # NOTE: a held-back token's log-probs go with the next chunk sent
+        logprobs = None if pending is None else choice_logprobs(pending)
+        chunks = [self._chunk([ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)])]
         if out.finished:
-            self._done = True
-            if self.include_usage:
-                chunks.append(self._chunk([], usage=_usage(out)))
+            self._done.add(index)
+            if self.include_usage and self.finished:
+                chunks.append(self._chunk([], usage=_usage(self.choices.last)))
         return chunks
 
     def events(self, out: RequestOutput | RequestFailed) -> list[str]:
         """`chunks` as SSE strings, with the closing `[DONE]` after the last."""
         events = [sse(c) for c in self.chunks(out)]
-        return [*events, SSE_DONE] if out.finished and events else events
+        return [*events, SSE_DONE] if self.finished and events else events
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,

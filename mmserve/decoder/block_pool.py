@@ -33,6 +33,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))  # NOTE: allocate from the head, free to the tail
+        self.allocated = 0  # blocks handed out by `allocate` since start, a shared one counted once (blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -52,6 +53,7 @@ class BlockPool:
         if n > len(self._free):
             raise OutOfBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
         ids = [self._free.popleft() for _ in range(n)]
+        self.allocated += n
         for block_id in ids:
             block = self._blocks[block_id]
             block.ref_count = 1

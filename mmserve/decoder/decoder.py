@@ -57,6 +57,7 @@ class DecoderStats:
     cached_blocks: int = 0  # prefix-cache entries (blocks of one layer kind)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (tokens)
     prefix_hits: int = 0  # of those, found cached (tokens)
+    allocated_blocks: int = 0  # KV pages taken from the pool since start, a shared page once (pages)
 
 
 class Decoder:
@@ -163,17 +164,20 @@ class Decoder:
         tokens = sampled.tolist()
         logprobs = self._logprobs(result, sampled, tokens)
         ended, broken = self.grammar_step.advance(ids, tokens, [self._states[rid].matcher for rid in ids])
+        failed += [self._fail(self._states[rid].seq, exc) for rid, exc in broken.items()]  # before update
         finished = {seq.request_id for seq in self.scheduler.update(plan, dict(zip(ids, tokens, strict=True)))}
-        for rid in ended - finished:  # the grammar is complete: nothing may follow
-            self.scheduler.finish(rid, "stop")
+        for rid in ended:  # the grammar is complete: nothing may follow, and it ends as a stop, not a length
+            if rid in finished:
+                self._states[rid].seq.finish_reason = "stop"
+            else:
+                self.scheduler.finish(rid, "stop")
         finished |= ended
-        failed += [self._fail(self._states[rid].seq, exc) for rid, exc in broken.items()]
         return [*(self._emit(rid, tok, rid in finished, logprobs.get(i))
                   for i, (rid, tok) in enumerate(zip(ids, tokens, strict=True)) if rid not in broken), *failed]
 
     def _logprobs(self, result: StepLogits, sampled: torch.Tensor, tokens: list[int]) -> dict[int, TokenLogprob]:
         """Row -> its token's log-prob (and top alternatives), for the rows whose request asked."""
-        rows = [i for i, seq in enumerate(result.seqs) if seq.sampling.logprobs is not None]
+        rows = [i for i, seq in enumerate(result.seqs) if seq.sampling.logprobs is not None and tokens[i] >= 0]
         if not rows:
             return {}
         top = max(result.seqs[i].sampling.logprobs or 0 for i in rows)
@@ -302,4 +306,5 @@ class Decoder:
             running=s.running, waiting=s.waiting, free_blocks=s.free_blocks,
             total_blocks=s.total_blocks, steps=self.steps, kv_cache_bytes=self.kv.nbytes,
             cached_blocks=s.cached_blocks, prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
+            allocated_blocks=self.pool.allocated,
         )

@@ -12,11 +12,14 @@ blanks, and the output reads as `json.dumps` writes it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -58,19 +61,42 @@ def grammar_of(structured: StructuredOutput) -> str:
     raise InvalidGrammarError(f"unknown kind of structured output {structured.kind!r}")
 
 
+@functools.lru_cache(maxsize=256)
 def check(structured: StructuredOutput) -> None:
-    """Raise InvalidGrammarError with llguidance's reason when the constraint does not compile."""
-    try:
+    """Raise InvalidGrammarError with llguidance's reason when the constraint does not compile (the
+    constraints that did are remembered: the same schema is sent again and again)."""
+    with _compiling(structured):
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(structured))
-    except ValueError as exc:  # not a JSON object where one is needed
-        raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {exc}") from None
     if failed:
         reason = messages[0] if messages else "no reason given"
         raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {reason}")
 
 
+def is_panic(exc: BaseException) -> bool:
+    """Whether `exc` is a panic inside llguidance's Rust code (pyo3's PanicException, a BaseException)."""
+    return type(exc).__name__ == "PanicException"
+
+
+@contextlib.contextmanager
+def _compiling(structured: StructuredOutput) -> Iterator[None]:
+    """Turn what compiling a constraint raises (not JSON where JSON is due, a panic) into InvalidGrammarError."""
+    try:
+        yield
+    except InvalidGrammarError:
+        raise
+    except BaseException as exc:
+        if not isinstance(exc, ValueError) and not is_panic(exc):
+            raise
+        raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {exc}") from None
+
+
 class GrammarViolationError(RuntimeError):
     """A sampled token that the request's grammar did not allow (a bug: its mask forbade it)."""
+
+
+class NoTokenAllowedError(InvalidRequestError):
+    """A constrained request whose masks together leave no token (the grammar with min_tokens or with the
+    model's never-sampled tokens), or whose matcher failed."""
 
 
 class Grammars:
@@ -100,7 +126,8 @@ class Grammars:
                 self._compiled.move_to_end(structured)
                 return pristine.deep_copy()
             tokenizer = self._vocabulary()
-        pristine = llguidance.LLMatcher(tokenizer, grammar_of(structured))  # NOTE: outside the lock: compiling is slow
+        with _compiling(structured):  # NOTE: outside the lock: compiling is slow
+            pristine = llguidance.LLMatcher(tokenizer, grammar_of(structured))
         if pristine.is_error():
             raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {pristine.get_error()}")
         with self._lock:
@@ -118,14 +145,34 @@ class Grammars:
         """
         mask = torch.empty((len(matchers), self.words), dtype=torch.int32)
         row_bytes = self.words * 4
-        if len(matchers) < PARALLEL_ROWS:
-            for i, matcher in enumerate(matchers):
+        if len(matchers) >= PARALLEL_ROWS:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            try:
+                self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
+                                                       row_bytes, len(matchers))
+            except BaseException as exc:
+                if not isinstance(exc, Exception) and not is_panic(exc):
+                    raise
+                log.warning("structured output: masks of %d rows failed together (%r); one by one", len(matchers), exc)
+            else:
+                return self._without_errors(matchers, mask)
+        for i, matcher in enumerate(matchers):
+            try:
                 matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
-            return mask
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
-                                               row_bytes, len(matchers))
+            except BaseException as exc:
+                if not isinstance(exc, Exception) and not is_panic(exc):
+                    raise
+                log.warning("structured output: a mask failed (%r); its row allows nothing", exc)
+                mask[i] = 0
+        return self._without_errors(matchers, mask)
+
+    @staticmethod
+    def _without_errors(matchers: list[llguidance.LLMatcher], mask: torch.Tensor) -> torch.Tensor:
+        """NOTE: a matcher in an error state allows nothing: its request then fails, not its batch."""
+        for i, matcher in enumerate(matchers):
+            if matcher.is_error():
+                mask[i] = 0
         return mask
 
     def forbidden(self, matchers: list[llguidance.LLMatcher | None], device: torch.device) -> torch.Tensor:

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import torch
 
-from mmserve.decoder.grammar import Grammars, GrammarViolationError
+from mmserve.decoder.grammar import Grammars, GrammarViolationError, NoTokenAllowedError, is_panic
 
 Pending = Future[tuple[list[str], torch.Tensor]]  # (request ids in plan order, their (n, vocab) bool mask)
 
@@ -51,14 +51,31 @@ class GrammarStep:
     def advance(ids: list[str], tokens: list[int],
                 matchers: list[llguidance.LLMatcher | None]) -> tuple[set[str], dict[str, Exception]]:
         """Feed each constrained row its sampled token -> (requests whose grammar allows nothing more, and
-        those whose token it refused: a bug, as the mask forbade it)."""
+        the requests that cannot go on: their masks left no token (-1), or their matcher failed)."""
         ended: set[str] = set()
         broken: dict[str, Exception] = {}
         for rid, token, matcher in zip(ids, tokens, matchers, strict=True):
             if matcher is None:
                 continue
-            if not matcher.consume_token(token):
-                broken[rid] = GrammarViolationError(f"token {token} broke the grammar: {matcher.get_error()}")
+            error = _consume(matcher, token)
+            if error is not None:
+                broken[rid] = error
             elif matcher.is_stopped():
                 ended.add(rid)
         return ended, broken
+
+
+def _consume(matcher: llguidance.LLMatcher, token: int) -> Exception | None:
+    """Advance `matcher` by `token`; what went wrong, or None."""
+    if token < 0:
+        why = f"its matcher failed: {matcher.get_error()}" if matcher.is_error() else \
+            "the grammar allows no token the model may sample here (e.g. only an end that min_tokens holds back)"
+        return NoTokenAllowedError(f"structured output cannot go on: {why}")
+    try:
+        if matcher.consume_token(token):
+            return None
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not is_panic(exc):
+            raise
+        return GrammarViolationError(f"token {token}: the grammar's matcher failed: {exc!r}")
+    return GrammarViolationError(f"token {token} broke the grammar: {matcher.get_error()}")

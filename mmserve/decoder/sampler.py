@@ -42,7 +42,8 @@ class Sampler:
                forbidden: torch.Tensor | None = None) -> torch.Tensor:
         """(n, vocab) logits, one params and generator per row (and, for penalties, each row's output and
         prompt token ids; for structured output, an (n, vocab) bool of the tokens each row's grammar
-        forbids, `grammar.Grammars.forbidden`) -> (n,) int64 token ids."""
+        forbids, `grammar.Grammars.forbidden`) -> (n,) int64 token ids; -1 for a row whose masks left it no
+        token at all (possible only under a grammar)."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators")
         logits = logits.float()  # (n, V); NOTE: filter in float32 whatever the model dtype
@@ -53,8 +54,11 @@ class Sampler:
         if len(self._never):  # NOTE: out of place, the caller's logits stay as the model made them
             self._never = self._never.to(logits.device)
             logits = logits.index_fill(1, self._never, float("-inf"))
+        dead = None
         if forbidden is not None:
             logits = logits.masked_fill(forbidden, float("-inf"))
+            dead = (logits == float("-inf")).all(dim=-1)  # (n,): no token left
+            logits = logits.masked_fill(dead[:, None], 0.0)  # NOTE: so that the draws below stay defined
         tokens = logits.argmax(dim=-1)  # (n,)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row
@@ -66,7 +70,7 @@ class Sampler:
                 index = torch.tensor([rows[j] for j in group], device=logits.device)  # (g,)
                 scaled = logits[index] / _temperatures([params[rows[j]] for j in group], logits.device)
                 tokens[index] = draw(scaled, [params[rows[j]] for j in group], u[group])
-        return tokens
+        return tokens if dead is None else tokens.masked_fill(dead, -1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor,

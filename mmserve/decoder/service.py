@@ -49,9 +49,52 @@ class DecoderService:
     async def generate(
         self, pre: PreprocessedRequest, encode: EncodeFn | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request; closing the iterator early aborts it and frees its KV blocks."""
-        request_id = pre.request_id
+        """Outputs of one request (of each of its `n` choices, by `index`); closing the iterator early aborts
+        it and frees its KV blocks."""
         self._admit_or_refuse()
+        outputs = self._one(pre, encode) if pre.sampling.n == 1 else self._choices(pre, encode)
+        async for out in outputs:
+            yield out
+
+    async def _choices(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncIterator[RequestOutput]:
+        """`n` choices as sequences of their own, each with seed `seed + index` (as vLLM), merged in one stream.
+
+        NOTE: the first choice runs alone until its first output, i.e. until its prefill has put the prompt's
+        blocks in the prefix cache; the others then find every full block of the prompt there (shared, not
+        computed again) and compute only its last partial block. Without prefix caching each computes it all.
+        """
+        queue: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
+        prefilled = asyncio.Event()
+
+        async def pump(index: int) -> None:
+            seed = pre.sampling.seed
+            child = replace(pre, request_id=f"{pre.request_id}/{index}", sampling=replace(
+                pre.sampling, n=1, seed=None if seed is None else seed + index))
+            try:
+                if index:
+                    await prefilled.wait()
+                async for out in self._one(child, encode):
+                    prefilled.set()
+                    queue.put_nowait(replace(out, request_id=pre.request_id, index=index))
+            except Exception as exc:  # NOTE: not CancelledError: that is this stream closing
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(pre.sampling.n)]
+        try:
+            for _ in tasks:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # each choice's own stream aborts its sequence as it closes
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncIterator[RequestOutput]:
+        request_id = pre.request_id
         live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop())
         finished = False
         self._arriving += 1

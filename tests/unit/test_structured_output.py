@@ -3,6 +3,7 @@ the grammar's doing. Alone and batched with free requests, greedy and sampled, w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -10,9 +11,9 @@ import jsonschema
 import pytest
 
 from mmserve.config import EngineConfig, MediaConfig
-from mmserve.decoder.grammar import InvalidGrammarError
+from mmserve.decoder.grammar import InvalidGrammarError, NoTokenAllowedError
 from mmserve.engine import Engine
-from mmserve.messages import ChatRequest, SamplingParams, StructuredOutput
+from mmserve.messages import ChatRequest, RequestOutput, SamplingParams, StructuredOutput
 from tests.unit.test_engine import IMAGE
 
 NAME = {"type": "string", "maxLength": 16}
@@ -103,7 +104,7 @@ def test_regex_choice_and_lark_outputs_match(engine):
 def test_a_complete_grammar_ends_the_request_at_once(engine):
     [done] = engine.generate([chat("c", temperature=0.0, structured=StructuredOutput("choice", '["yes"]'),
                                    ignore_eos=True)])
-    assert done.text == "yes" and done.finish_reason == "stop"  # ends on the grammar, not max_tokens
+    assert done.text == "yes" and done.finish_reason == "stop"  # ends on the grammar, even with ignore_eos
     assert not engine.has_unfinished()
 
 
@@ -120,3 +121,31 @@ def _parses(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_a_grammar_that_ends_on_the_last_allowed_token_finishes_as_a_stop(engine):
+    [done] = engine.generate([chat("one", temperature=1.0, seed=0, max_tokens=1,
+                                   structured=StructuredOutput("choice", '["a", "b"]'))])
+    assert done.text in ("a", "b") and done.finish_reason == "stop"  # complete, not cut by max_tokens
+
+
+@pytest.mark.parametrize("structured, sampling", [
+    (StructuredOutput("regex", ""), {"min_tokens": 1}),  # only the end is allowed, and min_tokens holds it
+    (StructuredOutput("lark", "start: <image_soft_token>"), {}),  # only a token the model never samples
+])
+def test_a_grammar_that_leaves_no_token_fails_its_request_alone(engine, structured, sampling):
+    async def run() -> list[object]:
+        async def collect(request: ChatRequest) -> object:
+            try:
+                return [out async for out in engine.stream(request)][-1]
+            except Exception as exc:
+                return exc
+
+        stuck = chat("stuck", temperature=0.0, structured=structured, **sampling)
+        free = [chat(f"free{i}", temperature=0.0, max_tokens=8) for i in range(2)]
+        return list(await asyncio.gather(*(collect(r) for r in (stuck, *free))))
+
+    stuck, *free = asyncio.run(run())
+    assert isinstance(stuck, NoTokenAllowedError) and "structured output cannot go on" in str(stuck)
+    assert all(isinstance(out, RequestOutput) and out.finish_reason in ("stop", "length") for out in free)
+    assert not engine.decoder.request_ids()

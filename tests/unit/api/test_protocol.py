@@ -132,20 +132,29 @@ def test_official_client_lists_models_and_accepts_error_bodies() -> None:
     assert [m.id for m in models] == ["gemma-3"] and models[0].owned_by == "mmserve"
 
     def reject(body: Any) -> Any:
-        status, err = error_body(with_n(2))
+        status, err = error_body(with_tools())
         return http.Response(status, json=err)
 
     with pytest.raises(openai.BadRequestError) as info:
         fake_client(reject, {}).chat.completions.create(model="m", messages=USER)
-    assert info.value.code == "unsupported_parameter" and info.value.param == "n"
+    assert info.value.code == "unsupported_parameter" and info.value.param == "tools"
 
 
-def with_n(n: int) -> Exception:
+def with_tools() -> Exception:
     try:
-        parse({"messages": USER, "n": n}).to_chat_request("r", 16)
+        parse({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}).to_chat_request("r", 16)
     except InvalidRequestError as exc:
         return exc
-    raise AssertionError("n was accepted")
+    raise AssertionError("tools were accepted")
+
+
+def test_n_choices_within_bounds() -> None:
+    assert parse({"messages": USER, "n": 4}).to_chat_request("r", 16).sampling.n == 4
+    assert parse({"messages": USER}).to_chat_request("r", 16).sampling.n == 1
+    for n in (0, -1, 17):
+        with pytest.raises(InvalidSamplingError, match="n must be in") as info:
+            parse({"messages": USER, "n": n}).to_chat_request("r", 16)
+        assert error_body(info.value)[1]["error"]["param"] == "n"
 
 
 # --- response models against the client's own types --------------------------------------------
@@ -207,7 +216,7 @@ def test_unknown_fields_and_default_valued_unsupported_fields_are_tolerated() ->
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 2), ("n", 0), ("tool_choice", "auto"),
+    ("tool_choice", "auto"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("modalities", ["text", "audio"]),
@@ -400,3 +409,28 @@ def test_penalties_and_biases_map_to_sampling() -> None:
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, -0.25, 1.1, 2)
     assert s.logit_bias == ((42, -100.0), (7, 3.0)) and s.stop_token_ids == (9,) and s.adjusts_logits
     assert not parse({"messages": USER}).to_chat_request("r", 16).sampling.adjusts_logits
+
+
+def test_n_choices_interleaved_build_one_response_and_one_stream() -> None:
+    """Two choices' outputs arrive interleaved; usage counts the prompt once and every choice's tokens."""
+    a = [replace(o, index=0) for o in outputs(["x", "y", "z"], reason="stop")]
+    b = [replace(o, index=1, num_cached_tokens=4) for o in outputs(["p", "q"], reason="length")]
+    mixed = [a[0], b[0], a[1], b[1], a[2]]
+    builder = CompletionBuilder("chatcmpl-n", "gemma-3", n=2)
+    for out in mixed:
+        assert not builder.finished
+        builder.add(out)
+    assert builder.finished
+    body = builder.build()
+    assert [(c.index, c.message.content, c.finish_reason) for c in body.choices] == [(0, "xyz", "stop"),
+                                                                                   (1, "pq", "length")]
+    assert (body.usage.prompt_tokens, body.usage.completion_tokens, body.usage.total_tokens) == (7, 5, 12)
+    chunks = ChunkBuilder("chatcmpl-n", "gemma-3", n=2, include_usage=True)
+    events = [e for out in mixed for e in chunks.events(out)]
+    assert events.count(SSE_DONE) == 1 and events[-1] == SSE_DONE
+    bodies = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    by_choice = {i: [b["choices"][0] for b in bodies if b["choices"] and b["choices"][0]["index"] == i] for i in (0, 1)}
+    assert [c["delta"].get("role") for c in by_choice[1]] == ["assistant", None]  # each choice's first has the role
+    assert "".join(c["delta"].get("content", "") for c in by_choice[0]) == "xyz"
+    assert [c["finish_reason"] for c in by_choice[1]] == [None, "length"]
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 5  # after both finished

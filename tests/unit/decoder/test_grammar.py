@@ -91,3 +91,11 @@ def test_a_finished_json_allows_only_the_end_of_sequence(grammars) -> None:
 def test_check_names_what_does_not_compile(structured: StructuredOutput, words: str) -> None:
     with pytest.raises(InvalidGrammarError, match=words):
         check(structured)
+
+
+def test_a_matcher_made_without_the_edges_check_still_refuses_with_a_client_error(grammars) -> None:
+    book, _ = grammars
+    for structured in (StructuredOutput("json", "[1, 2"), StructuredOutput("json", "true"),
+                       StructuredOutput("regex", "(unclosed")):
+        with pytest.raises(InvalidGrammarError):
+            book.matcher(structured)

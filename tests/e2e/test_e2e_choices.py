@@ -1,0 +1,47 @@
+"""`n` choices over HTTP with the official `openai` client: streamed and not, the same seeded choices, the
+prompt counted once in usage."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.e2e_support import Server
+from tests.e2e.test_e2e_server import client_for, user
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def client(e2e_server: Server) -> Iterator[OpenAI]:
+    with client_for(e2e_server) as c:
+        yield c
+
+
+def test_n_choices_streamed_and_not_agree(client, e2e_server):
+    kwargs: dict[str, Any] = {"model": e2e_server.model_name, "messages": typing.cast(Any, user("Tell me a story.")),
+                              "max_tokens": 10, "temperature": 1.0, "seed": 11, "n": 3}
+    full = client.chat.completions.create(**kwargs)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [c.message.content for c in full.choices]
+    assert len(set(texts)) == 3  # each choice its own seed stream
+    one = client.chat.completions.create(**{**kwargs, "n": 1})
+    assert one.choices[0].message.content == texts[0]  # choice 0 is the request alone
+    assert full.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert 3 <= full.usage.completion_tokens <= 30  # every choice's tokens, max_tokens 10 each
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    reasons: dict[int, str | None] = {}
+    usage = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                reasons[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    assert [streamed[i] for i in range(3)] == texts and set(reasons) == {0, 1, 2}
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens

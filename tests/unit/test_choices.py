@@ -1,0 +1,81 @@
+"""`n` choices from one prompt: seeded and reproducible, different from each other, the prompt's KV computed
+and allocated once (the other choices share its blocks through the prefix cache)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from mmserve.config import EngineConfig
+from mmserve.engine import Engine
+from mmserve.messages import ChatRequest, SamplingParams
+from tests.unit.test_engine import IMAGE
+
+PROMPT = "Describe the picture in one sentence, then say what colour the sky is."
+
+
+def chat(request_id: str, salt: str, image: bool = True, **sampling) -> ChatRequest:
+    parts = [{"type": "image_url", "image_url": {"url": IMAGE}}] if image else []
+    sampling.setdefault("max_tokens", 12)
+    return ChatRequest(request_id, [{"role": "user", "content": [*parts, {"type": "text", "text": PROMPT}]}],
+                       SamplingParams(**sampling), cache_salt=salt)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt_224):
+    eng = Engine(EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048))
+    yield eng
+    eng.shutdown()
+
+
+def test_seeded_choices_are_reproducible_and_differ_from_each_other(engine):
+    first = engine.generate([chat("a", "s1", n=4, temperature=1.0, seed=7)])
+    again = engine.generate([chat("b", "s2", n=4, temperature=1.0, seed=7)])
+    assert [c.index for c in first] == [0, 1, 2, 3] and all(c.request_id == "a" for c in first)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert len({tuple(c.token_ids) for c in first}) == 4
+    # choice i is the request with seed 7 + i alone (vLLM's rule)
+    alone = engine.generate([chat(f"c{i}", "s3", temperature=1.0, seed=7 + i) for i in range(4)])
+    assert [c.token_ids for c in alone] == [c.token_ids for c in first]
+
+
+def test_greedy_choices_agree(engine):
+    choices = engine.generate([chat("g", "s4", n=3, temperature=0.0)])
+    assert len(choices) == 3 and len({tuple(c.token_ids) for c in choices}) == 1
+
+
+def test_the_prompt_is_computed_and_allocated_once(engine):
+    def run(request: ChatRequest) -> tuple[int, int, list[int]]:
+        before = engine.stats()
+        done = engine.generate([request])
+        after = engine.stats()
+        return (after.decoder.allocated_blocks - before.decoder.allocated_blocks,
+                after.encoder.queries - before.encoder.queries, [c.num_cached_tokens for c in done])
+
+    kwargs: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    cold, cold_encodes, [cold_cached] = run(chat("one", "s5", **kwargs))
+    warm, warm_encodes, [warm_cached] = run(chat("one-again", "s5", **kwargs))  # the same prompt, cached
+    assert cold_cached == 0 and warm_cached > 0 and warm < cold and warm_encodes == 0
+    many, many_encodes, cached = run(chat("four", "s6", n=4, **kwargs))  # another salt: nothing shared before
+    assert cached == [0, warm_cached, warm_cached, warm_cached]  # choices 1-3 find the prompt's full blocks
+    assert many == cold + 3 * warm  # the prompt's blocks once, then each choice its own tail
+    assert many_encodes == cold_encodes == 1  # the image asked of the encoder once: the others need none
+
+
+def test_closing_the_stream_early_aborts_every_choice(engine):
+    async def first_then_close() -> None:
+        pre = engine.preprocess(chat("early", "s7", n=3, temperature=1.0, seed=1, max_tokens=1900, ignore_eos=True))
+        stream = engine._serve(pre)
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    asyncio.run(first_then_close())
+    for _ in range(20):  # the aborts reach the step thread a moment later; running on would take seconds
+        if not engine.decoder.request_ids():
+            break
+        time.sleep(0.05)
+    assert not engine.decoder.request_ids() and engine.decoder.stats().running == 0
