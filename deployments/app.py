@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from ray.serve import Application, Deployment
+from ray.serve.config import RequestRouterConfig
 
 from deployments.args import parse_args
 from deployments.cache_store import ProcessorCacheStore
@@ -25,6 +26,11 @@ def _deployment(decorated: Any) -> Deployment:
     return cast(Deployment, decorated)
 
 
+def _router(config: dict[str, Any]) -> dict[str, Any]:
+    """`.options` for a stage's request router; none (Serve's default) for an empty config."""
+    return {"request_router_config": RequestRouterConfig(**config)} if config else {}
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     app_args = parse_args(args or {})  # NOTE: model None: each replica finds or builds the tiny checkpoint
     hub = _deployment(MetricsHub).bind()
@@ -32,8 +38,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                                                   app_args.metrics_push_interval_s)
     preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options()).bind(
         app_args, store, hub)
-    encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options()).bind(app_args, store, hub)
-    decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options()).bind(
-        app_args, encoder, hub)
+    encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options(), **_router(
+        app_args.encoder.router("deployments.routers:EncoderAffinityRouter"))).bind(app_args, store, hub)
+    # NOTE: the decoder's index of routed prompt blocks holds about what its KV pool caches
+    decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options(), **_router(
+        app_args.decoder.router("deployments.routers:DecoderAffinityRouter",
+                                index_blocks=app_args.engine.decoder.num_blocks))).bind(app_args, encoder, hub)
     ingress = _deployment(Ingress).options(**app_args.ingress.deployment_options())
     return ingress.bind(app_args, preprocess, decoder, hub)

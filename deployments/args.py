@@ -92,6 +92,22 @@ class StageArgs(_Strict):
         return options
 
 
+class RoutedStageArgs(StageArgs):
+    """A stage whose replicas keep caches: how calls are spread over them (deployments/routers.py)."""
+
+    # "affinity": each call to the replica that holds (or should hold) its cache entries, unless that one is
+    # busier than the least loaded by more than routing_load_margin requests; "default": Serve's own router.
+    routing: typing.Literal["affinity", "default"] = "affinity"
+    routing_load_margin: int = Field(4, ge=0)  # ongoing requests (requests)
+
+    def router(self, router_class: str, **kwargs: Any) -> dict[str, Any]:
+        """Serve's `request_router_config` for this stage, as a dict ({} for Serve's default router)."""
+        if self.routing == "default":
+            return {}
+        return {"request_router_class": router_class,
+                "request_router_kwargs": {"load_margin": self.routing_load_margin, **kwargs}}
+
+
 class IngressArgs(StageArgs):
     # NOTE: the ingress only awaits other stages: it holds many requests at once. Past its queue Serve's
     # proxy answers 503 itself.
@@ -106,7 +122,7 @@ class PreprocessArgs(StageArgs):
     autoscaling: Autoscaling | None = Field(default_factory=lambda: Autoscaling(min_replicas=1, max_replicas=2))
 
 
-class DecoderArgs(StageArgs):
+class DecoderArgs(RoutedStageArgs):
     max_ongoing_requests: int = Field(256, ge=1)  # streams a replica holds at once (its batch and queue)
 
 
@@ -121,7 +137,7 @@ class AppArgs(_Strict):
     replica_loss_retries: int = Field(2, ge=0)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     preprocess: PreprocessArgs = Field(default_factory=PreprocessArgs)
-    encoder: StageArgs = Field(default_factory=StageArgs)
+    encoder: RoutedStageArgs = Field(default_factory=RoutedStageArgs)
     decoder: DecoderArgs = Field(default_factory=DecoderArgs)
 
     def engine_config(self, stage: StageArgs | None = None) -> EngineConfig:

@@ -22,8 +22,9 @@ from deployments.process_setup import configure_step_process
 from deployments.retry import ACTOR_LOST, attempt_id, retrying
 from mmserve.errors import InvalidRequestError, OverloadedError, ReplicaLostError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
+from mmserve.runtime import affinity
 from mmserve.runtime.embeddings_wire import from_wire
-from mmserve.runtime.metrics import MetricsSnapshot, decoder_snapshot
+from mmserve.runtime.metrics import MetricsSnapshot, decoder_snapshot, merge
 from mmserve.stages import StageFactory
 
 
@@ -75,7 +76,7 @@ class Decoder:
                 part.stop()
 
     def metrics(self) -> MetricsSnapshot:
-        return decoder_snapshot(self.engine.stats())
+        return merge([decoder_snapshot(self.engine.stats()), affinity.DECISIONS.snapshot()])  # and its router's
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered and the torch threads its steps use

@@ -35,7 +35,8 @@ from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError, ReplicaLostError
 from mmserve.messages import ChatRequest, RequestFailed
-from mmserve.runtime.metrics import IngressMetrics, RequestStatus
+from mmserve.runtime import affinity
+from mmserve.runtime.metrics import IngressMetrics, MetricsSnapshot, RequestStatus, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 from mmserve.stages import StageFactory
 
@@ -131,7 +132,7 @@ class Ingress:
         self.decoder = hold(decoder).options(stream=True)
         self.stats = IngressMetrics()
         self._status: tuple[float, Any] | None = None  # (monotonic s, serve.status()) of the last probe
-        self.reporter = MetricsReporter(hub, "Ingress", self.stats.snapshot, app_args.metrics_push_interval_s)
+        self.reporter = MetricsReporter(hub, "Ingress", self._metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
     @api.get("/health")
@@ -153,6 +154,10 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.default_max_tokens)]).model_dump()
+
+    def _metrics(self) -> MetricsSnapshot:
+        """What this replica pushes: its requests, and its Decoder router's decisions."""
+        return merge([self.stats.snapshot(), affinity.DECISIONS.snapshot()])
 
     @api.get("/metrics")
     async def metrics(self) -> Response:

@@ -14,6 +14,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import Decoder, LogitsObserver
+from mmserve.decoder.prefix_cache import BlockHasher
 from mmserve.decoder.service import DecoderService
 from mmserve.encoder.runner import batch_wait_s
 from mmserve.encoder.service import EncoderService
@@ -41,7 +42,9 @@ class StageFactory:
     def preprocessor(self, cache: ItemCache) -> Preprocessor:
         spec = self.spec
         return Preprocessor(self.model_dir, media=self.config.media, cache=cache, rule=self.family.prompt_rule,
-                            model_id=spec.model_id, max_model_len=spec.max_model_len, limits=self.config.limits)
+                            model_id=spec.model_id, max_model_len=spec.max_model_len, limits=self.config.limits,
+                            block_hashes=self._block_hasher().prompt if self.config.decoder.enable_prefix_caching
+                            else None)
 
     def encoder(self, resolve: Resolver = inline_pixels) -> EncoderService:
         stage = EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device)
@@ -58,6 +61,10 @@ class StageFactory:
                           device=self.device, on_logits=on_logits)
         return DecoderService(decoder, stream_interval_s=self.config.decoder.stream_interval_ms / 1000,
                               max_waiting=self.config.decoder.max_waiting_requests)
+
+    def _block_hasher(self) -> BlockHasher:
+        """The prefix cache's hashing, as the decoder builds it (decoder.Decoder)."""
+        return BlockHasher(self.spec.model_id, str(self.dtype), self.config.decoder.block_size)
 
     def release_unused(self) -> None:
         """Drop what loading kept beyond the parts handed out (call once every stage is built)."""

@@ -50,6 +50,14 @@ class BlockHasher:
             hashes.append(_digest(hashes[-1] if hashes else self.root, tokens, _field(items), salted))
 
 
+    def prompt(self, token_ids: list[int], features: list[MultiModalFeatureSpec],
+               salt: str | None) -> tuple[bytes, ...]:
+        """The digests of every full block of a prompt."""
+        hashes: list[bytes] = []
+        self.extend(hashes, token_ids, features, salt)
+        return tuple(hashes)
+
+
 def _field(data: bytes) -> bytes:
     return struct.pack("<I", len(data)) + data
 

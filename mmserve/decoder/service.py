@@ -145,11 +145,14 @@ class DecoderService:
         return await asyncio.to_thread(self.decoder.grammars.matcher, structured)
 
     def _block_hashes(self, pre: PreprocessedRequest) -> list[bytes]:
-        hashes: list[bytes] = []
+        """The prompt's block hashes: those Preprocess stamped, or computed here (NOTE: not in the step
+        thread: a pure function of the request)."""
         hasher = self.decoder.scheduler.hasher
-        if hasher is not None:  # NOTE: here, not in the step thread: a pure function of the request
-            hasher.extend(hashes, pre.prompt_token_ids, pre.features, pre.cache_salt)
-        return hashes
+        if hasher is None:
+            return []
+        if len(pre.block_hashes) == len(pre.prompt_token_ids) // hasher.block_size:
+            return list(pre.block_hashes)
+        return list(hasher.prompt(pre.prompt_token_ids, pre.features, pre.cache_salt))
 
     async def _embeddings_outside_cache(self, live: _Live, hashes: list[bytes]) -> list[Any]:
         """Embeddings of the items not wholly inside the prompt's cached prefix; None for the others."""

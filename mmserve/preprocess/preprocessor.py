@@ -2,7 +2,8 @@
 
 Owns: validating the request's shape (roles, content parts, item count, mm kwargs), rendering the
 chat template, loading/hashing/processing each image through the ProcessorCache, expanding the
-placeholders with the model's prompt rule, tokenizing, and locating each item's placeholder range.
+placeholders with the model's prompt rule, tokenizing, locating each item's placeholder range, and
+stamping the prompt's prefix-cache block hashes (with the decoder's hashing, handed in).
 Does not own: the message shape (chat_messages.py), fetching and decoding bytes (media.py), the hash
 (hashing.py), the LRU (processor_cache.py), the model's own placeholder rule (its family's
 `PromptRule`), nor encoding.
@@ -11,6 +12,7 @@ Does not own: the message shape (chat_messages.py), fetching and decoding bytes 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +36,16 @@ from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.preprocess.media import MediaLoader
 from mmserve.preprocess.processor_cache import CachedItem, ItemCache
 
+# (prompt token ids, features, cache salt) -> the prefix cache's digest per full block (decoder.prefix_cache)
+BlockHashes = Callable[[list[int], list[MultiModalFeatureSpec], str | None], tuple[bytes, ...]]
+
 
 class Preprocessor:
     """Turns requests into token ids and processed items; thread-safe."""
 
     def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, rule: PromptRule,
                  model_id: str, max_model_len: int, loader: MediaLoader | None = None,
-                 limits: LimitsConfig | None = None) -> None:
+                 limits: LimitsConfig | None = None, block_hashes: BlockHashes | None = None) -> None:
         from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes ~2 s
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
@@ -55,6 +60,7 @@ class Preprocessor:
         self.max_model_len = max_model_len
         self.limits = limits or LimitsConfig()
         self.max_prompt_chars = self.limits.max_prompt_chars or 32 * max_model_len
+        self.block_hashes = block_hashes  # the decoder's prefix-cache hashing, when it caches prefixes
         self._lock = threading.Lock()  # counters and the (Rust) tokenizer, which is not re-entrant
         self._image_processor_calls = 0
 
@@ -87,8 +93,10 @@ class Preprocessor:
             ids = self._tokenize(self.rule.expand(text, crops))
             self._check_length(ids)
         features = self._features(ids, items, crops)
+        hashes = self.block_hashes(ids, features, req.cache_salt) if self.block_hashes is not None else ()
         return PreprocessedRequest(request_id=req.request_id, prompt_token_ids=ids, features=features,
-                                   sampling=req.sampling, processor_cache_hits=hits, cache_salt=req.cache_salt)
+                                   sampling=req.sampling, processor_cache_hits=hits, cache_salt=req.cache_salt,
+                                   block_hashes=hashes)
 
     # --- steps -------------------------------------------------------------------------------
 

@@ -1,0 +1,95 @@
+"""Cache-affinity request routers for the Encoder and the Decoder, on Ray Serve's public router interface.
+
+Owns: reading a call's routing key (an encode's item content hashes and rows; a decode's prompt block
+hashes) and ranking the candidate replicas: the one that should hold the request's cache entries first,
+then two random ones (Serve probes a rank and takes its least loaded replica that accepts: power of two
+choices), unless that replica is busier than the least loaded by more than `load_margin` requests.
+Does not own the policy's arithmetic (`mmserve.runtime.affinity`) nor the caches. A router runs in each
+caller's process (the Decoder's replicas call the Encoder; the Ingress calls the Decoder).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from mmserve.messages import MultiModalFeatureSpec, PreprocessedRequest
+from mmserve.runtime import affinity
+from mmserve.runtime.affinity import Decision, PrefixIndex, overloaded, owner
+
+PENDING_BOUND = 4096  # requests being routed whose hashes are kept until routed (requests)
+ROUTED_METHODS = {"Encoder": "encode", "Decoder": "generate"}  # calls that carry a routing key
+
+
+class _AffinityRouter(RequestRouter):
+    deployment = ""
+
+    def initialize_state(self, load_margin: int = 4, **kwargs: Any) -> None:
+        self.load_margin = load_margin
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        fallback = [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        if pending_request is None or pending_request.metadata.call_method != ROUTED_METHODS[self.deployment]:
+            return fallback
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        preferred, decision = self.preferred(pending_request, list(by_name))
+        if preferred is not None:
+            cache = self.replica_queue_len_cache
+            loads = [cache.get(r.replica_id) for r in candidate_replicas]
+            if overloaded(cache.get(by_name[preferred].replica_id), loads, self.load_margin):
+                preferred, decision = None, "load_fallback"
+        affinity.DECISIONS.add(self.deployment, decision)
+        return fallback if preferred is None else [[by_name[preferred]], *fallback]
+
+    def preferred(self, request: PendingRequest, replicas: list[str]) -> tuple[str | None, Decision]:
+        """The replica that should take it (or None) and why."""
+        raise NotImplementedError
+
+
+class EncoderAffinityRouter(_AffinityRouter):
+    """An encode goes to the replica that owns most of its embedding rows (rendezvous over content hashes)."""
+
+    deployment = "Encoder"
+
+    def preferred(self, request: PendingRequest, replicas: list[str]) -> tuple[str | None, Decision]:
+        features = request.args[1] if len(request.args) > 1 else request.kwargs.get("features", [])
+        keys = [(f.identifier.encode(), f.num_embeds) for f in features
+                if isinstance(f, MultiModalFeatureSpec)]
+        chosen = owner(keys, replicas)
+        return chosen, "affinity" if chosen is not None else "no_key"
+
+
+class DecoderAffinityRouter(_AffinityRouter):
+    """A decode goes to the replica most recently sent the longest run of its prompt's blocks; with no such
+    replica, to the least loaded of two (and the request's blocks are noted where it went)."""
+
+    deployment = "Decoder"
+
+    def initialize_state(self, load_margin: int = 4, index_blocks: int = 65536, **kwargs: Any) -> None:
+        super().initialize_state(load_margin)
+        self.index = PrefixIndex(index_blocks)
+        self._pending: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # internal request id -> its hashes
+
+    def preferred(self, request: PendingRequest, replicas: list[str]) -> tuple[str | None, Decision]:
+        pre = request.args[0] if request.args else request.kwargs.get("request")
+        hashes = pre.block_hashes if isinstance(pre, PreprocessedRequest) else ()
+        if not hashes:
+            return None, "no_key"
+        self._pending[request.metadata.internal_request_id] = hashes
+        while len(self._pending) > PENDING_BOUND:  # NOTE: a request cancelled before it was routed
+            self._pending.popitem(last=False)
+        best, _ = self.index.best(hashes, replicas)
+        return best, "affinity" if best is not None else "no_match"
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        hashes = self._pending.pop(pending_request.metadata.internal_request_id, None)
+        if hashes:
+            self.index.record(replica_id.unique_id, hashes)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self.index.forget(replica_id.unique_id)
+        super().on_replica_actor_died(replica_id)

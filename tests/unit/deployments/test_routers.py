@@ -1,0 +1,81 @@
+"""The Serve routers' ranking, with stand-ins for Serve's replicas and requests (no cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from deployments.routers import DecoderAffinityRouter, EncoderAffinityRouter
+from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, PreprocessedRequest, SamplingParams
+from mmserve.runtime.affinity import DECISIONS, owner
+
+
+class Loads:
+    def __init__(self, loads: dict[str, int]) -> None:
+        self.loads = loads
+
+    def get(self, replica_id: Any) -> int | None:
+        return self.loads.get(replica_id.unique_id)
+
+
+def replicas(*names: str) -> list[Any]:
+    return [SimpleNamespace(replica_id=SimpleNamespace(unique_id=n)) for n in names]
+
+
+def router(cls: Any, loads: dict[str, int], **kwargs: Any) -> Any:
+    r = object.__new__(cls)  # NOTE: Serve builds routers inside a handle; only the ranking is under test
+    r.initialize_state(**kwargs)
+    r._replica_queue_len_cache = Loads(loads)  # what the public `replica_queue_len_cache` property reads
+    return r
+
+
+def request(method: str, *args: Any, rid: str = "i1") -> Any:
+    return SimpleNamespace(args=list(args), kwargs={}, metadata=SimpleNamespace(call_method=method,
+                                                                                internal_request_id=rid))
+
+
+def feature(identifier: str, rows: int) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(identifier, "image", PlaceholderRange(0, rows + 2), num_embeds=rows)
+
+
+def names(ranks: list[list[Any]]) -> list[list[str]]:
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_an_encode_goes_first_to_the_owner_of_its_rows_unless_it_is_too_busy() -> None:
+    cands = replicas("a", "b", "c")
+    features = [feature("img-1", 256), feature("img-2", 16)]
+    expected = owner([(b"img-1", 256), (b"img-2", 16)], ["a", "b", "c"])
+    before = DECISIONS.counts()
+    ranks = asyncio.run(router(EncoderAffinityRouter, {"a": 1, "b": 1, "c": 1}, load_margin=2)
+                        .choose_replicas(cands, request("encode", "req-1", features)))
+    assert names(ranks)[0] == [expected] and len(ranks) == 2 and len(ranks[1]) == 2  # then power of two
+    busy = {n: (9 if n == expected else 0) for n in ("a", "b", "c")}
+    ranks = asyncio.run(router(EncoderAffinityRouter, busy, load_margin=2)
+                        .choose_replicas(cands, request("encode", "req-1", features)))
+    assert len(ranks) == 1 and len(ranks[0]) == 2  # over the margin: Serve's power of two choices
+    after = DECISIONS.counts()
+    assert after.get(("Encoder", "affinity"), 0) == before.get(("Encoder", "affinity"), 0) + 1
+    assert after.get(("Encoder", "load_fallback"), 0) == before.get(("Encoder", "load_fallback"), 0) + 1
+    other = asyncio.run(router(EncoderAffinityRouter, {}).choose_replicas(cands, request("metrics")))
+    assert len(other) == 1  # a call without a routing key: no decision counted
+    assert DECISIONS.counts() == after
+
+
+def test_a_decode_follows_its_prompts_blocks_to_where_they_were_sent() -> None:
+    cands = replicas("a", "b")
+    r = router(DecoderAffinityRouter, {"a": 0, "b": 0}, load_margin=4, index_blocks=100)
+
+    def pre(*hashes: bytes) -> PreprocessedRequest:
+        return PreprocessedRequest("p", [1] * 64, [], SamplingParams(), block_hashes=hashes)
+
+    first = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1", b"h2"), rid="t1")))
+    assert len(first) == 1  # nothing known yet: the least loaded of two
+    r.on_request_routed(request("generate", rid="t1"), cands[1].replica_id, None)  # it went to "b"
+    turn2 = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1", b"h2", b"h3"), rid="t2")))
+    assert names(turn2)[0] == ["b"]
+    stranger = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"x1"), rid="t3")))
+    assert len(stranger) == 1
+    r.index.forget("b")  # what on_replica_actor_died does beside the base's bookkeeping
+    assert len(asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1"), rid="t4")))) == 1
