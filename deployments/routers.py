@@ -29,25 +29,36 @@ class _AffinityRouter(RequestRouter):
 
     def initialize_state(self, load_margin: int = 4, **kwargs: Any) -> None:
         self.load_margin = load_margin
+        self._decided: OrderedDict[str, Decision] = OrderedDict()  # internal request id -> its first decision
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         fallback = [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        if pending_request is None or pending_request.metadata.call_method != ROUTED_METHODS[self.deployment]:
+        if pending_request is None:
+            return fallback
+        pending_request.routing_context.should_backoff = True  # NOTE: when every rank is full, Serve waits
+        if pending_request.metadata.call_method != ROUTED_METHODS[self.deployment]:
             return fallback
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        preferred, decision = self.preferred(pending_request, list(by_name))
-        if preferred is not None:
-            cache = self.replica_queue_len_cache
-            loads = [cache.get(r.replica_id) for r in candidate_replicas]
-            if overloaded(cache.get(by_name[preferred].replica_id), loads, self.load_margin):
-                preferred, decision = None, "load_fallback"
-        affinity.DECISIONS.add(self.deployment, decision)
+        loads = {name: self.replica_queue_len_cache.get(r.replica_id) for name, r in by_name.items()}
+        preferred, decision = self.preferred(pending_request, loads)
+        if preferred is not None and overloaded(loads[preferred], list(loads.values()), self.load_margin):
+            preferred, decision = None, "load_fallback"
+        self._count(pending_request.metadata.internal_request_id, decision)
         return fallback if preferred is None else [[by_name[preferred]], *fallback]
 
-    def preferred(self, request: PendingRequest, replicas: list[str]) -> tuple[str | None, Decision]:
-        """The replica that should take it (or None) and why."""
+    def preferred(self, request: PendingRequest, loads: dict[str, int | None]) -> tuple[str | None, Decision]:
+        """The replica (of `loads`: replica -> ongoing requests, None if unknown) that should take it, and why."""
         raise NotImplementedError
+
+    def _count(self, request_id: str, decision: Decision) -> None:
+        """NOTE: once per request: Serve asks again on every pass of its loop and after a rejection."""
+        if request_id in self._decided:
+            return
+        self._decided[request_id] = decision
+        while len(self._decided) > PENDING_BOUND:
+            self._decided.popitem(last=False)
+        affinity.DECISIONS.add(self.deployment, decision)
 
 
 class EncoderAffinityRouter(_AffinityRouter):
@@ -55,11 +66,11 @@ class EncoderAffinityRouter(_AffinityRouter):
 
     deployment = "Encoder"
 
-    def preferred(self, request: PendingRequest, replicas: list[str]) -> tuple[str | None, Decision]:
+    def preferred(self, request: PendingRequest, loads: dict[str, int | None]) -> tuple[str | None, Decision]:
         features = request.args[1] if len(request.args) > 1 else request.kwargs.get("features", [])
         keys = [(f.identifier.encode(), f.num_embeds) for f in features
                 if isinstance(f, MultiModalFeatureSpec)]
-        chosen = owner(keys, replicas)
+        chosen = owner(keys, list(loads))
         return chosen, "affinity" if chosen is not None else "no_key"
 
 
@@ -74,7 +85,7 @@ class DecoderAffinityRouter(_AffinityRouter):
         self.index = PrefixIndex(index_blocks)
         self._pending: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # internal request id -> its hashes
 
-    def preferred(self, request: PendingRequest, replicas: list[str]) -> tuple[str | None, Decision]:
+    def preferred(self, request: PendingRequest, loads: dict[str, int | None]) -> tuple[str | None, Decision]:
         pre = request.args[0] if request.args else request.kwargs.get("request")
         hashes = pre.block_hashes if isinstance(pre, PreprocessedRequest) else ()
         if not hashes:
@@ -82,13 +93,20 @@ class DecoderAffinityRouter(_AffinityRouter):
         self._pending[request.metadata.internal_request_id] = hashes
         while len(self._pending) > PENDING_BOUND:  # NOTE: a request cancelled before it was routed
             self._pending.popitem(last=False)
-        best, _ = self.index.best(hashes, replicas)
-        return best, "affinity" if best is not None else "no_match"
+        tied, _ = self.index.best(hashes, list(loads))
+        if not tied:
+            return None, "no_match"
+        # NOTE: a prefix that several replicas hold (a shared system prompt) goes to the least loaded of them
+        return min(tied, key=lambda r: (loads[r] or 0, random.random())), "affinity"
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         hashes = self._pending.pop(pending_request.metadata.internal_request_id, None)
         if hashes:
             self.index.record(replica_id.unique_id, hashes)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        self.index.retain({r.replica_id.unique_id for r in replicas})  # scaled down: their entries go
+        super().update_replicas(replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.index.forget(replica_id.unique_id)

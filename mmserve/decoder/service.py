@@ -13,7 +13,8 @@ use this).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,12 +52,13 @@ class DecoderService:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request (of each of its `n` choices, by `index`); closing the iterator early aborts
         it and frees its KV blocks."""
-        self._admit_or_refuse()
+        self._admit_or_refuse(pre.sampling.n)
         outputs = self._one(pre, encode) if pre.sampling.n == 1 else self._choices(pre, encode)
-        async for out in outputs:
-            yield out
+        async with contextlib.aclosing(outputs):  # NOTE: closing this one closes (aborts) that one at once
+            async for out in outputs:
+                yield out
 
-    async def _choices(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncIterator[RequestOutput]:
+    async def _choices(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncGenerator[RequestOutput]:
         """`n` choices as sequences of their own, each with seed `seed + index` (as vLLM), merged in one stream.
 
         NOTE: the first choice runs alone until its first output, i.e. until its prefill has put the prompt's
@@ -65,6 +67,15 @@ class DecoderService:
         """
         queue: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
         prefilled = asyncio.Event()
+        if self.decoder.scheduler.hasher is None:
+            prefilled.set()  # no prefix cache to share: no reason to wait for choice 0
+        waiting = set(range(1, pre.sampling.n))  # choices not yet started: they count against max_waiting too
+        self._arriving += len(waiting)
+
+        def started(index: int) -> None:
+            if index in waiting:  # from here `_one` counts it
+                waiting.discard(index)
+                self._arriving -= 1
 
         async def pump(index: int) -> None:
             seed = pre.sampling.seed
@@ -73,6 +84,7 @@ class DecoderService:
             try:
                 if index:
                     await prefilled.wait()
+                    started(index)
                 async for out in self._one(child, encode):
                     prefilled.set()
                     queue.put_nowait(replace(out, request_id=pre.request_id, index=index))
@@ -92,8 +104,10 @@ class DecoderService:
             for task in tasks:
                 task.cancel()  # each choice's own stream aborts its sequence as it closes
             await asyncio.gather(*tasks, return_exceptions=True)
+            for index in list(waiting):  # cancelled before they started
+                started(index)
 
-    async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncIterator[RequestOutput]:
+    async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncGenerator[RequestOutput]:
         request_id = pre.request_id
         live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop())
         finished = False
@@ -122,8 +136,9 @@ class DecoderService:
             if not finished:
                 self.loop.submit(None, lambda: self.decoder.abort(request_id))
 
-    def _admit_or_refuse(self) -> None:
-        """Raise OverloadedError when the requests waiting here (encoding, queued, preempted) fill the bound.
+    def _admit_or_refuse(self, n: int = 1) -> None:
+        """Raise OverloadedError when the requests waiting here (encoding, queued, preempted), with the `n`
+        sequences of this one, would pass the bound.
 
         NOTE: read on the consumers' loop while the step thread updates the scheduler's waiting list (a
         list's len is atomic); a request between its submission and the step that adds it is in neither
@@ -132,7 +147,7 @@ class DecoderService:
         if self.max_waiting is None:
             return
         waiting = self._arriving + len(self.decoder.scheduler.waiting)
-        if waiting >= self.max_waiting:
+        if waiting + n > self.max_waiting:
             raise OverloadedError(f"the decoder has {waiting} requests waiting (decoder.max_waiting_requests "
                                   f"{self.max_waiting}); retry later")
 
@@ -145,14 +160,11 @@ class DecoderService:
         return await asyncio.to_thread(self.decoder.grammars.matcher, structured)
 
     def _block_hashes(self, pre: PreprocessedRequest) -> list[bytes]:
-        """The prompt's block hashes: those Preprocess stamped, or computed here (NOTE: not in the step
-        thread: a pure function of the request)."""
+        """The prompt's block hashes, computed here (NOTE: not in the step thread: a pure function of the
+        request). NOTE: never those the message carries: they are a routing key, and a hash that did not
+        match the decoder's own hashing would hand a prompt another prompt's KV."""
         hasher = self.decoder.scheduler.hasher
-        if hasher is None:
-            return []
-        if len(pre.block_hashes) == len(pre.prompt_token_ids) // hasher.block_size:
-            return list(pre.block_hashes)
-        return list(hasher.prompt(pre.prompt_token_ids, pre.features, pre.cache_salt))
+        return [] if hasher is None else list(hasher.prompt(pre.prompt_token_ids, pre.features, pre.cache_salt))
 
     async def _embeddings_outside_cache(self, live: _Live, hashes: list[bytes]) -> list[Any]:
         """Embeddings of the items not wholly inside the prompt's cached prefix; None for the others."""

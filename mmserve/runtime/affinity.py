@@ -60,32 +60,41 @@ class PrefixIndex:
         self._lock = threading.Lock()  # NOTE: a router's callbacks and its routing may run on other threads
 
     def record(self, replica: str, hashes: Sequence[bytes]) -> None:
+        """Note a prompt's chain sent to `replica`. NOTE: its tail first, so that the head, which every later
+        turn needs, is the most recent and the last to age out (as the cache frees tail blocks first)."""
         with self._lock:
             blocks = self._blocks.setdefault(replica, OrderedDict())
-            for h in hashes:
+            for h in reversed(hashes):
                 blocks[h] = None
                 blocks.move_to_end(h)
             while len(blocks) > self.capacity:
                 blocks.popitem(last=False)
 
-    def best(self, hashes: Sequence[bytes], replicas: Sequence[str]) -> tuple[str | None, int]:
-        """The replica holding the longest leading run of `hashes` and its length; (None, 0) if none."""
-        best, longest = None, 0
+    def best(self, hashes: Sequence[bytes], replicas: Sequence[str]) -> tuple[list[str], int]:
+        """The replicas holding the longest leading run of `hashes` (all those tied) and its length."""
+        best: list[str] = []
+        longest = 0
         with self._lock:
-            for replica in sorted(replicas):
+            for replica in replicas:
                 blocks = self._blocks.get(replica)
-                if not blocks:
-                    continue
                 n = 0
-                while n < len(hashes) and hashes[n] in blocks:
+                while blocks and n < len(hashes) and hashes[n] in blocks:
                     n += 1
-                if n > longest:
-                    best, longest = replica, n
+                if n and n == longest:
+                    best.append(replica)
+                elif n > longest:
+                    best, longest = [replica], n
         return best, longest
 
     def forget(self, replica: str) -> None:
         with self._lock:
             self._blocks.pop(replica, None)
+
+    def retain(self, replicas: set[str]) -> None:
+        """Drop every replica not in `replicas` (gone by a scale-down)."""
+        with self._lock:
+            for gone in set(self._blocks) - replicas:
+                del self._blocks[gone]
 
 
 class RoutingDecisions:

@@ -4,7 +4,6 @@ and allocated once (the other choices share its blocks through the prefix cache)
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -66,16 +65,20 @@ def test_the_prompt_is_computed_and_allocated_once(engine):
 
 
 def test_closing_the_stream_early_aborts_every_choice(engine):
-    async def first_then_close() -> None:
+    async def close_once_all_run() -> list[str]:
         pre = engine.preprocess(chat("early", "s7", n=3, temperature=1.0, seed=1, max_tokens=1900, ignore_eos=True))
         stream = engine._serve(pre)
-        async for _ in stream:
-            break
+        seen: set[int] = set()
+        async for out in stream:
+            seen.add(out.index)
+            if len(seen) == 3:  # every choice is running
+                break
         await stream.aclose()
+        for _ in range(40):  # the aborts reach the step thread a moment later; running on takes seconds
+            if not engine.decoder.request_ids():
+                break
+            await asyncio.sleep(0.025)
+        return engine.decoder.request_ids()
 
-    asyncio.run(first_then_close())
-    for _ in range(20):  # the aborts reach the step thread a moment later; running on would take seconds
-        if not engine.decoder.request_ids():
-            break
-        time.sleep(0.05)
-    assert not engine.decoder.request_ids() and engine.decoder.stats().running == 0
+    assert asyncio.run(close_once_all_run()) == []
+    assert engine.decoder.stats().running == 0

@@ -31,8 +31,8 @@ def router(cls: Any, loads: dict[str, int], **kwargs: Any) -> Any:
 
 
 def request(method: str, *args: Any, rid: str = "i1") -> Any:
-    return SimpleNamespace(args=list(args), kwargs={}, metadata=SimpleNamespace(call_method=method,
-                                                                                internal_request_id=rid))
+    return SimpleNamespace(args=list(args), kwargs={}, routing_context=SimpleNamespace(should_backoff=False),
+                           metadata=SimpleNamespace(call_method=method, internal_request_id=rid))
 
 
 def feature(identifier: str, rows: int) -> MultiModalFeatureSpec:
@@ -52,9 +52,12 @@ def test_an_encode_goes_first_to_the_owner_of_its_rows_unless_it_is_too_busy() -
                         .choose_replicas(cands, request("encode", "req-1", features)))
     assert names(ranks)[0] == [expected] and len(ranks) == 2 and len(ranks[1]) == 2  # then power of two
     busy = {n: (9 if n == expected else 0) for n in ("a", "b", "c")}
-    ranks = asyncio.run(router(EncoderAffinityRouter, busy, load_margin=2)
-                        .choose_replicas(cands, request("encode", "req-1", features)))
-    assert len(ranks) == 1 and len(ranks[0]) == 2  # over the margin: Serve's power of two choices
+    pending = request("encode", "req-1", features, rid="i2")
+    busy_router = router(EncoderAffinityRouter, busy, load_margin=2)
+    for _ in range(3):  # Serve asks again on each pass of its loop: one decision counted
+        ranks = asyncio.run(busy_router.choose_replicas(cands, pending))
+        assert len(ranks) == 1 and len(ranks[0]) == 2  # over the margin: Serve's power of two choices
+    assert pending.routing_context.should_backoff  # every rank full: Serve waits before it asks again
     after = DECISIONS.counts()
     assert after.get(("Encoder", "affinity"), 0) == before.get(("Encoder", "affinity"), 0) + 1
     assert after.get(("Encoder", "load_fallback"), 0) == before.get(("Encoder", "load_fallback"), 0) + 1
@@ -77,5 +80,9 @@ def test_a_decode_follows_its_prompts_blocks_to_where_they_were_sent() -> None:
     assert names(turn2)[0] == ["b"]
     stranger = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"x1"), rid="t3")))
     assert len(stranger) == 1
+    r.on_request_routed(request("generate", rid="t2"), cands[0].replica_id, None)  # both hold h1, h2 now
+    r._replica_queue_len_cache = Loads({"a": 3, "b": 0})
+    shared = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1", b"h2"), rid="t5")))
+    assert names(shared)[0] == ["b"]  # a prefix both hold: the less loaded of them
     r.index.forget("b")  # what on_replica_actor_died does beside the base's bookkeeping
-    assert len(asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1"), rid="t4")))) == 1
+    assert names(asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1"), rid="t4"))))[0] == ["a"]

@@ -43,17 +43,20 @@ def test_the_load_bound() -> None:
     assert not overloaded(None, [9, 0], margin=0) and not overloaded(9, [None, None], margin=0)  # unknown: not busy
 
 
-def test_the_prefix_index_finds_the_longest_leading_run_and_ages_out() -> None:
+def test_the_prefix_index_finds_the_longest_leading_run_and_ages_out_tails_first() -> None:
     index = PrefixIndex(capacity=6)
     chat = [key(i) for i in range(5)]
     index.record("r-a", chat[:2])
     index.record("r-b", chat[:4])
-    assert index.best(chat, REPLICAS) == ("r-b", 4)
-    assert index.best([key(99), *chat], REPLICAS) == (None, 0)  # a run must start at the first block
-    index.record("r-b", [key(50), key(51), key(52)])  # capacity 6: r-b's oldest block, the run's start, goes
-    assert index.best(chat, REPLICAS) == ("r-a", 2)
-    index.forget("r-a")
-    assert index.best(chat, ["r-a"]) == (None, 0)
+    assert index.best(chat, REPLICAS) == (["r-b"], 4)
+    assert index.best([key(99), *chat], REPLICAS) == ([], 0)  # a run must start at the first block
+    index.record("r-b", [key(50), key(51), key(52)])  # capacity 6: r-b's oldest block goes, its chain's tail
+    assert index.best(chat, REPLICAS) == (["r-b"], 3)  # the head, which every later turn needs, stays
+    index.record("r-c", chat[:3])
+    assert index.best(chat, REPLICAS) == (["r-b", "r-c"], 3)  # ties: all of them, for the caller's load rule
+    index.forget("r-b")
+    index.retain({"r-a", "r-b"})  # r-c scaled away
+    assert index.best(chat, REPLICAS) == (["r-a"], 2)
 
 
 def test_decisions_are_counted_per_deployment() -> None:
