@@ -140,13 +140,13 @@ class GrammarCost:
     share: float  # critical_us plus the sampler's masking over the step: what the grammar rows add to it
     beside_us: float  # per step, the masks' computation on the grammar thread, beside the forward (µs)
     constrained: int  # rows with a grammar in the batch (rows)
-    free_ms: float  # median step of the same batch with no constraint, interleaved rounds (ms; noisy)
-    mixed_ms: float  # the same with the grammar rows, interleaved with free_ms (ms; noisy)
+    free_ms: float  # median step of the same batch with no constraint, interleaved rounds (ms)
+    mixed_ms: float  # the same with the grammar rows, interleaved with free_ms (ms): the target's ratio
     sample_free_us: float  # Sampler.sample over the batch's logits, no mask (µs)
     sample_masked_us: float  # the same with the constrained rows masked (µs)
 
 
-def grammar_cost(decoder: Decoder, ids: torch.Tensor, new_tokens: int, rounds: int = 3) -> GrammarCost:
+def grammar_cost(decoder: Decoder, ids: torch.Tensor, new_tokens: int, rounds: int = 9) -> GrammarCost:
     """What grammar rows cost their batch: the grammar work the step waits for, timed inside the same steps
     (robust to the machine's drift), beside whole steps with and without them in interleaved rounds."""
     constrained = ids.shape[0] // 2
