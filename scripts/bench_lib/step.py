@@ -141,21 +141,25 @@ class GrammarCost:
     beside_us: float  # per step, the masks' computation on the grammar thread, beside the forward (µs)
     constrained: int  # rows with a grammar in the batch (rows)
     free_ms: float  # median step of the same batch with no constraint, interleaved rounds (ms)
-    mixed_ms: float  # the same with the grammar rows, interleaved with free_ms (ms): the target's ratio
+    mixed_ms: float  # the same with the grammar rows, each round between two free runs (ms)
+    slowed: float  # median over the rounds of mixed / the mean of its two free neighbours: the target's ratio
     sample_free_us: float  # Sampler.sample over the batch's logits, no mask (µs)
     sample_masked_us: float  # the same with the constrained rows masked (µs)
 
 
-def grammar_cost(decoder: Decoder, ids: torch.Tensor, new_tokens: int, rounds: int = 9) -> GrammarCost:
+def grammar_cost(decoder: Decoder, ids: torch.Tensor, new_tokens: int, rounds: int = 7) -> GrammarCost:
     """What grammar rows cost their batch: the grammar work the step waits for, timed inside the same steps
     (robust to the machine's drift), beside whole steps with and without them in interleaved rounds."""
     constrained = ids.shape[0] // 2
-    free, mixed, waited, beside = [], [], [], []
-    for _ in range(rounds):  # NOTE: interleaved, so that the machine's drift falls on both alike
-        free.append(our_step_ms(decoder, ids, new_tokens)[0].ms)
+    free, mixed, ratios, waited, beside = [], [], [], [], []
+    for _ in range(rounds):  # NOTE: free, mixed, free: the machine's drift and a run's place fall on both alike
+        before = our_step_ms(decoder, ids, new_tokens)[0].ms
         with _timing(decoder.grammar_step, "finish", "advance") as on_path, \
                 _timing(decoder.grammars, "forbidden") as off_path:
             mixed.append(our_step_ms(decoder, ids, new_tokens, constrained)[0].ms)
+        after = our_step_ms(decoder, ids, new_tokens)[0].ms
+        free.append((before + after) / 2)
+        ratios.append(mixed[-1] / free[-1])
         waited.append(on_path.total / off_path.calls)
         beside.append(off_path.total / off_path.calls)
     n = ids.shape[0]
@@ -169,7 +173,7 @@ def grammar_cost(decoder: Decoder, ids: torch.Tensor, new_tokens: int, rounds: i
     step_ms, critical_us = statistics.median(mixed), statistics.median(waited) * 1e6
     return GrammarCost(step_ms, critical_us, (critical_us + max(0.0, sample_masked - sample_free)) / 1e3 / step_ms,
                        statistics.median(beside) * 1e6, constrained, statistics.median(free), step_ms,
-                       sample_free, sample_masked)
+                       statistics.median(ratios), sample_free, sample_masked)
 
 
 @dataclass
