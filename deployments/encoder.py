@@ -65,7 +65,7 @@ class Encoder:
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered, where, the ids of the requests that
-        hold encoder-cache references here, and this replica's vision forward passes."""
+        hold encoder-cache references here, this replica's vision forward passes and cache lookups."""
         # NOTE: the books belong to the step thread; a copy taken while it mutates them may need a retry.
         for _ in range(100):
             try:
@@ -75,7 +75,9 @@ class Encoder:
                 continue
         else:
             raise RuntimeError("the encoder-cache books kept changing; try again")
+        stats = self.stage.stats()
         return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "referenced_requests": referenced, "forward_passes": self.stage.runner.forward_passes,
+                "cache_queries": stats.queries, "cache_hits": stats.hits,
                 "torch_threads": torch.get_num_threads(), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
                 "switch_interval_s": sys.getswitchinterval()}

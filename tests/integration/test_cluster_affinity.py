@@ -5,6 +5,8 @@ Engine (one replica of each stage) as the reference.
 - `hot`: 90% of the requests reuse 5 images (each request with its own leading text, so no prompt prefix is
   shared and every image is asked of an encoder): the encoder caches' hit rate.
 - 3-turn chats that re-send their image: the prefix cache's hit tokens.
+- Under affinity only: uniform `unique` load (no replica takes more than 1.5x the mean share), and one
+  Encoder replica killed: the hot images the other owns still hit there, none of the requests fails.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +24,75 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmserve.config import EngineConfig
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.runtime.affinity import owner
 from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
-from tests.integration.helpers import data_url, deploy, get_text, post_json
+from tests.integration.helpers import (
+    data_url,
+    deploy,
+    get_text,
+    info_of_every_replica,
+    post_json,
+    replica_actors,
+    replica_suffix,
+)
 
 APP, ROUTE = "mm_affinity", "/affinity"
 PUSH_S = 0.5  # metrics_push_interval_s of this app
 
 
+HOT = [data_url(100 + i) for i in range(5)]
+
+
+def image_message(i: int, image: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": f"Request {i}. Describe:"},
+                                         {"type": "image_url", "image_url": {"url": image}}]}]
+
+
 def workload_hot(n: int = 40, seed: int = 3) -> list[list[dict[str, Any]]]:
     rng = random.Random(seed)
-    hot = [data_url(100 + i) for i in range(5)]
+    hot = HOT
     messages = []
     for i in range(n):
         image = rng.choice(hot) if rng.random() < 0.9 else data_url(1000 + i)
-        messages.append([{"role": "user", "content": [{"type": "text", "text": f"Request {i}. Describe:"},
-                                                      {"type": "image_url", "image_url": {"url": image}}]}])
+        messages.append(image_message(i, image))
     return messages
+
+
+def ask(app: AppInfo, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    status, body = post_json(app.base_url, ROUTE + "/v1/chat/completions",
+                             {"messages": messages, "max_tokens": 2, "temperature": 0})
+    assert status == 200, body
+    return body
+
+
+def encoders(app: AppInfo, expected: int = 2) -> dict[str, dict[str, Any]]:
+    """replica id -> replica_info of (at least `expected`) live Encoder replicas."""
+    handle = app.handle("Encoder")
+    return info_of_every_replica(lambda: handle.replica_info.remote(), expected=expected)
+
+
+def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[str, Any]:
+    """Uniform unique load (its share per replica), then a replica killed and the hot images asked again."""
+    import ray
+
+    before = encoders(app)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: ask(app, image_message(2000 + i, data_url(3000 + i))), range(40)))
+    after = encoders(app)
+    shares = {r: after[r]["cache_queries"] - before[r]["cache_queries"] for r in after}
+    victim = replica_actors(APP, "Encoder")[0]
+    survivor = next(r for r in after if r != replica_suffix(victim["name"]))
+    owned = [i for i, key in enumerate(HOT) if owner([keys[key]], sorted(after)) == survivor]
+    ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
+    hits_before = after[survivor]["cache_hits"]
+    answers = [ask(app, image_message(4000 + i, image)) for i, image in enumerate(HOT)]  # none may fail
+    live: dict[str, dict[str, Any]] = {}
+    for _ in range(10):  # the survivor, whether or not Serve's replacement is up yet
+        live.update(encoders(app, expected=1))
+        if survivor in live:
+            break
+    return {"shares": shares, "owned_by_survivor": len(owned), "answers": len(answers),
+            "survivor_hits": live[survivor]["cache_hits"] - hits_before if survivor in live else None}
 
 
 def chat_turn(chat: int, turn: int, replies: list[str]) -> list[dict[str, Any]]:
@@ -74,9 +130,7 @@ def counters(app: AppInfo) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
 def run(app: AppInfo) -> dict[str, float]:
     """The workloads through the app -> encoder hit rate, prefix hit tokens, routing decisions."""
     for messages in workload_hot():
-        status, body = post_json(app.base_url, ROUTE + "/v1/chat/completions",
-                                 {"messages": messages, "max_tokens": 2, "temperature": 0})
-        assert status == 200, body
+        ask(app, messages)
     for chat in range(4):
         replies: list[str] = []
         for turn in range(3):
@@ -92,9 +146,14 @@ def run(app: AppInfo) -> dict[str, float]:
             "prefix_hit_tokens": c[("mmserve_prefix_cache_hits_total", ())], **decisions}
 
 
-def reference(model: Path) -> dict[str, float]:
-    """The same workloads through the in-process Engine: one replica of every stage."""
+def reference(model: Path) -> tuple[dict[str, float], dict[str, tuple[bytes, int]]]:
+    """The same workloads through the in-process Engine: one replica of every stage; and each hot image's
+    routing key (content hash, embedding rows) as Preprocess makes it."""
     with Engine(EngineConfig(model=str(model))) as engine:
+        keys = {}
+        for image in HOT:
+            [f] = engine.preprocess(ChatRequest("k", image_message(0, image), SamplingParams())).features
+            keys[image] = (f.identifier.encode(), f.num_embeds)
         for i, messages in enumerate(workload_hot()):
             engine.generate([ChatRequest(f"hot{i}", messages, SamplingParams(max_tokens=2, temperature=0.0))])
         for chat in range(4):
@@ -105,18 +164,21 @@ def reference(model: Path) -> dict[str, float]:
                 replies.append(done.text)
         stats = engine.stats()
         return {"encoder_hit_rate": stats.encoder.hits / stats.encoder.queries,
-                "prefix_hit_tokens": stats.decoder.prefix_hits}
+                "prefix_hit_tokens": stats.decoder.prefix_hits}, keys
 
 
 @pytest.fixture(scope="module")
-def measured(ray_cluster: ClusterInfo, tiny_ckpt_224: Path) -> Iterator[dict[str, dict[str, float]]]:
+def measured(ray_cluster: ClusterInfo, tiny_ckpt_224: Path) -> Iterator[dict[str, dict[str, Any]]]:
     from ray import serve
 
-    results = {"one replica": reference(tiny_ckpt_224)}
+    one, keys = reference(tiny_ckpt_224)
+    results: dict[str, dict[str, Any]] = {"one replica": one}
     try:
         for routing in ("affinity", "default"):
             app = deploy_app(ray_cluster, tiny_ckpt_224, routing)
             results[routing] = run(app)
+            if routing == "affinity":
+                results["affinity: balance and kill"] = balance_and_kill(app, keys)
             shutdown_handles(APP)
             serve.delete(APP)  # NOTE: a fresh app per router: no cache warm from the other's run
         print("\naffinity routing:", results)
@@ -139,3 +201,12 @@ def test_affinity_sends_a_chats_turns_to_the_decoder_holding_its_prefix(measured
     assert affinity["prefix_hit_tokens"] >= 0.9 * one["prefix_hit_tokens"] > 0
     assert affinity["prefix_hit_tokens"] > default["prefix_hit_tokens"]
     assert affinity.get("Decoder/affinity", 0) >= 8  # turns 2 and 3 of 4 chats
+
+
+def test_uniform_load_spreads_and_a_killed_encoder_moves_only_its_keys(measured):
+    got = measured["affinity: balance and kill"]
+    shares = list(got["shares"].values())
+    assert sum(shares) == 40 and max(shares) <= 1.5 * 40 / len(shares)
+    assert got["answers"] == len(HOT)  # every request answered while a replica died
+    # the hot images the survivor owned were cached there and still hit: their keys did not move
+    assert got["survivor_hits"] is not None and got["survivor_hits"] >= got["owned_by_survivor"]
