@@ -53,9 +53,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
                     help="interleaved: all systems up, cells alternate (drift-robust; idle servers tax the busy "
                          "one); sequential: one system up at a time")
+    ap.add_argument("--replicas", default=None, metavar="E,D",
+                    help="also run mmserve with E Encoder and D Decoder replicas under each router: adds the systems "
+                         "mmserve+encoder.num_replicas=E+decoder.num_replicas=D (affinity routing) and the same "
+                         "with encoder.routing and decoder.routing set to Serve's default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args(argv)
+    if args.replicas:
+        args.systems += replica_systems(args.replicas)
     bases = [s.split("+", 1)[0] for s in args.systems]  # NOTE: "mmserve+OMP_NUM_THREADS=2" is a variant
     for name, given, known in (("system", bases, SYSTEMS), ("workload", args.workloads, WORKLOADS)):
         if unknown := set(given) - set(known):
@@ -63,6 +69,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.requests = args.requests or (2 if args.quick else 16)
     args.probes = args.probes or (1 if args.quick else 5)
     return args
+
+
+def replica_systems(spec: str) -> list[str]:
+    """'2,2' -> the mmserve variants with 2 Encoder and 2 Decoder replicas under affinity and default routing."""
+    encoders, decoders = (int(x) for x in spec.split(","))
+    scaled = f"mmserve+encoder.num_replicas={encoders}+decoder.num_replicas={decoders}"
+    return [scaled, scaled + '+encoder.routing="default"+decoder.routing="default"']
 
 
 def _sigterm(*_: Any) -> None:

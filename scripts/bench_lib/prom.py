@@ -59,6 +59,7 @@ def cache_figures(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {
         "processor_cache_hit_rate": rate("mmserve_processor_cache_hits_total", "mmserve_processor_cache_queries_total"),
         "encoder_cache_hit_rate": rate("mmserve_encoder_cache_hits_total", "mmserve_encoder_cache_queries_total"),
+        "prefix_cache_hit_rate": rate("mmserve_prefix_cache_hits_total", "mmserve_prefix_cache_queries_total"),
         "processor_cache_queries": delta(after, before, "mmserve_processor_cache_queries_total"),
         "encoder_cache_queries": delta(after, before, "mmserve_encoder_cache_queries_total"),
         "image_processor_calls": delta(after, before, "mmserve_image_processor_calls_total"),

@@ -60,7 +60,7 @@ def cell_table(results: dict[str, dict[str, dict[int, dict[str, Any]]]], systems
     'value (xR)' with R = mmserve / peer."""
     lines = []
     head = f"{'workload':8} {'c':>2} {'system':12} " + " ".join(f"{h:>18}" for _, h, *_ in COLUMNS)
-    head += f" {'out tok':>8} {'proc hit':>8} {'enc hit':>8} {'peak RSS MiB':>12} {'others':>6}"
+    head += f" {'out tok':>8} {'proc hit':>8} {'enc hit':>8} {'kv hit':>8} {'peak RSS MiB':>12} {'others':>6}"
     lines.append(head)
     lines.append("-" * len(head))
     for workload, by_system in results.items():
@@ -80,11 +80,12 @@ def cell_table(results: dict[str, dict[str, dict[int, dict[str, Any]]]], systems
                 toks = (f"{row['output_tokens_min']}-{row['output_tokens_max']}"
                         if row.get("output_tokens_min") is not None else "-")
                 hit = {k: "-" if row.get(k) is None else f"{row[k]:.0%}"
-                       for k in ("processor_cache_hit_rate", "encoder_cache_hit_rate")}
+                       for k in ("processor_cache_hit_rate", "encoder_cache_hit_rate", "prefix_cache_hit_rate")}
                 rss = row.get("peak_rss_bytes")
                 others = row.get("machine_load", {}).get("foreign_cores")
                 lines.append(f"{workload:8} {c:>2} {system:12} " + " ".join(cells)
                              + f" {toks:>8} {hit['processor_cache_hit_rate']:>8} {hit['encoder_cache_hit_rate']:>8}"
+                             + f" {hit['prefix_cache_hit_rate']:>8}"
                              + f" {'-' if rss is None else rss >> 20:>12}"
                              + f" {'-' if others is None else format(others, '.2f'):>6}")
         lines.append("")
