@@ -41,6 +41,8 @@ PUSH_S = 0.5  # metrics_push_interval_s of this app
 
 
 HOT = [data_url(100 + i) for i in range(5)]
+SPOT_SEEDS = range(6000, 6060)  # images from which a hot spot on one encoder is picked (by their owner)
+MARGIN = 1  # routing_load_margin of the affinity app: a hot spot of a few concurrent requests spills over
 
 
 def image_message(i: int, image: str) -> list[dict[str, Any]]:
@@ -80,6 +82,15 @@ def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[s
         list(pool.map(lambda i: ask(app, image_message(2000 + i, data_url(3000 + i))), range(40)))
     after = encoders(app)
     shares = {r: after[r]["cache_queries"] - before[r]["cache_queries"] for r in after}
+    target = sorted(after)[0]  # a hot spot: 12 new images at once, all owned by one replica
+    spot = [seed for seed in SPOT_SEEDS if owner([keys[data_url(seed)]], sorted(after)) == target][:12]
+    with ThreadPoolExecutor(len(spot)) as pool:
+        list(pool.map(lambda s: ask(app, image_message(5000 + s, data_url(s))), spot))
+    spilled = encoders(app)
+    spill = {r: spilled[r]["cache_queries"] - after[r]["cache_queries"] for r in spilled}
+    fallbacks = counters(app).get(("mmserve_routing_decisions_total",
+                                   (("decision", "load_fallback"), ("deployment", "Encoder"))), 0.0)
+    after = spilled
     victim = replica_actors(APP, "Encoder")[0]
     survivor = next(r for r in after if r != replica_suffix(victim["name"]))
     owned = [i for i, key in enumerate(HOT) if owner([keys[key]], sorted(after)) == survivor]
@@ -91,7 +102,8 @@ def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[s
         live.update(encoders(app, expected=1))
         if survivor in live:
             break
-    return {"shares": shares, "owned_by_survivor": len(owned), "answers": len(answers),
+    return {"shares": shares, "spot": len(spot), "spill": spill, "spot_owner": target, "load_fallbacks": fallbacks,
+            "owned_by_survivor": len(owned), "answers": len(answers),
             "survivor_hits": live[survivor]["cache_hits"] - hits_before if survivor in live else None}
 
 
@@ -111,7 +123,8 @@ def deploy_app(cluster: ClusterInfo, model: Path, routing: str) -> AppInfo:
         "model": str(model), "metrics_push_interval_s": PUSH_S,
         "ingress": {"num_replicas": 1, "resources": {"head_node": 0.01}},
         "preprocess": {"num_replicas": 1, "autoscaling": None, "resources": {"preprocess_node": 1}},
-        "encoder": {"num_replicas": 2, "resources": {"encoder_node": 0.01}, "routing": routing},
+        "encoder": {"num_replicas": 2, "resources": {"encoder_node": 0.01}, "routing": routing,
+                    "routing_load_margin": MARGIN},
         "decoder": {"num_replicas": 2, "resources": {"decoder_node": 0.01}, "routing": routing},
     }
     started = time.perf_counter()
@@ -151,7 +164,7 @@ def reference(model: Path) -> tuple[dict[str, float], dict[str, tuple[bytes, int
     routing key (content hash, embedding rows) as Preprocess makes it."""
     with Engine(EngineConfig(model=str(model))) as engine:
         keys = {}
-        for image in HOT:
+        for image in [*HOT, *(data_url(seed) for seed in SPOT_SEEDS)]:
             [f] = engine.preprocess(ChatRequest("k", image_message(0, image), SamplingParams())).features
             keys[image] = (f.identifier.encode(), f.num_embeds)
         for i, messages in enumerate(workload_hot()):
@@ -207,6 +220,10 @@ def test_uniform_load_spreads_and_a_killed_encoder_moves_only_its_keys(measured)
     got = measured["affinity: balance and kill"]
     shares = list(got["shares"].values())
     assert sum(shares) == 40 and max(shares) <= 1.5 * 40 / len(shares)
+    # a hot spot on one replica: past the load margin some of its requests go to the other one
+    spill = got["spill"]
+    assert got["spot"] >= 8 and sum(spill.values()) == got["spot"]
+    assert sum(n for r, n in spill.items() if r != got["spot_owner"]) > 0 and got["load_fallbacks"] > 0, got
     assert got["answers"] == len(HOT)  # every request answered while a replica died
     # the hot images the survivor owned were cached there and still hit: their keys did not move
     assert got["survivor_hits"] is not None and got["survivor_hits"] >= got["owned_by_survivor"]
