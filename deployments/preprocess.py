@@ -23,7 +23,8 @@ class Preprocess:
     def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any):
         self.cache = SharedProcessorCache(cache_store)
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
-        self.preprocessor = StageFactory(app_args.engine_config()).preprocessor(self.cache)
+        self.preprocessor = StageFactory(app_args.engine_config()).preprocessor(
+            self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity")  # the Decoder router's key
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
         self.ongoing = 0  # requests being processed here now

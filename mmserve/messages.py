@@ -146,7 +146,7 @@ class PreprocessedRequest:
     processor_cache_hits: int = 0  # items of this request served by the ProcessorCache (items)
     cache_salt: str | None = None  # as in ChatRequest
     # the prefix cache's chained digest of each full block of the prompt (32 bytes each), items and salt
-    # included; () when prefix caching is off. Decoder routing keys on them (the decoder computes its own).
+    # included; () unless the decoder's router keys on them (the decoder computes its own).
     block_hashes: tuple[bytes, ...] = ()
 
 

@@ -39,12 +39,14 @@ class StageFactory:
     def spec(self) -> ModelSpec:
         return self.family.spec
 
-    def preprocessor(self, cache: ItemCache) -> Preprocessor:
+    def preprocessor(self, cache: ItemCache, *, stamp_block_hashes: bool = False) -> Preprocessor:
+        """`stamp_block_hashes`: put the prompt's prefix-cache block hashes in each request, for a router
+        that keys on them (the decoder computes its own, so nobody else needs them)."""
         spec = self.spec
+        stamp = stamp_block_hashes and self.config.decoder.enable_prefix_caching
         return Preprocessor(self.model_dir, media=self.config.media, cache=cache, rule=self.family.prompt_rule,
                             model_id=spec.model_id, max_model_len=spec.max_model_len, limits=self.config.limits,
-                            block_hashes=self._block_hasher().prompt if self.config.decoder.enable_prefix_caching
-                            else None)
+                            block_hashes=self._block_hasher().prompt if stamp else None)
 
     def encoder(self, resolve: Resolver = inline_pixels) -> EncoderService:
         stage = EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device)

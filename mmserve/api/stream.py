@@ -59,15 +59,6 @@ def sse_error(exc: BaseException) -> str:
     return sse(error_body(exc)[1])
 
 
-def _usage(lasts: dict[int, RequestOutput]) -> Usage:
-    """The prompt counted once (choice 0's cached share), the completion tokens of every choice summed."""
-    first = lasts[min(lasts)]
-    completion = sum(out.num_output_tokens for out in lasts.values())
-    return Usage(prompt_tokens=first.num_prompt_tokens, completion_tokens=completion,
-                 total_tokens=first.num_prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=first.num_cached_tokens))
-
-
 def _ok(out: RequestOutput | RequestFailed) -> RequestOutput:
     if isinstance(out, RequestFailed):
         raise out.error
@@ -90,10 +81,16 @@ class _Choices:
 
     @property
     def tokens(self) -> tuple[int, int]:
-        """(prompt tokens, output tokens of all choices) so far."""
+        """(prompt tokens, counted once; output tokens of all choices) so far."""
         if not self.last:
             return 0, 0
-        return next(iter(self.last.values())).num_prompt_tokens, sum(o.num_output_tokens for o in self.last.values())
+        return self.last[min(self.last)].num_prompt_tokens, sum(o.num_output_tokens for o in self.last.values())
+
+    def usage(self) -> Usage:
+        """`tokens` as OpenAI's usage, with choice 0's cached share of the prompt."""
+        prompt, completion = self.tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.last[min(self.last)].num_cached_tokens))
 
 
 class CompletionBuilder:
@@ -127,7 +124,7 @@ class CompletionBuilder:
                           logprobs=choice_logprobs(self._logprobs[i]) if i in self._logprobs else None)
                    for i in sorted(lasts)]
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=choices, usage=_usage(lasts))
+                                      choices=choices, usage=self.choices.usage())
 
 
 class ChunkBuilder:
@@ -167,7 +164,7 @@ class ChunkBuilder:
         if out.finished:
             self._done.add(index)
             if self.include_usage and self.finished:
-                chunks.append(self._chunk([], usage=_usage(self.choices.last)))
+                chunks.append(self._chunk([], usage=self.choices.usage()))
         return chunks
 
     def events(self, out: RequestOutput | RequestFailed) -> list[str]:

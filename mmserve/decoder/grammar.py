@@ -72,9 +72,10 @@ def check(structured: StructuredOutput) -> None:
         raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {reason}")
 
 
-def is_panic(exc: BaseException) -> bool:
-    """Whether `exc` is a panic inside llguidance's Rust code (pyo3's PanicException, a BaseException)."""
-    return type(exc).__name__ == "PanicException"
+def contained(exc: BaseException) -> bool:
+    """Whether a failure inside llguidance is its request's alone: an Exception, or a panic in its Rust code
+    (pyo3's PanicException, a BaseException); not an interrupt or an exit."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
 
 
 @contextlib.contextmanager
@@ -84,10 +85,12 @@ def _compiling(structured: StructuredOutput) -> Iterator[None]:
         yield
     except InvalidGrammarError:
         raise
-    except BaseException as exc:
-        if not isinstance(exc, ValueError) and not is_panic(exc):
-            raise
+    except ValueError as exc:  # not JSON where JSON is due
         raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {exc}") from None
+    except BaseException as exc:
+        if isinstance(exc, Exception) or not contained(exc):
+            raise
+        raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {exc}") from None  # a panic
 
 
 class GrammarViolationError(RuntimeError):
@@ -152,7 +155,7 @@ class Grammars:
                 self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
                                                        row_bytes, len(matchers))
             except BaseException as exc:
-                if not isinstance(exc, Exception) and not is_panic(exc):
+                if not contained(exc):
                     raise
                 log.warning("structured output: masks of %d rows failed together (%r); one by one", len(matchers), exc)
             else:
@@ -161,7 +164,7 @@ class Grammars:
             try:
                 matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
             except BaseException as exc:
-                if not isinstance(exc, Exception) and not is_panic(exc):
+                if not contained(exc):
                     raise
                 log.warning("structured output: a mask failed (%r); its row allows nothing", exc)
                 mask[i] = 0

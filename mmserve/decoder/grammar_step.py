@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import torch
 
-from mmserve.decoder.grammar import Grammars, GrammarViolationError, NoTokenAllowedError, is_panic
+from mmserve.decoder.grammar import Grammars, GrammarViolationError, NoTokenAllowedError, contained
 
 Pending = Future[tuple[list[str], torch.Tensor]]  # (request ids in plan order, their (n, vocab) bool mask)
 
@@ -75,7 +75,7 @@ def _consume(matcher: llguidance.LLMatcher, token: int) -> Exception | None:
         if matcher.consume_token(token):
             return None
     except BaseException as exc:
-        if not isinstance(exc, Exception) and not is_panic(exc):
+        if not contained(exc):
             raise
         return GrammarViolationError(f"token {token}: the grammar's matcher failed: {exc!r}")
     return GrammarViolationError(f"token {token} broke the grammar: {matcher.get_error()}")
