@@ -3,8 +3,9 @@
 Owns: small, dependency-free utilities the tests share — a free port, JSON and SSE requests over
 urllib/http.client, `wait_until` (every loop here is bounded), deploying an app with a deadline,
 Serve's view of replica counts, replica actors and their nodes from the Ray state API, per-replica
-introspection through random routing, and the `NodeProbe` actor that calls a deployment from a given
-node (Serve routes a handle's requests to a replica on its own node first). Does not own any test.
+introspection through random routing, slowing a replica's process from outside (`throttled`), and the
+`NodeProbe` actor that calls a deployment from a given node (Serve routes a handle's requests to a
+replica on its own node first). Does not own any test.
 """
 
 from __future__ import annotations
@@ -179,6 +180,35 @@ def replica_actors(app: str, deployment: str) -> list[dict[str, Any]]:
 def replica_suffix(actor_name: str) -> str:
     """`SERVE_REPLICA::app#Deployment#abc123` -> `abc123` (a replica id's unique_id)."""
     return actor_name.rsplit("#", 1)[-1]
+
+
+@contextlib.contextmanager
+def throttled(pid: int, *, run_s: float = 0.005, stop_s: float = 0.04) -> Iterator[None]:
+    """Slow a local process down from outside: stopped `stop_s`, running `run_s`, in turns, while inside
+    (a replica made artificially slow without any hook in the code under test); running again on exit.
+    NOTE: stops shorter than Serve's queue-length probe deadline (0.1 s), so the slowed replica still
+    answers its probes and what keeps traffic from it is the routers' load bound, not a probe timeout."""
+    import os
+    import signal
+    import threading
+
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            done.wait(stop_s)
+            os.kill(pid, signal.SIGCONT)
+            done.wait(run_s)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        os.kill(pid, signal.SIGCONT)
 
 
 def info_of_every_replica(call: Callable[[], Any], expected: int, *, rounds: int = 15,

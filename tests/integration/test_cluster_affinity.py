@@ -5,8 +5,9 @@ Engine (one replica of each stage) as the reference.
 - `hot`: 90% of the requests reuse 5 images (each request with its own leading text, so no prompt prefix is
   shared and every image is asked of an encoder): the encoder caches' hit rate.
 - 3-turn chats that re-send their image: the prefix cache's hit tokens.
-- Under affinity only: uniform `unique` load (no replica takes more than 1.5x the mean share), and one
-  Encoder replica killed: the hot images the other owns still hit there, none of the requests fails.
+- Under affinity only: uniform `unique` load (no replica takes more than 1.5x the mean share), the same
+  load with one Encoder replica's process slowed from outside (it gets less of it), and one Encoder replica
+  killed: the hot images the other owns still hit there, none of the requests fails.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tests.integration.helpers import (
     post_json,
     replica_actors,
     replica_suffix,
+    throttled,
 )
 
 APP, ROUTE = "mm_affinity", "/affinity"
@@ -90,7 +92,8 @@ def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[s
     spill = {r: spilled[r]["cache_queries"] - after[r]["cache_queries"] for r in spilled}
     fallbacks = counters(app).get(("mmserve_routing_decisions_total",
                                    (("decision", "load_fallback"), ("deployment", "Encoder"))), 0.0)
-    after = spilled
+    slow = slowed(app, spilled, fallbacks)
+    after = encoders(app)
     victim = replica_actors(APP, "Encoder")[0]
     survivor = next(r for r in after if r != replica_suffix(victim["name"]))
     owned = [i for i, key in enumerate(HOT) if owner([keys[key]], sorted(after)) == survivor]
@@ -103,8 +106,22 @@ def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[s
         if survivor in live:
             break
     return {"shares": shares, "spot": len(spot), "spill": spill, "spot_owner": target, "load_fallbacks": fallbacks,
+            **slow,
             "owned_by_survivor": len(owned), "answers": len(answers),
             "survivor_hits": live[survivor]["cache_hits"] - hits_before if survivor in live else None}
+
+
+def slowed(app: AppInfo, before: dict[str, dict[str, Any]], fallbacks: float) -> dict[str, Any]:
+    """Uniform unique load again with one Encoder replica's process stopped ~90% of the time: its share."""
+    slow = replica_actors(APP, "Encoder")[0]
+    with throttled(slow["pid"]), ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: ask(app, image_message(7000 + i, data_url(8000 + i))), range(40)))
+    after = encoders(app)
+    shares = {r: after[r]["cache_queries"] - before[r]["cache_queries"] for r in after}
+    fell_back = counters(app).get(("mmserve_routing_decisions_total",
+                                   (("decision", "load_fallback"), ("deployment", "Encoder"))), 0.0)
+    return {"slowed_shares": shares, "slowed": replica_suffix(slow["name"]),
+            "slowed_load_fallbacks": fell_back - fallbacks}
 
 
 def chat_turn(chat: int, turn: int, replies: list[str]) -> list[dict[str, Any]]:
@@ -224,6 +241,10 @@ def test_uniform_load_spreads_and_a_killed_encoder_moves_only_its_keys(measured)
     spill = got["spill"]
     assert got["spot"] >= 8 and sum(spill.values()) == got["spot"]
     assert sum(n for r, n in spill.items() if r != got["spot_owner"]) > 0 and got["load_fallbacks"] > 0, got
+    # a replica made slow (its process stopped most of the time) gets less of the same uniform load
+    slowed = got["slowed_shares"]
+    assert sum(slowed.values()) == 40, got
+    assert slowed[got["slowed"]] < 0.75 * 40 / len(slowed) and got["slowed_load_fallbacks"] > 0, got
     assert got["answers"] == len(HOT)  # every request answered while a replica died
     # the hot images the survivor owned were cached there and still hit: their keys did not move
     assert got["survivor_hits"] is not None and got["survivor_hits"] >= got["owned_by_survivor"]
