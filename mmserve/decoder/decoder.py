@@ -146,7 +146,8 @@ class Decoder:
         if not plan.scheduled:
             return []
         masks = self.grammar_step.start([(s.seq.request_id, self._states[s.seq.request_id].matcher)
-                                         for s in plan.scheduled if s.samples])  # beside the forward
+                                         for s in plan.scheduled if s.samples],
+                                        beside=self.runner.threads.leaves_a_core(plan.num_batched_tokens))
         result, failed = self._execute([(s.seq, s.num_new_tokens) for s in plan.scheduled])
         self.steps += 1
         ids = [seq.request_id for seq in result.seqs]

@@ -1,8 +1,9 @@
-"""Structured output inside a decoder step: masks computed beside the forward, matchers advanced after sampling.
+"""Structured output inside a decoder step: masks computed with the forward, matchers advanced after sampling.
 
-Owns: the grammar thread, starting the step's masks before the forward and collecting them for the rows the
-forward returned, and feeding each matcher its sampled token. Does not own the matchers (one per request, in
-the decoder's request state), compiling grammars or unpacking masks (grammar.py), nor sampling.
+Owns: the grammar thread, starting the step's masks before the forward (beside it, on that thread, where a
+core is free) and collecting them for the rows the forward returned, and feeding each matcher its sampled
+token. Does not own the matchers (one per request, in the decoder's request state), compiling grammars or
+unpacking masks (grammar.py), nor sampling.
 """
 
 from __future__ import annotations
@@ -22,19 +23,29 @@ class GrammarStep:
         self.grammars, self.device = grammars, device
         self._thread: ThreadPoolExecutor | None = None  # started by the first constrained step
 
-    def start(self, rows: list[tuple[str, llguidance.LLMatcher | None]]) -> Pending | None:
+    def start(self, rows: list[tuple[str, llguidance.LLMatcher | None]], beside: bool) -> Pending | None:
         """Start computing what the matchers of the step's sampling rows (request id, matcher or None) forbid.
 
-        NOTE: on a worker thread, beside the forward (whose kernels release the GIL): on a GPU host the
-        masks are ready when the logits are, and the step waits only for what is left. None (and no work)
-        when no row has a grammar.
+        NOTE: `beside` the forward, on a worker thread (the forward's kernels release the GIL), when the
+        forward leaves the host a core (an accelerator's forward, or fewer torch threads than cores): the
+        masks are ready when the logits are, and the step waits only for what is left. Otherwise here and
+        now: a third thread on cores the forward's threads fill preempts one of them, and every parallel
+        kernel then waits for it at its barrier (docs/benchmarks.md). None (and no work) when no row has a
+        grammar.
         """
         if all(m is None for _, m in rows):
             return None
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmserve-grammar")
         ids, matchers = [rid for rid, _ in rows], [m for _, m in rows]
-        return self._thread.submit(lambda: (ids, self.grammars.forbidden(matchers, self.device)))
+        if beside:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmserve-grammar")
+            return self._thread.submit(lambda: (ids, self.grammars.forbidden(matchers, self.device)))
+        done: Pending = Future()
+        try:
+            done.set_result((ids, self.grammars.forbidden(matchers, self.device)))
+        except Exception as exc:  # NOTE: raised by finish(), as from the thread
+            done.set_exception(exc)
+        return done
 
     @staticmethod
     def finish(pending: Pending | None, ids: list[str]) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ Hence a measurement on the machine and model at hand, not a constant.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +46,12 @@ class StepThreads:
         """Threads for a step computing `num_new_tokens` tokens (all sequences together)."""
         chosen = self.small if num_new_tokens <= self.small_step_tokens else self.big
         return min(chosen or self.available, self.available)
+
+    def leaves_a_core(self, num_new_tokens: int) -> bool:
+        """Whether a step of `num_new_tokens` leaves the host a core for other work while it runs: always
+        off the CPU (the forward runs on the accelerator), else when its threads are fewer than the cores
+        this process may run on."""
+        return not self.enabled or self.threads_for(num_new_tokens) < usable_cores()
 
     def apply(self, num_new_tokens: int) -> None:
         """Set torch's threads for the coming step in the calling thread (no-op off CPU)."""
@@ -87,3 +94,10 @@ class StepThreads:
         medians = {count: statistics.median(t) for count, t in timings.items()}
         best = min(medians.values())
         return min(count for count, t in medians.items() if t <= best * (1 + CLOSE))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

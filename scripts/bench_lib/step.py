@@ -11,12 +11,9 @@ its decode step. Ours is the median time of `Decoder.step()` once every sequence
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -73,33 +70,38 @@ def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int) -> De
     return decoder
 
 
-# A constraint that lasts: an array of at least 200 small records, each a few dozen tokens.
-LONG_JSON = StructuredOutput("json", json.dumps({
-    "type": "array", "minItems": 200, "items": {
-        "type": "object", "additionalProperties": False, "required": ["sku", "qty", "note"], "properties": {
-            "sku": {"enum": ["A1", "B2", "C3"]}, "qty": {"type": "integer", "minimum": 1, "maximum": 99},
-            "note": {"type": "string", "maxLength": 24}}}}))
-
-
-def our_step_ms(decoder: Decoder, ids: torch.Tensor, new_tokens: int,
-                constrained: int = 0) -> tuple[StepTime, list[int]]:
-    """Median decode step with `ids.shape[0]` sequences decoding, the first `constrained` of them under
-    LONG_JSON; and the pages each one held."""
+def start(decoder: Decoder, ids: torch.Tensor, new_tokens: int, constrained: int = 0,
+          structured: StructuredOutput | None = None) -> list[str]:
+    """Add `ids.shape[0]` sequences to `decoder`, the first `constrained` of them under `structured`, and run
+    their prefill: every one is decoding on return -> the request names (for `stop`)."""
     free = SamplingParams(max_tokens=new_tokens + 8, temperature=0.0, ignore_eos=True)
     names = [f"bench-{i}-{time.monotonic_ns()}" for i in range(ids.shape[0])]
     for i, (name, row) in enumerate(zip(names, ids.tolist(), strict=True)):
-        sampling = replace(free, structured=LONG_JSON) if i < constrained else free
+        sampling = replace(free, structured=structured) if i < constrained else free
         decoder.add(DecodeRequest(name, row, [], [], sampling))
     while any(s.is_prefill for s in decoder.scheduler.running) or decoder.scheduler.waiting:
         decoder.step()
-    pages = [s.blocks.num_pages for s in decoder.scheduler.running]
-    times = []
-    for _ in range(new_tokens):
-        started = time.perf_counter()
-        decoder.step()
-        times.append(time.perf_counter() - started)
+    return names
+
+
+def stop(decoder: Decoder, names: list[str]) -> None:
     for name in names:
         decoder.abort(name)
+
+
+def timed_step(decoder: Decoder) -> float:
+    """One `decoder.step()` (s)."""
+    started = time.perf_counter()
+    decoder.step()
+    return time.perf_counter() - started
+
+
+def our_step_ms(decoder: Decoder, ids: torch.Tensor, new_tokens: int) -> tuple[StepTime, list[int]]:
+    """Median decode step with `ids.shape[0]` sequences decoding; and the pages each one held."""
+    names = start(decoder, ids, new_tokens)
+    pages = [s.blocks.num_pages for s in decoder.scheduler.running]
+    times = [timed_step(decoder) for _ in range(new_tokens)]
+    stop(decoder, names)
     threads = decoder.runner.threads
     return StepTime(statistics.median(times[2:]) * 1e3, f"{threads.small}/{threads.big}"), pages
 
@@ -131,86 +133,3 @@ def all_full(pattern: AttentionPattern) -> AttentionPattern:
     """The same model as if every layer kept every block (how the pool was counted before)."""
     return AttentionPattern((FULL,) * len(pattern.layer_kinds), None, pattern.bidirectional_images,
                             pattern.scaling, pattern.softcap)
-
-
-@dataclass(frozen=True)
-class GrammarCost:
-    step_ms: float  # median decode step of the batch with `constrained` rows under LONG_JSON (ms)
-    critical_us: float  # of which, per step, grammar work the step waits for: the masks' tail, advancing (µs)
-    share: float  # critical_us plus the sampler's masking over the step: what the grammar rows add to it
-    beside_us: float  # per step, the masks' computation on the grammar thread, beside the forward (µs)
-    constrained: int  # rows with a grammar in the batch (rows)
-    free_ms: float  # median step of the same batch with no constraint, interleaved rounds (ms)
-    mixed_ms: float  # the same with the grammar rows, each round between two free runs (ms)
-    slowed: float  # median over the rounds of mixed / the mean of its two free neighbours: the target's ratio
-    sample_free_us: float  # Sampler.sample over the batch's logits, no mask (µs)
-    sample_masked_us: float  # the same with the constrained rows masked (µs)
-
-
-def grammar_cost(decoder: Decoder, ids: torch.Tensor, new_tokens: int, rounds: int = 7) -> GrammarCost:
-    """What grammar rows cost their batch: the grammar work the step waits for, timed inside the same steps
-    (robust to the machine's drift), beside whole steps with and without them in interleaved rounds."""
-    constrained = ids.shape[0] // 2
-    free, mixed, ratios, waited, beside = [], [], [], [], []
-    for _ in range(rounds):  # NOTE: free, mixed, free: the machine's drift and a run's place fall on both alike
-        before = our_step_ms(decoder, ids, new_tokens)[0].ms
-        with _timing(decoder.grammar_step, "finish", "advance") as on_path, \
-                _timing(decoder.grammars, "forbidden") as off_path:
-            mixed.append(our_step_ms(decoder, ids, new_tokens, constrained)[0].ms)
-        after = our_step_ms(decoder, ids, new_tokens)[0].ms
-        free.append((before + after) / 2)
-        ratios.append(mixed[-1] / free[-1])
-        waited.append(on_path.total / off_path.calls)
-        beside.append(off_path.total / off_path.calls)
-    n = ids.shape[0]
-    matchers = [decoder.grammars.matcher(LONG_JSON) if i < constrained else None for i in range(n)]
-    logits = torch.randn(n, decoder.spec.vocab_size)
-    params = [SamplingParams(temperature=0.0)] * n
-    generators: list[torch.Generator | None] = [None] * n
-    forbid = decoder.grammars.forbidden(matchers, logits.device)
-    sample_free = _best_us(lambda: decoder.sampler.sample(logits, params, generators))
-    sample_masked = _best_us(lambda: decoder.sampler.sample(logits, params, generators, forbidden=forbid))
-    step_ms, critical_us = statistics.median(mixed), statistics.median(waited) * 1e6
-    return GrammarCost(step_ms, critical_us, (critical_us + max(0.0, sample_masked - sample_free)) / 1e3 / step_ms,
-                       statistics.median(beside) * 1e6, constrained, statistics.median(free), step_ms,
-                       statistics.median(ratios), sample_free, sample_masked)
-
-
-@dataclass
-class _Timer:
-    total: float = 0.0  # seconds inside the timed calls
-    calls: int = 0  # calls of the first timed method
-
-
-@contextlib.contextmanager
-def _timing(owner: Any, *names: str) -> Iterator[_Timer]:
-    """Time calls of `owner`'s methods `names` (instance-level wrappers, removed on exit)."""
-    timer = _Timer()
-
-    def timed(fn: Any, first: bool) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timer.total += time.perf_counter() - started
-                timer.calls += first
-        return call
-
-    for i, name in enumerate(names):
-        setattr(owner, name, timed(getattr(owner, name), i == 0))
-    try:
-        yield timer
-    finally:
-        for name in names:
-            delattr(owner, name)
-
-
-def _best_us(fn: Any, repeat: int = 200) -> float:
-    """Median of `repeat` calls of `fn` (µs)."""
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e6

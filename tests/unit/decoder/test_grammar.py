@@ -9,6 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from mmserve.decoder.grammar import Grammars, InvalidGrammarError, _forbidden_on, check, forbidden
+from mmserve.decoder.grammar_step import GrammarStep
 from mmserve.decoder.sampler import Sampler
 from mmserve.messages import SamplingParams, StructuredOutput
 
@@ -99,3 +100,31 @@ def test_a_matcher_made_without_the_edges_check_still_refuses_with_a_client_erro
                        StructuredOutput("regex", "(unclosed")):
         with pytest.raises(InvalidGrammarError):
             book.matcher(structured)
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_a_steps_masks_are_the_same_beside_the_forward_or_before_it(grammars, beside: bool) -> None:
+    book, _ = grammars
+    choice = StructuredOutput("choice", json.dumps(["yes", "no"]))
+    rows = [("a", book.matcher(choice)), ("b", None), ("c", book.matcher(StructuredOutput("regex", "[0-9]+")))]
+    step = GrammarStep(book, torch.device("cpu"))
+    expected = book.forbidden([m for _, m in rows], torch.device("cpu"))
+    pending = step.start(rows, beside=beside)
+    assert (step._thread is not None) == beside  # before the forward: no thread is started at all
+    assert torch.equal(GrammarStep.finish(pending, ["a", "b", "c"]), expected)
+    assert torch.equal(GrammarStep.finish(pending, ["c", "a"]), expected[[2, 0]])  # "b" failed in the forward
+    assert step.start([("b", None)], beside=beside) is None  # no grammar: no work
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_a_mask_that_raises_surfaces_when_the_step_collects_it(grammars, beside: bool, monkeypatch) -> None:
+    book, _ = grammars
+    step = GrammarStep(book, torch.device("cpu"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mask failed")
+
+    monkeypatch.setattr(book, "forbidden", broken)
+    pending = step.start([("a", book.matcher(StructuredOutput("regex", "[0-9]+")))], beside=beside)
+    with pytest.raises(RuntimeError, match="mask failed"):
+        GrammarStep.finish(pending, ["a"])

@@ -1,0 +1,139 @@
+"""What structured-output rows cost the rest of their batch, measured on the decoder step in one process.
+
+Owns: whole decode steps of a batch with some rows under a JSON schema against the same batch with none,
+taken on two identical Decoders whose steps alternate (A B B A ...) so that the machine's drift, which on
+our VMs moves whole runs by several percent, falls on both alike; a placebo pair (both batches free) in
+the same run that shows the method's own floor; and, inside the same steps, the grammar work the step
+waits for and the masks' work beside the forward. Does not own printing or the other step measures
+(`step.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bench_lib.step import start, stop, timed_step
+from mmserve.decoder.decoder import Decoder
+from mmserve.messages import SamplingParams, StructuredOutput
+
+# A constraint that lasts: an array of at least 200 small records, each a few dozen tokens.
+LONG_JSON = StructuredOutput("json", json.dumps({
+    "type": "array", "minItems": 200, "items": {
+        "type": "object", "additionalProperties": False, "required": ["sku", "qty", "note"], "properties": {
+            "sku": {"enum": ["A1", "B2", "C3"]}, "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+            "note": {"type": "string", "maxLength": 24}}}}))
+
+
+@dataclass(frozen=True)
+class GrammarCost:
+    constrained: int  # rows with a grammar in the batch (rows)
+    steps: int  # paired steps timed per comparison (steps)
+    mixed_ms: float  # median decode step of the batch with `constrained` rows under LONG_JSON (ms)
+    free_ms: float  # median step of the same batch with no constraint, on the twin Decoder (ms)
+    slowed: float  # median over adjacent pairs of mixed / free step: the target's ratio
+    placebo: float  # the same ratio with both batches free: the method's floor, ideally 1.0
+    critical_us: float  # per mixed step, grammar work the step waits for: the masks (their tail when beside),
+    # advancing the matchers (µs)
+    share: float  # critical_us plus the sampler's masking over the step: what the grammar rows add to it
+    masks_us: float  # per mixed step, computing the masks: before the forward where its threads fill the
+    # cores, else on the grammar thread beside it (µs)
+    beside: bool  # whether the masks were computed beside the forward
+    sample_free_us: float  # Sampler.sample over the batch's logits, no mask (µs)
+    sample_masked_us: float  # the same with the constrained rows masked (µs)
+
+
+def grammar_cost(decoder: Decoder, twin: Decoder, ids: torch.Tensor, steps: int = 240) -> GrammarCost:
+    """Half of the batch `ids` under LONG_JSON on `decoder` against all of it free on `twin` (the same
+    checkpoint, config and thread counts), step by step; then the same pair with both free."""
+    constrained = ids.shape[0] // 2
+    with _timing(decoder.grammar_step, "finish", "advance") as on_path, \
+            _timing(decoder.grammars, "forbidden") as off_path:
+        pairs = paired(decoder, twin, ids, steps, constrained)
+    placebo = paired(decoder, twin, ids, steps, 0)
+    sample_free, sample_masked = sampler_us(decoder, ids.shape[0], constrained)
+    mixed_ms = statistics.median(a for a, _ in pairs) * 1e3
+    masks_us = off_path.total / off_path.calls * 1e6
+    beside = decoder.runner.threads.leaves_a_core(ids.shape[0])
+    critical_us = on_path.total / off_path.calls * 1e6 + (0.0 if beside else masks_us)
+    return GrammarCost(
+        constrained, len(pairs), mixed_ms, statistics.median(b for _, b in pairs) * 1e3,
+        statistics.median(a / b for a, b in pairs), statistics.median(a / b for a, b in placebo), critical_us,
+        (critical_us + max(0.0, sample_masked - sample_free)) / 1e3 / mixed_ms, masks_us, beside,
+        sample_free, sample_masked)
+
+def paired(a: Decoder, b: Decoder, ids: torch.Tensor, steps: int, constrained: int) -> list[tuple[float, float]]:
+    """`steps` decode steps on each of `a` (the first `constrained` rows under LONG_JSON) and `b` (all free),
+    alternated A B B A A B ... -> (a's step, b's adjacent step) per pair (s), the first two pairs dropped."""
+    names_a = start(a, ids, steps, constrained, LONG_JSON)
+    names_b = start(b, ids, steps)
+    pairs = []
+    for i in range(steps):
+        if i % 2 == 0:
+            first = timed_step(a)
+            pairs.append((first, timed_step(b)))
+        else:
+            second = timed_step(b)
+            pairs.append((timed_step(a), second))
+    stop(a, names_a)
+    stop(b, names_b)
+    return pairs[2:]
+
+
+def sampler_us(decoder: Decoder, n: int, constrained: int) -> tuple[float, float]:
+    """`Sampler.sample` over (n, vocab) random logits, without and with the first `constrained` rows masked
+    by LONG_JSON (µs)."""
+    matchers = [decoder.grammars.matcher(LONG_JSON) if i < constrained else None for i in range(n)]
+    logits = torch.randn(n, decoder.spec.vocab_size)  # (n, vocab)
+    params = [SamplingParams(temperature=0.0)] * n
+    generators: list[torch.Generator | None] = [None] * n
+    forbid = decoder.grammars.forbidden(matchers, logits.device)  # (n, vocab) bool
+    return (_best_us(lambda: decoder.sampler.sample(logits, params, generators)),
+            _best_us(lambda: decoder.sampler.sample(logits, params, generators, forbidden=forbid)))
+
+
+@dataclass
+class _Timer:
+    total: float = 0.0  # seconds inside the timed calls
+    calls: int = 0  # calls of the first timed method
+
+
+@contextlib.contextmanager
+def _timing(owner: Any, *names: str) -> Iterator[_Timer]:
+    """Time calls of `owner`'s methods `names` (instance-level wrappers, removed on exit)."""
+    timer = _Timer()
+
+    def timed(fn: Any, first: bool) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer.total += time.perf_counter() - started
+                timer.calls += first
+        return call
+
+    for i, name in enumerate(names):
+        setattr(owner, name, timed(getattr(owner, name), i == 0))
+    try:
+        yield timer
+    finally:
+        for name in names:
+            delattr(owner, name)
+
+
+def _best_us(fn: Any, repeat: int = 200) -> float:
+    """Median of `repeat` calls of `fn` (µs)."""
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
