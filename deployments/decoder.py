@@ -80,8 +80,12 @@ class Decoder:
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered and the torch threads its steps use
-        (the counts measured at start-up unless configured)."""
+        (the counts measured at start-up unless configured, the decodes' measured again while serving:
+        trials run and the changes they made)."""
         threads = self.engine.runner.threads
+        trials = threads.trials
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "torch_threads": threads.available, "small_step_threads": threads.threads_for(0),
-                "big_step_threads": threads.threads_for(threads.small_step_tokens + 1)}
+                "big_step_threads": threads.threads_for(threads.small_step_tokens + 1),
+                "thread_trials": trials.trials if trials is not None else 0,
+                "thread_changes": list(trials.changes) if trials is not None else []}

@@ -9,6 +9,7 @@ Does not own: what runs (scheduler), model internals (model module), sampling (s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +39,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """Run the step where each (seq, n) computes tokens [seq.num_computed_tokens, +n)."""
-        self.threads.apply(sum(n for _, n in scheduled))
+        num_new = sum(n for _, n in scheduled)
+        count = self.threads.apply(num_new)
+        started = time.perf_counter()
+        out = self._forward(scheduled)
+        self.threads.observe(num_new, time.perf_counter() - started, count)
+        return out
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         steps = [SeqStep(seq.num_computed_tokens, n, seq.blocks.tables,
                          seq.images.runs if seq.images is not None else None) for seq, n in scheduled]
         ids = np.concatenate([seq.token_ids[s.start : s.start + s.num_new] for seq, s in

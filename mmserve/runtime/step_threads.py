@@ -2,7 +2,8 @@
 
 Owns: the count per step (a small step, i.e. decodes, and a big one, i.e. prefill chunks, may differ),
 choosing a count the config leaves open by timing a few steps at 1 and at all of the stage's threads
-on the loaded model, and applying it in the calling thread. Does not own what a step computes (the
+on the loaded model (and, for decodes, again while serving: `thread_trials.py`), and applying it in the
+calling thread. Does not own what a step computes (the
 runners) nor the process-wide default (set by whoever starts the stage, e.g. a Ray replica from its
 stage's `torch_threads`).
 
@@ -27,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from mmserve.config import DecoderConfig
+from mmserve.runtime.thread_trials import ThreadTrials
 
 log = logging.getLogger(__name__)
 CLOSE = 0.05  # a count this much slower than the fastest still wins if it uses fewer threads (a core saved)
@@ -41,10 +43,12 @@ class StepThreads:
         self.big = config.big_step_threads if config is not None else self.available
         if self.available == 1:  # nothing to choose between
             self.small, self.big = self.small or 1, self.big or 1
+        # a decode count the config left open is re-measured while serving, on the decodes themselves
+        self.trials = ThreadTrials((1, self.available), CLOSE) if self.enabled and self.small is None else None
 
     def threads_for(self, num_new_tokens: int) -> int:
         """Threads for a step computing `num_new_tokens` tokens (all sequences together)."""
-        chosen = self.small if num_new_tokens <= self.small_step_tokens else self.big
+        chosen = self.small if self._is_small(num_new_tokens) else self.big
         return min(chosen or self.available, self.available)
 
     def leaves_a_core(self, num_new_tokens: int) -> bool:
@@ -53,13 +57,26 @@ class StepThreads:
         this process may run on."""
         return not self.enabled or self.threads_for(num_new_tokens) < usable_cores()
 
-    def apply(self, num_new_tokens: int) -> None:
-        """Set torch's threads for the coming step in the calling thread (no-op off CPU)."""
-        if not self.enabled:
-            return
+    def apply(self, num_new_tokens: int) -> int:
+        """Set torch's threads for the coming step in the calling thread (no-op off CPU) -> the count."""
         wanted = self.threads_for(num_new_tokens)
-        if torch.get_num_threads() != wanted:
+        if self.trials is not None and self._is_small(num_new_tokens) and self.small is not None:
+            wanted = self.trials.count_for(self.small)
+        if self.enabled and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
+        return wanted
+
+    def observe(self, num_new_tokens: int, seconds: float, count: int) -> None:
+        """A step `apply` set up took `seconds` at `count` threads (fed to the decode trials; CPU only)."""
+        if self.trials is not None and self._is_small(num_new_tokens) and self.small is not None:
+            chosen = self.trials.observe(count, num_new_tokens, seconds, self.small)
+            if chosen != self.small:
+                log.info("step threads: %d for steps of <= %d new tokens, measured while serving (was %d)",
+                         chosen, self.small_step_tokens, self.small)
+                self.small = chosen
+
+    def _is_small(self, num_new_tokens: int) -> bool:
+        return num_new_tokens <= self.small_step_tokens
 
     @property
     def needs_calibration(self) -> bool:

@@ -1,0 +1,75 @@
+"""Re-measuring a step's thread count while the stage serves, on its own steps.
+
+Owns: when to try the other count (after `period` steps of the kind, the period doubling while trials keep
+confirming the count and starting over when one changes it), running a trial (the two counts alternating
+step by step, so that the machine's drift and the batch's slow growth fall on both alike), and the verdict
+(the faster count's median over pairs of steps of the same size; the fewer threads when within `close`).
+Does not own applying a count or the start-up measurement (`step_threads.py`).
+
+NOTE: a count measured once at start-up is measured while the other replicas on the node start too (each
+importing torch and loading weights on the same cores), which can favour one thread; and what is fastest
+under load differs from what is fastest alone. A trial costs a few steps at the slower count each period.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+FIRST_PERIOD = 256  # steps of the kind before the first trial (steps)
+LONGEST_PERIOD = 16384  # the period stops doubling here (steps)
+TRIAL_STEPS = 16  # steps of one trial, half at each count (steps)
+MIN_PAIRS = 4  # pairs of same-size steps a verdict needs (pairs)
+
+
+@dataclass
+class ThreadTrials:
+    counts: tuple[int, int]  # the two counts to choose between, e.g. (1, all of the stage's)
+    close: float  # a count this much slower than the fastest still wins if it uses fewer threads
+    period: int = FIRST_PERIOD
+    _since: int = 0  # steps of the kind since the last trial ended
+    _trial: list[tuple[int, int, float]] | None = None  # (count, step size, seconds) of the trial so far
+    trials: int = 0  # trials finished (for stats and tests)
+    changes: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of each trial that changed it
+
+    def count_for(self, current: int) -> int:
+        """The count the coming step of the kind should use, given the chosen `current`."""
+        if self._trial is None:
+            if self._since < self.period:
+                return current
+            self._trial = []
+        other = self.counts[0] if current == self.counts[1] else self.counts[1]
+        return other if len(self._trial) % 2 == 0 else current
+
+    def observe(self, count: int, size: int, seconds: float, current: int) -> int:
+        """Record a finished step of the kind (its count, its new tokens, its time) -> the chosen count."""
+        if self._trial is None:
+            self._since += 1
+            return current
+        self._trial.append((count, size, seconds))
+        if len(self._trial) < TRIAL_STEPS:
+            return current
+        chosen = verdict(self._trial, current, self.close)
+        self._trial, self._since, self.trials = None, 0, self.trials + 1
+        if chosen == current:
+            self.period = min(2 * self.period, LONGEST_PERIOD)
+        else:
+            self.changes.append((current, chosen))
+            self.period = FIRST_PERIOD
+        return chosen
+
+
+def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float) -> int:
+    """The count to keep after a trial of alternating steps (count, size, seconds): compared over adjacent
+    pairs of the same size only; `current` when too few pairs compare."""
+    times: dict[int, list[float]] = {}
+    for (count_a, size_a, a), (count_b, size_b, b) in zip(steps[::2], steps[1::2], strict=False):
+        if size_a == size_b and count_a != count_b:
+            times.setdefault(count_a, []).append(a)
+            times.setdefault(count_b, []).append(b)
+    if len(times) < 2 or min(len(t) for t in times.values()) < MIN_PAIRS:
+        return current
+    medians = {count: statistics.median(t) for count, t in times.items()}
+    best = min(medians.values())
+    return min(count for count, t in medians.items() if t <= best * (1 + close))

@@ -1,0 +1,54 @@
+"""A decode thread count chosen badly (or for other times) is measured again on the decodes themselves."""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.config import DecoderConfig
+from mmserve.runtime.step_threads import StepThreads
+from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, verdict
+
+
+def serve(trials: ThreadTrials, current: int, steps: int, time_of, size=lambda i: 8) -> tuple[int, list[int]]:
+    """Run `steps` steps through `trials`, each taking `time_of(count)` s -> (chosen count, counts used)."""
+    used = []
+    for i in range(steps):
+        count = trials.count_for(current)
+        used.append(count)
+        current = trials.observe(count, size(i), time_of(count), current)
+    return current, used
+
+
+def test_a_slower_count_is_left_after_one_trial_and_the_trials_then_come_less_often() -> None:
+    trials = ThreadTrials((1, 2), close=0.05)
+    chosen, used = serve(trials, 1, FIRST_PERIOD + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
+    assert used[:FIRST_PERIOD] == [1] * FIRST_PERIOD  # no trial before the period is up
+    assert used[FIRST_PERIOD:] == [2, 1] * (TRIAL_STEPS // 2)  # then the other count first, alternating
+    assert chosen == 2 and trials.changes == [(1, 2)] and trials.period == FIRST_PERIOD
+    chosen, used = serve(trials, chosen, FIRST_PERIOD + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
+    assert chosen == 2 and trials.trials == 2 and trials.period == 2 * FIRST_PERIOD  # confirmed: rarer
+    assert used.count(1) == TRIAL_STEPS // 2
+
+
+def test_a_tie_goes_to_fewer_threads_and_unequal_steps_decide_nothing() -> None:
+    assert verdict([(2, 8, 0.0100), (1, 8, 0.0102)] * 8, 2, close=0.05) == 1  # within 5%: a core saved
+    assert verdict([(2, 8, 0.0100), (1, 8, 0.0200)] * 8, 1, close=0.05) == 2
+    grew = [(2, 8, 0.010), (1, 9, 0.030)] * 8  # the batch changed between the steps of every pair
+    assert verdict(grew, 2, close=0.05) == 2 and verdict(grew, 1, close=0.05) == 1
+
+
+def test_the_stage_switches_its_decode_count_while_serving_unless_the_config_fixed_it() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        open_ = StepThreads(torch.device("cpu"), DecoderConfig(small_step_tokens=16, big_step_threads=2))
+        fixed = StepThreads(torch.device("cpu"), DecoderConfig(small_step_threads=1, big_step_threads=2))
+    finally:
+        torch.set_num_threads(before)
+    open_.small = 1  # as a start-up measurement disturbed by other replicas starting might have chosen
+    for _ in range(FIRST_PERIOD + TRIAL_STEPS):
+        count = open_.apply(8)
+        open_.observe(8, 0.010 if count == 2 else 0.016, count)
+    assert open_.small == 2 and open_.apply(300) == 2  # prefill chunks keep their own count
+    assert fixed.trials is None and all(fixed.apply(8) == 1 for _ in range(FIRST_PERIOD + TRIAL_STEPS))
+    torch.set_num_threads(before)
