@@ -5,8 +5,16 @@ Owns: translating mmserve's `ItemCache` calls into Ray. A preprocess replica `ra
 made and hands that ref on at once; the store then *adopts* them in the background (`ray.get`, then a
 `ray.put` of its own), so that the cached copy outlives the preprocess replica that made it. The store
 keeps the byte-bounded LRU index of its ObjectRefs (mmserve's ProcessorCache, with refs as its storage
-handles). Resolving pixels for the encoder falls back to the store's copy if the maker is gone. Does not
-own the LRU policy (mmserve/processor_cache.py).
+handles). Each preprocess replica also keeps its own refs to the items it made lately (a second, smaller
+LRU, `processor_cache.replica_capacity_bytes`): a repeat there is a hit without the store's hop, and when
+a lookup shows a new store (a replacement after a death starts empty, under a new epoch) the replica has
+it adopt those items again, so the index is rebuilt from what the replicas still hold. Resolving pixels
+for the encoder falls back to the store's copy if the maker is gone. Does not own the LRU policy
+(mmserve/processor_cache.py).
+
+NOTE: an item a replica holds may exist twice in the object store (its object and the store's copy):
+at most `replica_capacity_bytes` more per preprocess replica. Only objects the replica owns are held, so
+none of them can be lost while it serves them.
 
 NOTE: Ray 2.56 removed `ray.put(_owner=...)`, which would have let the store own the first copy. Sending
 the pixels to the store and waiting for its ref cost the request several times a local `ray.put`
@@ -17,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import uuid
 from typing import Any
 
 import ray
@@ -26,8 +36,8 @@ from ray.exceptions import ObjectLostError
 from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import replica_lost
-from mmserve.messages import MultiModalFeatureSpec, ProcessedItem, StoredItem
-from mmserve.preprocess.processor_cache import CachedItem, InMemoryStorage, ProcessorCache
+from mmserve.messages import MultiModalFeatureSpec, ProcessedItem, StoredItem, StoreLookup
+from mmserve.preprocess.processor_cache import CachedItem, InMemoryStorage, ProcessorCache, ProcessorCacheStats
 from mmserve.runtime.metrics import MetricsSnapshot, processor_cache_snapshot
 
 log = logging.getLogger(__name__)
@@ -44,12 +54,14 @@ class ProcessorCacheStore:
         # NOTE: the index's values are StoredItems (ObjectRefs), so the plain in-memory storage fits: an
         # evicted entry drops the index's ref, and Ray frees the object once no in-flight spec borrows it.
         self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())
+        self.epoch = uuid.uuid4().hex  # NOTE: a replacement replica starts empty: its clients must know
         self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics, metrics_push_interval_s)
         self.reporter.ensure_started()
 
-    async def lookup(self, key: str) -> CachedItem | None:
+    async def lookup(self, key: str) -> StoreLookup:
         self.reporter.ensure_started()
-        return self.cache.get(key)
+        item = self.cache.get(key)
+        return StoreLookup(self.epoch, item if isinstance(item, StoredItem) else None)
 
     async def kept_copy(self, key: str) -> CachedItem | None:
         """The store's entry for `key` for the encoder's fallback: not a request's lookup, so it is
@@ -87,26 +99,53 @@ class SharedProcessorCache:
     """mmserve's `ItemCache` for a preprocess replica; `bind()` on the replica's loop, then call from a
     worker thread (it blocks)."""
 
-    def __init__(self, store: Any):  # a DeploymentHandle to ProcessorCacheStore
+    def __init__(self, store: Any, replica_capacity_bytes: int):  # store: a DeploymentHandle to ProcessorCacheStore
         self._store = FromThread(store)
         self.bind = self._store.bind
+        self.own = ProcessorCache(replica_capacity_bytes)  # key -> StoredItem of an object this replica made
+        self._epoch: str | None = None  # of the store that answered the last lookup
+        self._lock = threading.Lock()
 
     def get(self, key: str) -> CachedItem | None:
-        """The store's entry, or None; a store that is down or slow is a miss (the item is processed
-        again), never a failed request."""
+        """An item this replica made, else the store's entry, else None; a store that is down or slow is a
+        miss (the item is processed again), never a failed request."""
+        mine = self.own.get(key)
+        if mine is not None:
+            return mine
         try:
-            return self._store.call("lookup", key, timeout_s=LOOKUP_TIMEOUT_S)
+            found: StoreLookup = self._store.call("lookup", key, timeout_s=LOOKUP_TIMEOUT_S)
         except Exception as exc:
             if not (replica_lost(exc) or isinstance(exc, TimeoutError)):
                 raise
             log.warning("processor cache store unavailable (%s); a miss", type(exc).__name__)
             return None
+        self._notice(found.epoch)
+        return found.item
 
     def store(self, key: str, item: ProcessedItem) -> StoredItem:
         ref = ray.put(item)  # owned by this replica; the request carries it on at once
+        stored = StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes)
         # NOTE: not awaited: the store indexes it on arrival and copies it in the background
         self._store.send("adopt", key, [ref], item.num_tiles, item.nbytes)
-        return StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes)
+        self.own.put(key, stored)
+        return stored
+
+    def own_stats(self) -> ProcessorCacheStats:
+        return self.own.stats()
+
+    def _notice(self, epoch: str) -> None:
+        """A store this replica has not heard from before: if it replaced one (which died, and its index
+        with it), have it adopt every item this replica still holds."""
+        with self._lock:
+            replaced, self._epoch = self._epoch is not None and self._epoch != epoch, epoch
+        if not replaced:
+            return
+        keys = self.own.keys()
+        log.info("processor cache store replaced; refilling it with the %d items this replica holds", len(keys))
+        for key in keys:
+            stored = self.own.peek(key)
+            if isinstance(stored, StoredItem):
+                self._store.send("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes)
 
 
 class PixelResolver:

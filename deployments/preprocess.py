@@ -14,14 +14,14 @@ from deployments.cache_store import SharedProcessorCache
 from deployments.metrics_hub import MetricsReporter
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed
-from mmserve.runtime.metrics import MetricsSnapshot, preprocess_snapshot
+from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
 from mmserve.stages import StageFactory
 
 
 @serve.deployment
 class Preprocess:
     def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any):
-        self.cache = SharedProcessorCache(cache_store)
+        self.cache = SharedProcessorCache(cache_store, app_args.engine.processor_cache.replica_capacity_bytes)
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
         self.preprocessor = StageFactory(app_args.engine_config()).preprocessor(
             self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity")  # the Decoder router's key
@@ -42,11 +42,13 @@ class Preprocess:
             self.ongoing -= 1
 
     def metrics(self) -> MetricsSnapshot:
-        return preprocess_snapshot(self.preprocessor.image_processor_calls)
+        return merge([preprocess_snapshot(self.preprocessor.image_processor_calls),
+                      replica_cache_snapshot(self.cache.own_stats())])
 
     def replica_info(self) -> dict[str, Any]:
-        """Read-only introspection (tests, debugging): who answered, where, its processor calls and the
-        requests it is processing now."""
+        """Read-only introspection (tests, debugging): who answered, where, its processor calls, the
+        requests it is processing now and the hits on the items it made."""
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "image_processor_calls": self.preprocessor.image_processor_calls, "ongoing": self.ongoing}
+                "image_processor_calls": self.preprocessor.image_processor_calls, "ongoing": self.ongoing,
+                "own_cache_hits": self.cache.own_stats().hits}

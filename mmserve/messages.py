@@ -123,6 +123,14 @@ class StoredItem:
 
 
 @dataclass(frozen=True)
+class StoreLookup:
+    """The shared ProcessorCache store's answer to a lookup."""
+
+    epoch: str  # the store replica's identity: a replacement (after a death) starts empty under a new one
+    item: StoredItem | None  # the entry, or None on a miss
+
+
+@dataclass(frozen=True)
 class PlaceholderRange:
     offset: int  # index of the item's first prompt token (tokens)
     length: int  # prompt tokens the item spans, image tokens and the text between crops (tokens)

@@ -145,6 +145,20 @@ def processor_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
     )
 
 
+def replica_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
+    """A Preprocess replica's own ProcessorCache entries (the items it made). Its hits never reach the
+    shared store, so they are added to the store's lookups and hits here: the merged hit rate stays one
+    over every lookup; its misses are the store's lookups."""
+    return snapshot_of(
+        _counter("mmserve_processor_cache_queries_total", "Processor cache lookups.", cache.hits),
+        _counter("mmserve_processor_cache_hits_total", "Processor cache lookups that hit.", cache.hits),
+        _counter("mmserve_processor_cache_replica_hits_total",
+                 "Processor cache hits on the items the answering Preprocess replica made.", cache.hits),
+        _gauge("mmserve_processor_cache_replica_bytes",
+               "Bytes of the items Preprocess replicas made and still hold references to.", cache.bytes_held),
+    )
+
+
 def encoder_snapshot(stats: EncoderStats) -> MetricsSnapshot:
     return snapshot_of(
         _counter("mmserve_encoder_cache_queries_total", "Encoder cache lookups (hits + encoded misses).",

@@ -49,6 +49,12 @@ def store_hits(app: AppInfo) -> float:
         "mmserve_processor_cache_hits_total")
 
 
+def stored_ref(app: AppInfo, key: str) -> Any:
+    """The ref the store's index holds for `key`, or None."""
+    found = app.handle("ProcessorCacheStore").lookup.remote(key).result(timeout_s=60).item
+    return None if found is None else found.ref
+
+
 def encoder_forward_passes(app: AppInfo) -> int:
     infos = info_of_every_replica(lambda: app.handle("Encoder").replica_info.remote(), 2)
     return sum(info["forward_passes"] for info in infos.values())
@@ -101,8 +107,8 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     assert victim["node_id"] == mm_app.cluster.node_ids[node_a]
 
     key = first.features[0].identifier
-    wait_until(lambda: mm_app.handle("ProcessorCacheStore").lookup.remote(key).result(timeout_s=60).ref
-               != first.features[0].data.ref, timeout=30, interval=0.05, what="the store to adopt its copy")
+    wait_until(lambda: stored_ref(mm_app, key) not in (None, first.features[0].data.ref), timeout=30,
+               interval=0.05, what="the store to adopt its copy")
     ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
 
     def replaced() -> bool:  # Serve started a new replica in its place (it can only go on node A)
@@ -139,3 +145,37 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     assert info_on(probe_b)["image_processor_calls"] == calls_b
     assert store_hits(mm_app) == hits_before + 2  # the two requests; the encoder's fallback is not a lookup
     assert encoder_forward_passes(mm_app) > passes_before
+
+
+def test_a_repeat_on_its_maker_skips_the_store_and_a_replaced_store_is_refilled(mm_app: AppInfo, preprocess_probes):
+    node_a, _ = PREPROCESS_NODES
+    probe_a = preprocess_probes[node_a]
+    url = data_url(seed=207)
+    first = process_on(probe_a, url)  # made on node A's replica, which keeps its own reference
+    key = first.features[0].identifier
+    wait_until(lambda: stored_ref(mm_app, key) is not None, timeout=30, interval=0.05, what="the store to index it")
+    before, hits = info_on(probe_a), store_hits(mm_app)
+    again = process_on(probe_a, url)
+    assert again.processor_cache_hits == 1 and again.features[0].data.ref == first.features[0].data.ref
+    after = info_on(probe_a)
+    assert after["own_cache_hits"] == before["own_cache_hits"] + 1 and store_hits(mm_app) == hits  # no lookup
+    assert after["image_processor_calls"] == before["image_processor_calls"]
+
+    [store] = replica_actors(mm_app.name, "ProcessorCacheStore")
+    ray.kill(ray.get_actor(store["name"], namespace="serve"), no_restart=True)  # its index dies with it
+
+    def replaced() -> bool:
+        names = [a["name"] for a in replica_actors(mm_app.name, "ProcessorCacheStore")]
+        running = replica_states(mm_app.name, "ProcessorCacheStore") == {"RUNNING": 1}
+        return running and names not in ([], [store["name"]])
+
+    wait_until(replaced, timeout=180, interval=0.5, what="Serve to replace the store")
+    fresh = iter(range(208, 240))  # new images: each one's lookup may meet the new store
+
+    def refilled() -> bool:  # node A's replica, meeting the new store, has it adopt what it holds
+        process_on(probe_a, data_url(seed=next(fresh)))
+        return stored_ref(mm_app, key) is not None
+
+    wait_until(refilled, timeout=60, interval=0.5, what="the new store to hold the item node A's replica made")
+    sent = next(fresh) - 208
+    assert info_on(probe_a)["image_processor_calls"] == after["image_processor_calls"] + sent  # only new images
