@@ -40,11 +40,11 @@ class GrammarCost:
     free_ms: float  # median step of the same batch with no constraint, on the twin Decoder (ms)
     slowed: float  # median over adjacent pairs of mixed / free step: the target's ratio
     placebo: float  # the same ratio with both batches free: the method's floor, ideally 1.0
-    critical_us: float  # per mixed step, grammar work the step waits for: the masks (their tail when beside),
-    # advancing the matchers (µs)
+    critical_us: float  # per mixed step, grammar work the step waits for: starting the masks (computing and
+    # unpacking them all when not beside), their tail, advancing the matchers (µs)
     share: float  # critical_us plus the sampler's masking over the step: what the grammar rows add to it
-    masks_us: float  # per mixed step, computing the masks: before the forward where its threads fill the
-    # cores, else on the grammar thread beside it (µs)
+    masks_us: float  # per mixed step, llguidance computing the masks: before the forward where its threads
+    # fill the cores, else on the grammar thread beside it (µs)
     beside: bool  # whether the masks were computed beside the forward
     sample_free_us: float  # Sampler.sample over the batch's logits, no mask (µs)
     sample_masked_us: float  # the same with the constrained rows masked (µs)
@@ -54,15 +54,15 @@ def grammar_cost(decoder: Decoder, twin: Decoder, ids: torch.Tensor, steps: int 
     """Half of the batch `ids` under LONG_JSON on `decoder` against all of it free on `twin` (the same
     checkpoint, config and thread counts), step by step; then the same pair with both free."""
     constrained = ids.shape[0] // 2
-    with _timing(decoder.grammar_step, "finish", "advance") as on_path, \
-            _timing(decoder.grammars, "forbidden") as off_path:
+    with _timing(decoder.grammar_step, "finish", "advance", "start") as on_path, \
+            _timing(decoder.grammars, "bitmask") as masks:
         pairs = paired(decoder, twin, ids, steps, constrained)
     placebo = paired(decoder, twin, ids, steps, 0)
     sample_free, sample_masked = sampler_us(decoder, ids.shape[0], constrained)
     mixed_ms = statistics.median(a for a, _ in pairs) * 1e3
-    masks_us = off_path.total / off_path.calls * 1e6
+    masks_us = masks.total / on_path.calls * 1e6  # NOTE: on_path counts `finish`: one call per step
     beside = decoder.runner.threads.leaves_a_core(ids.shape[0])
-    critical_us = on_path.total / off_path.calls * 1e6 + (0.0 if beside else masks_us)
+    critical_us = on_path.total / on_path.calls * 1e6
     return GrammarCost(
         constrained, len(pairs), mixed_ms, statistics.median(b for _, b in pairs) * 1e3,
         statistics.median(a / b for a, b in pairs), statistics.median(a / b for a, b in placebo), critical_us,
