@@ -21,7 +21,8 @@ from mmserve.stages import StageFactory
 @serve.deployment
 class Preprocess:
     def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any):
-        self.cache = SharedProcessorCache(cache_store, app_args.engine.processor_cache.replica_capacity_bytes)
+        cache = app_args.engine.processor_cache  # NOTE: the cache off (0 bytes) keeps nothing here either
+        self.cache = SharedProcessorCache(cache_store, min(cache.replica_capacity_bytes, cache.capacity_bytes))
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
         self.preprocessor = StageFactory(app_args.engine_config()).preprocessor(
             self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity")  # the Decoder router's key

@@ -66,7 +66,8 @@ class LimitsConfig(_Bounded):
 class ProcessorCacheConfig(_Bounded):
     capacity_bytes: int = at_least(0, 512 * MiB)  # bytes of processed items held; 0 disables the cache
     # Ray app only: bytes of the items a Preprocess replica made that it keeps its own references to, so
-    # that a repeat there skips the shared store's lookup and a replaced store is refilled; 0 = none
+    # that a repeat there skips the shared store's lookup and a replaced store is refilled; 0 = none (and at
+    # most capacity_bytes: none when the cache is off)
     replica_capacity_bytes: int = at_least(0, 64 * MiB)
 
 
