@@ -4,10 +4,9 @@ Owns: the fixed set of block ids `0 .. num_blocks-1`, a free list and a referenc
 Does not own: the K/V tensors (the model runner allocates those, indexed by these ids), nor the
 policy of who gets blocks (the scheduler).
 
-Prefix-reuse seam: each block carries an optional `content_hash`. The next step (blocks shared by a
-hash chained over token ids AND image identifiers) will keep a `hash -> block_id` map, bump the
-reference count of a hit with `share`, and leave freed hashed blocks on the free list, still findable,
-until `allocate` evicts them from the head (the free list is already in least-recently-freed order).
+Prefix reuse builds on it without living here: `prefix_cache.py` indexes hashed blocks and keeps a
+block its last sequence let go until an allocation needs the room (`PrefixCache.allocate` then frees it
+here); a hit adds a holder with `share`.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ class OutOfBlocksError(RuntimeError):
 class KVBlock:
     block_id: int
     ref_count: int = 0  # sequences holding this block (count); 0 = on the free list
-    content_hash: int | None = None  # seam for prefix reuse: hash of the tokens + images it holds
 
 
 class BlockPool:
@@ -57,7 +55,6 @@ class BlockPool:
         for block_id in ids:
             block = self._blocks[block_id]
             block.ref_count = 1
-            block.content_hash = None  # NOTE: with prefix reuse, evicting drops the hash from the map here
         return ids
 
     def share(self, block_ids: list[int]) -> None:
