@@ -43,6 +43,7 @@ class StepThreads:
         self.big = config.big_step_threads if config is not None else self.available
         if self.available == 1:  # nothing to choose between
             self.small, self.big = self.small or 1, self.big or 1
+        self.cores = usable_cores()  # cores this process may run on (fixed for its life)
         # a decode count the config left open is re-measured while serving, on the decodes themselves
         self.trials = ThreadTrials((1, self.available), CLOSE) if self.enabled and self.small is None else None
 
@@ -55,21 +56,24 @@ class StepThreads:
         """Whether a step of `num_new_tokens` leaves the host a core for other work while it runs: always
         off the CPU (the forward runs on the accelerator), else when its threads are fewer than the cores
         this process may run on."""
-        return not self.enabled or self.threads_for(num_new_tokens) < usable_cores()
+        return not self.enabled or self.threads_for(num_new_tokens) < self.cores
 
     def apply(self, num_new_tokens: int) -> int:
         """Set torch's threads for the coming step in the calling thread (no-op off CPU) -> the count."""
         wanted = self.threads_for(num_new_tokens)
-        if self.trials is not None and self._is_small(num_new_tokens) and self.small is not None:
-            wanted = self.trials.count_for(self.small)
+        trial = self._trial(num_new_tokens)
+        if trial is not None:
+            wanted = trial[0].count_for(trial[1])
         if self.enabled and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
         return wanted
 
     def observe(self, num_new_tokens: int, seconds: float, count: int) -> None:
         """A step `apply` set up took `seconds` at `count` threads (fed to the decode trials; CPU only)."""
-        if self.trials is not None and self._is_small(num_new_tokens) and self.small is not None:
-            chosen = self.trials.observe(count, num_new_tokens, seconds, self.small)
+        trial = self._trial(num_new_tokens)
+        if trial is not None:
+            trials, current = trial
+            chosen = trials.observe(count, num_new_tokens, seconds, current)
             if chosen != self.small:
                 log.info("step threads: %d for steps of <= %d new tokens, measured while serving (was %d)",
                          chosen, self.small_step_tokens, self.small)
@@ -77,6 +81,12 @@ class StepThreads:
 
     def _is_small(self, num_new_tokens: int) -> bool:
         return num_new_tokens <= self.small_step_tokens
+
+    def _trial(self, num_new_tokens: int) -> tuple[ThreadTrials, int] | None:
+        """(the decode trials, the decodes' chosen count) if they see a step of this size, else None."""
+        if self.trials is None or self.small is None or not self._is_small(num_new_tokens):
+            return None
+        return self.trials, self.small
 
     @property
     def needs_calibration(self) -> bool:

@@ -106,13 +106,13 @@ def test_encoder_runner_keeps_its_count_in_a_thread_started_after_a_decode_step_
         torch.set_num_threads(before)
 
 
-def test_a_step_leaves_a_core_when_its_threads_are_fewer_than_the_cores(monkeypatch) -> None:
-    import mmserve.runtime.step_threads as step_threads
+def test_a_step_leaves_a_core_when_its_threads_are_fewer_than_the_cores() -> None:
+    from mmserve.runtime.step_threads import usable_cores
 
     threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1, big_step_threads=4))
-    threads.available = 4
-    monkeypatch.setattr(step_threads, "usable_cores", lambda: 4)
+    assert threads.cores == usable_cores() >= 1  # this process's affinity, read once
+    threads.available, threads.cores = 4, 4
     assert threads.leaves_a_core(8) and not threads.leaves_a_core(300)  # 1 of 4 cores; all 4 of them
-    monkeypatch.setattr(step_threads, "usable_cores", lambda: 1)
+    threads.cores = 1
     assert not threads.leaves_a_core(8)
     assert StepThreads(torch.device("meta"), DecoderConfig()).leaves_a_core(300)  # the forward is elsewhere
