@@ -33,8 +33,12 @@ from tests.integration.test_cluster_cancellation import idle, referenced
 CLIENTS = 4
 CLIENT_TIMEOUT_S = 60.0  # a request still open this long is a hang
 STEADY_S = 3.0  # load before each kill
-# in the order a request meets them; the Decoder and the Ingress hold streams that cannot move
-VICTIMS = ("Preprocess", "Encoder", "ProcessorCacheStore", "Decoder", "Ingress")
+# in the order a request meets them, in rounds: the next round's kills wait until Serve has replaced every
+# replica killed in this one. NOTE: the first round's stages keep serving while a replica is replaced (two
+# replicas, or a store whose absence is a cache miss), so their replacements overlap; the Decoder and the
+# Ingress (one replica each, holding streams that cannot move) are killed alone.
+ROUNDS = (("Preprocess", "Encoder", "ProcessorCacheStore"), ("Decoder",), ("Ingress",))
+VICTIMS = tuple(d for round_ in ROUNDS for d in round_)
 MAY_LOSE_IN_FLIGHT = {"Decoder", "Ingress"}
 
 
@@ -125,8 +129,9 @@ def _busy_victim(app: AppInfo, deployment: str, out: list[Outcome], counter: ite
     return next(a for a in replica_actors(app.name, deployment) if replica_suffix(a["name"]) == replica_id)
 
 
-def _kill_one(app: AppInfo, deployment: str, out: list[Outcome], counter: itertools.count) -> tuple[float, float]:
-    """Kill one replica of `deployment`; (kill time, time Serve had replaced it) in monotonic s."""
+def _kill_one(app: AppInfo, deployment: str, out: list[Outcome],
+              counter: itertools.count) -> tuple[float, Callable[[], bool]]:
+    """Kill one replica of `deployment`: (kill time in monotonic s, whether Serve has replaced it yet)."""
     alive = replica_actors(app.name, deployment)
     victim = _busy_victim(app, deployment, out, counter) if deployment in BUSY else alive[0]
     killed = time.monotonic()
@@ -137,8 +142,20 @@ def _kill_one(app: AppInfo, deployment: str, out: list[Outcome], counter: iterto
         return victim["name"] not in names and len(names) == len(alive) and \
             replica_states(app.name, deployment) == {"RUNNING": len(alive)}
 
-    wait_until(replaced, timeout=180, interval=0.5, what=f"Serve to replace the killed {deployment} replica")
-    return killed, time.monotonic()
+    return killed, replaced
+
+
+def _kill_round(app: AppInfo, round_: tuple[str, ...], out: list[Outcome], counter: itertools.count,
+                kills: dict[str, tuple[float, float]]) -> None:
+    """Kill a replica of each deployment of the round, `STEADY_S` apart, then wait until all are replaced;
+    records (kill time, time Serve had replaced it) in monotonic s."""
+    pending: dict[str, tuple[float, Callable[[], bool]]] = {}
+    for deployment in round_:
+        time.sleep(STEADY_S)
+        pending[deployment] = _kill_one(app, deployment, out, counter)
+    for deployment, (killed, replaced) in pending.items():
+        wait_until(replaced, timeout=180, interval=0.5, what=f"Serve to replace the killed {deployment} replica")
+        kills[deployment] = (killed, time.monotonic())
 
 
 def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(mm_app: AppInfo):
@@ -150,9 +167,8 @@ def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(
         client.start()
     kills: dict[str, tuple[float, float]] = {}
     try:
-        for deployment in VICTIMS:
-            time.sleep(STEADY_S)
-            kills[deployment] = _kill_one(mm_app, deployment, outcomes, counter)
+        for round_ in ROUNDS:
+            _kill_round(mm_app, round_, outcomes, counter, kills)
         time.sleep(STEADY_S)
         wait_until(lambda: not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("heavy")),
                    timeout=CLIENT_TIMEOUT_S, what="the heavy bursts to end")
