@@ -8,7 +8,10 @@ keeps the byte-bounded LRU index of its ObjectRefs (mmserve's ProcessorCache, wi
 handles). Each preprocess replica also keeps its own refs to the items it made lately (a second, smaller
 LRU, `processor_cache.replica_capacity_bytes`): a repeat there is a hit without the store's hop, and when
 a lookup shows a new store (a replacement after a death starts empty, under a new epoch) the replica has
-it adopt those items again, so the index is rebuilt from what the replicas still hold. Resolving pixels
+it adopt those items again, so the index is rebuilt from what the replicas still hold. A lookup is by the
+request's bytes first (their source key: a repeat is found before it is decoded), then by the pixels'
+content hash; while either travels to the store, the replica decodes or processes meanwhile
+(mmserve/preprocess/preprocessor.py), so a new image pays no lookup hop. Resolving pixels
 for the encoder falls back to the store's copy if the maker is gone. Does not own the LRU policy
 (mmserve/processor_cache.py).
 
@@ -27,6 +30,8 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -37,7 +42,13 @@ from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import replica_lost
 from mmserve.messages import MultiModalFeatureSpec, ProcessedItem, StoredItem, StoreLookup
-from mmserve.preprocess.processor_cache import CachedItem, InMemoryStorage, ProcessorCache, ProcessorCacheStats
+from mmserve.preprocess.processor_cache import (
+    CachedItem,
+    InMemoryStorage,
+    ProcessorCache,
+    ProcessorCacheStats,
+    done,
+)
 from mmserve.runtime.metrics import MetricsSnapshot, processor_cache_snapshot
 
 log = logging.getLogger(__name__)
@@ -58,28 +69,42 @@ class ProcessorCacheStore:
         self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics, metrics_push_interval_s)
         self.reporter.ensure_started()
 
-    async def lookup(self, key: str) -> StoreLookup:
+    async def lookup(self, key: str, source: str | None = None) -> StoreLookup:
+        """The entry with content hash `key`; with `source`, the second look of that source's query (a hit
+        remembers it)."""
         self.reporter.ensure_started()
-        item = self.cache.get(key)
-        return StoreLookup(self.epoch, item if isinstance(item, StoredItem) else None)
+        item = self.cache.get(key) if source is None else self.cache.get_linked(key, source)
+        return StoreLookup(self.epoch, item if isinstance(item, StoredItem) else None, key)
+
+    async def lookup_source(self, source: str) -> StoreLookup:
+        """The entry the bytes with source key `source` gave, and its content hash."""
+        self.reporter.ensure_started()
+        found = self.cache.get_source(source)
+        if found is None or not isinstance(found[1], StoredItem):
+            return StoreLookup(self.epoch, None)
+        return StoreLookup(self.epoch, found[1], found[0])
 
     async def kept_copy(self, key: str) -> CachedItem | None:
         """The store's entry for `key` for the encoder's fallback: not a request's lookup, so it is
         neither counted in the hit rate nor made recent."""
         return self.cache.peek(key)
 
-    async def adopt(self, key: str, boxed: list[ray.ObjectRef], num_tiles: int, nbytes: int) -> None:
-        """Index the maker's ProcessedItem behind `boxed[0]` at once, then swap in a copy this replica
-        owns (if it fits the byte bound).
+    async def adopt(self, key: str, boxed: list[ray.ObjectRef], num_tiles: int, nbytes: int,
+                    source: str | None = None) -> None:
+        """Index the maker's ProcessedItem behind `boxed[0]` at once (under its content hash `key`, and
+        found by the source key of the bytes it came from), then swap in a copy this replica owns (if it fits
+        the byte bound).
 
         NOTE: until the copy is made, lookups answer with the maker's ref: a hit from the moment this
         call arrives (requests that missed before it may still process the image again). The ref
         travels inside a list so that it arrives as a ref (a top-level one would be resolved on the way
         in) and the pixels are read here, zero-copy, only once.
         """
-        if key in self.cache:  # another replica made it too, meanwhile; keep the first
+        if key in self.cache:  # another replica made it too, meanwhile (maybe from other bytes); keep the first
+            if source is not None:
+                self.cache.link(source, key)
             return
-        if not self.cache.put(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes)):
+        if not self.cache.put(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes), source):
             return  # too big for the cache (or the cache is off)
         try:
             item: ProcessedItem = await boxed[0]
@@ -95,6 +120,10 @@ class ProcessorCacheStore:
         return processor_cache_snapshot(self.cache.stats())
 
 
+def _key_and_item(found: StoreLookup) -> tuple[str, StoredItem] | None:
+    return None if found.item is None or found.key is None else (found.key, found.item)
+
+
 class SharedProcessorCache:
     """mmserve's `ItemCache` for a preprocess replica; `bind()` on the replica's loop, then call from a
     worker thread (it blocks)."""
@@ -106,29 +135,48 @@ class SharedProcessorCache:
         self._epoch: str | None = None  # of the store that answered the last lookup
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> CachedItem | None:
-        """An item this replica made, else the store's entry, else None; a store that is down or slow is a
-        miss (the item is processed again), never a failed request."""
-        mine = self.own.get(key)
+    def find_source(self, source: str) -> Future[tuple[str, CachedItem] | None]:
+        """An item this replica made from these bytes (answered at once), else the store's (in flight)."""
+        mine = self.own.get_source(source)
         if mine is not None:
-            return mine
-        try:
-            found: StoreLookup = self._store.call("lookup", key, timeout_s=LOOKUP_TIMEOUT_S)
-        except Exception as exc:
-            if not (replica_lost(exc) or isinstance(exc, TimeoutError)):
-                raise
-            log.warning("processor cache store unavailable (%s); a miss", type(exc).__name__)
-            return None
-        self._notice(found.epoch)
-        return found.item
+            return done(mine)
+        return self._ask("lookup_source", source)
 
-    def store(self, key: str, item: ProcessedItem) -> StoredItem:
+    def find(self, key: str, source: str) -> Future[CachedItem | None]:
+        """An item this replica made with these pixels (answered at once), else the store's (in flight)."""
+        mine = self.own.get_linked(key, source)
+        if mine is not None:
+            return done(mine)
+        return self._ask("lookup", key, source, pick=lambda found: found.item)
+
+    def store(self, key: str, item: ProcessedItem, source: str) -> StoredItem:
         ref = ray.put(item)  # owned by this replica; the request carries it on at once
         stored = StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes)
         # NOTE: not awaited: the store indexes it on arrival and copies it in the background
-        self._store.send("adopt", key, [ref], item.num_tiles, item.nbytes)
-        self.own.put(key, stored)
+        self._store.send("adopt", key, [ref], item.num_tiles, item.nbytes, source)
+        self.own.put(key, stored, source)
         return stored
+
+    def _ask(self, method: str, *args: Any, pick: Callable[[StoreLookup], Any] = _key_and_item) -> Future[Any]:
+        """The store's answer, through `pick`, as a future; a store that is down or slow answers None (a
+        miss: the item is processed again), never a failed request."""
+        answer: Future[Any] = Future()
+
+        def settle(asked: Future[Any]) -> None:
+            try:
+                found: StoreLookup = asked.result()
+            except BaseException as exc:  # NOTE: a cancelled call too: the waiting request must hear of it
+                if not (replica_lost(exc) or isinstance(exc, TimeoutError)):
+                    answer.set_exception(exc)
+                    return
+                log.warning("processor cache store unavailable (%s); a miss", type(exc).__name__)
+                answer.set_result(None)
+                return
+            answer.set_result(pick(found))
+            self._notice(found.epoch)  # NOTE: after the answer: a refill must not hold up the request
+
+        self._store.submit(method, *args, timeout_s=LOOKUP_TIMEOUT_S).add_done_callback(settle)
+        return answer
 
     def own_stats(self) -> ProcessorCacheStats:
         return self.own.stats()
@@ -140,12 +188,12 @@ class SharedProcessorCache:
             replaced, self._epoch = self._epoch is not None and self._epoch != epoch, epoch
         if not replaced:
             return
-        keys = self.own.keys()
+        keys, sources = self.own.keys(), self.own.sources()
         log.info("processor cache store replaced; refilling it with the %d items this replica holds", len(keys))
         for key in keys:
             stored = self.own.peek(key)
             if isinstance(stored, StoredItem):
-                self._store.send("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes)
+                self._store.send("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes, sources.get(key))
 
 
 class PixelResolver:

@@ -9,6 +9,7 @@ policy (Serve's default router) nor retries (retry.py).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from typing import Any
 
@@ -65,6 +66,10 @@ class FromThread:
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
         """`await handle.method.remote(*args)` on the loop; blocks this (worker) thread for the answer,
         at most `timeout_s` (then TimeoutError, and the call is cancelled)."""
+        return self.submit(method, *args, timeout_s=timeout_s).result()
+
+    def submit(self, method: str, *args: Any, timeout_s: float) -> concurrent.futures.Future[Any]:
+        """As `call`, without waiting: the answer's future (TimeoutError after `timeout_s`)."""
         async def remote() -> Any:
             response = getattr(self._handle, method).remote(*args)
             try:
@@ -73,7 +78,7 @@ class FromThread:
                 cancel(response)  # on the replica too, if it got there
                 raise
 
-        return asyncio.run_coroutine_threadsafe(remote(), self._bound()).result()
+        return asyncio.run_coroutine_threadsafe(remote(), self._bound())
 
     def send(self, method: str, *args: Any) -> None:
         """`handle.method.remote(*args)` on the loop, not awaited."""

@@ -128,6 +128,7 @@ class StoreLookup:
 
     epoch: str  # the store replica's identity: a replacement (after a death) starts empty under a new one
     item: StoredItem | None  # the entry, or None on a miss
+    key: str | None = None  # the entry's content hash (hex), on a hit by source key
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Content hash of one multimodal item: the key of the ProcessorCache and the encoder cache.
+"""Content hash of one multimodal item: the key of the ProcessorCache and the encoder cache; and the
+source key of the request's bytes, by which a byte-identical repeat is found before it is decoded.
 
 Owns: what goes into the key (decoded pixels, mode, size, palette, model id, and the output-changing
 processor kwargs with their defaults resolved) and its canonical byte form. Does not own: which
@@ -42,6 +43,18 @@ def hash_image(image: Image.Image, *, model_id: str, kwargs: Mapping[str, Any],
         digest.update(b"\x00palette\x00" + bytes(palette))
     digest.update(b"\x00pixels\x00")
     digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def hash_source(data: bytes, *, model_id: str, kwargs: Mapping[str, Any]) -> str:
+    """Hex blake2b-256 of an item's encoded bytes (as the request sent them), the model id and the
+    output-changing kwargs: equal bytes decode to equal pixels, so this key may stand for the content hash
+    of what they decode to. Never equal to a `hash_image` key (another header)."""
+    header = {"source": "bytes", "model_id": model_id, "kwargs": {k: _canonical(v) for k, v in kwargs.items()}}
+    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    digest.update(canonical_json(header).encode())
+    digest.update(b"\x00bytes\x00")
+    digest.update(data)
     return digest.hexdigest()
 
 

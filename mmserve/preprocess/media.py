@@ -2,8 +2,8 @@
 
 Owns: reading `data:` URLs and `file://` URLs under one allowed folder, sending `http(s)://` URLs to
 the guarded fetcher (`mmserve.preprocess.fetch`), reading a prompt's images in parallel, and handing
-the bytes to `image_decode`. Does not own: the fetch rules, decoding, hashing, caching or the model's
-image processor.
+the bytes to `image_decode` when asked (a repeat found by its bytes is never decoded). Does not own:
+the fetch rules, decoding, hashing, caching or the model's image processor.
 
 Every error names the item ("image 2: ...") and is a `MediaError` (bytes we cannot use) or an
 `UnsupportedURLError` (a source we refuse to read).
@@ -18,6 +18,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from PIL import Image
 
@@ -26,6 +27,7 @@ from mmserve.errors import InvalidRequestError, MediaError, UnsupportedURLError
 from mmserve.preprocess.fetch import Dialer, HttpFetcher, Resolver, default_resolver, split_url
 from mmserve.preprocess.image_decode import decode_image
 
+T = TypeVar("T")
 MAX_PARALLEL_READS = 8  # reads of one prompt's images at once (the item count is capped by the config)
 
 
@@ -39,28 +41,28 @@ class MediaLoader:
 
     def load(self, url: str, *, index: int = 1) -> Image.Image:
         """Decoded RGB image of item `index` (1-based, used in error messages)."""
-        return self._decode(lambda: self.read_bytes(url), index)
+        return self.decode(self._read(url, index), index)
 
-    def load_all(self, urls: list[str]) -> Iterator[Image.Image]:
-        """A prompt's images decoded in order, their bytes read in parallel: a prompt waits for its
-        slowest image, not for the sum. NOTE: only the reading is parallel; each image is decoded when
-        the caller takes it, so at most one decoded image is held beside the caller's."""
+    def read_all(self, urls: list[str]) -> Iterator[bytes]:
+        """A prompt's images' bytes in order, read in parallel: a prompt waits for its slowest image, not
+        for the sum. NOTE: after a refusal the other reads are not waited for (each has its own deadline)."""
         if len(urls) <= 1:
-            yield from (self.load(url, index=i) for i, url in enumerate(urls, start=1))
+            yield from (self._read(url, i) for i, url in enumerate(urls, start=1))
             return
         pool = ThreadPoolExecutor(max_workers=min(len(urls), MAX_PARALLEL_READS), thread_name_prefix="media")
         try:
-            reads = [pool.submit(self.read_bytes, url) for url in urls]
-            for index, read in enumerate(reads, start=1):
-                yield self._decode(read.result, index)
-        finally:  # NOTE: after a refusal the other reads are not waited for (each has its own deadline)
+            reads = [pool.submit(self._read, url, i) for i, url in enumerate(urls, start=1)]
+            for read in reads:
+                yield read.result()
+        finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _decode(self, read: Callable[[], bytes], index: int) -> Image.Image:
-        try:
-            return decode_image(read(), max_pixels=self.config.max_image_pixels)
-        except InvalidRequestError as err:
-            raise type(err)(f"image {index}: {err}") from err
+    def decode(self, data: bytes, index: int = 1) -> Image.Image:
+        """The bytes of item `index` as an RGB image (the caller decodes each when it needs the pixels)."""
+        return _named(index, lambda: decode_image(data, max_pixels=self.config.max_image_pixels))
+
+    def _read(self, url: str, index: int) -> bytes:
+        return _named(index, lambda: self.read_bytes(url))
 
     def read_bytes(self, url: str) -> bytes:
         if not isinstance(url, str) or not url:
@@ -74,6 +76,14 @@ class MediaLoader:
             return _read_file_url(url, self.config)
         raise UnsupportedURLError(f"URL scheme {scheme or '(none)'!r} is not supported; "
                                   "use data:, http(s): or an allowed file:")
+
+
+def _named(index: int, work: Callable[[], T]) -> T:
+    """`work()`, its refusal naming the item ("image 2: ...")."""
+    try:
+        return work()
+    except InvalidRequestError as err:
+        raise type(err)(f"image {index}: {err}") from err
 
 
 # --- data: and file: ----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The preprocess stage: a ChatRequest -> prompt token ids + one FeatureSpec per image.
 
 Owns: validating the request's shape (roles, content parts, item count, mm kwargs), rendering the
-chat template, loading/hashing/processing each image through the ProcessorCache, expanding the
+chat template, reading/decoding/hashing/processing each image through the ProcessorCache (a repeat of
+the same bytes is found before it is decoded), expanding the
 placeholders with the model's prompt rule, tokenizing, locating each item's placeholder range, and
 stamping the prompt's prefix-cache block hashes (with the decoder's hashing, handed in).
 Does not own: the message shape (chat_messages.py), fetching and decoding bytes (media.py), the hash
@@ -31,7 +32,7 @@ from mmserve.messages import (
 from mmserve.models.base import PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, as_uint8
 from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages
-from mmserve.preprocess.hashing import hash_image
+from mmserve.preprocess.hashing import hash_image, hash_source
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.preprocess.media import MediaLoader
 from mmserve.preprocess.processor_cache import CachedItem, ItemCache
@@ -130,22 +131,43 @@ class Preprocessor:
                                      f"one output token it exceeds max_model_len {self.max_model_len}")
 
     def _load_items(self, urls: list[str], kwargs: dict[str, Any]) -> tuple[list[tuple[str, CachedItem]], int]:
-        """(hash, item) per image in prompt order, and how many the ProcessorCache served."""
+        """(content hash, item) per image in prompt order, and how many the ProcessorCache served."""
         items: list[tuple[str, CachedItem]] = []
-        local: dict[str, CachedItem] = {}  # repeats inside one request, even with the cache off
+        local: dict[str, tuple[str, CachedItem]] = {}  # repeats inside one request, even with the cache off
         hits = 0
-        for image in self.loader.load_all(urls):
-            key = hash_image(image, model_id=self.model_id, kwargs=kwargs)
-            item = self.cache.get(key)
-            if item is not None:
-                hits += 1
-            elif key in local:
-                item = local[key]
-            else:
-                item = self.cache.store(key, self._run_image_processor(image, kwargs))
-            local[key] = item
-            items.append((key, item))
+        for index, data in enumerate(self.loader.read_all(urls), start=1):
+            source = hash_source(data, model_id=self.model_id, kwargs=kwargs)
+            local[source], hit = self._item(data, index, source, kwargs, local.get(source))
+            hits += hit
+            items.append(local[source])
         return items, hits
+
+    def _item(self, data: bytes, index: int, source: str, kwargs: dict[str, Any],
+              earlier: tuple[str, CachedItem] | None) -> tuple[tuple[str, CachedItem], bool]:
+        """One image's (content hash, item) and whether the cache had it: by its bytes (never decoded
+        then), else the same bytes `earlier` in the request, else by its pixels, else processed and stored.
+
+        NOTE: while a lookup travels (the shared store's hop) the work it may spare runs meanwhile: the
+        decode beside the lookup by bytes, the processor beside the lookup by pixels. The processor's run is
+        wasted only when other bytes of the same pixels were processed elsewhere (a PNG, then its WebP);
+        a lookup answered at once (this process's cache, a replica's own items) spares it.
+        """
+        by_source = self.cache.find_source(source)
+        image = None if by_source.done() or earlier else self.loader.decode(data, index)
+        if (found := by_source.result()) is not None:
+            return found, True
+        if earlier is not None:
+            return earlier, False
+        if image is None:
+            image = self.loader.decode(data, index)
+        key = hash_image(image, model_id=self.model_id, kwargs=kwargs)
+        by_key = self.cache.find(key, source)
+        processed = None if by_key.done() else self._run_image_processor(image, kwargs)
+        if (item := by_key.result()) is not None:
+            return (key, item), True
+        if processed is None:
+            processed = self._run_image_processor(image, kwargs)
+        return (key, self.cache.store(key, processed, source)), False
 
     def _run_image_processor(self, image: Image.Image, kwargs: dict[str, Any]) -> ProcessedItem:
         # NOTE: every output-changing kwarg is passed explicitly, so neither Gemma3Processor's class

@@ -1,6 +1,9 @@
 """ProcessorCache: a byte-bounded LRU from content hash to the image processor's output.
 
-Owns: the LRU index (key -> storage handle + size), the byte bound, eviction order and statistics.
+Owns: the LRU index (key -> storage handle + size), the byte bound, eviction order and statistics, and
+the sources: which request bytes (a source key, `hashing.hash_source`) last gave which content hash, so
+that a byte-identical repeat is found before its bytes are decoded. A query is one item: a lookup by
+source, then (on a miss) by content hash as the second look of the same query.
 Does not own: where the values live. A `CacheStorage` keeps them: `InMemoryStorage` here; the Ray
 app supplies one backed by the object store, so only handles (ObjectRefs) sit in this index.
 Not owned either: hashing (hashing.py) or running the processor (processing.py).
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,11 +25,28 @@ CachedItem = ProcessedItem | StoredItem  # what a FeatureSpec carries: the pixel
 
 class ItemCache(Protocol):
     """What the Preprocessor needs of a cache: this module's ProcessorCache in one process, a client
-    of the shared store in the Ray app."""
+    of the shared store in the Ray app. Lookups answer with futures: one already done when the answer is
+    at hand, one in flight when it travels (the caller decodes or processes meanwhile)."""
 
-    def get(self, key: str) -> CachedItem | None: ...
+    def find_source(self, source: str) -> Future[tuple[str, CachedItem] | None]:
+        """(content hash, item) of the bytes with this source key, if known."""
+        ...
 
-    def store(self, key: str, item: ProcessedItem) -> CachedItem: ...
+    def find(self, key: str, source: str) -> Future[CachedItem | None]:
+        """The item with content hash `key`, after `find_source(source)` missed; a hit remembers the source."""
+        ...
+
+    def store(self, key: str, item: ProcessedItem, source: str) -> CachedItem: ...
+
+
+MAX_SOURCES = 65_536  # source keys remembered (each ~200 bytes); NOTE: a bound on memory, not on hits
+
+
+def done(value: Any) -> Future[Any]:
+    """A future that already holds `value`."""
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
 
 
 class CacheStorage(Protocol):
@@ -82,6 +103,7 @@ class ProcessorCache:
         self.capacity_bytes = capacity_bytes
         self._storage: CacheStorage = storage if storage is not None else InMemoryStorage()
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._sources: OrderedDict[str, str] = OrderedDict()  # source key -> content hash, LRU first
         self._lock = threading.Lock()
         self._queries = self._hits = self._evictions = self._refused = 0
         self._bytes = self._peak = 0
@@ -90,16 +112,59 @@ class ProcessorCache:
     def from_config(cls, config: ProcessorCacheConfig, storage: CacheStorage | None = None) -> ProcessorCache:
         return cls(config.capacity_bytes, storage)
 
-    def get_handle(self, key: str) -> Any | None:
-        """The storage handle for `key` (marking it most recently used), or None on a miss."""
+    def get_handle(self, key: str, *, counted: bool = True) -> Any | None:
+        """The storage handle for `key` (marking it most recently used), or None on a miss; `counted`
+        False for the second look of a query already counted."""
         with self._lock:
-            self._queries += 1
+            self._queries += counted
             entry = self._index.get(key)
             if entry is None:
                 return None
             self._hits += 1
             self._index.move_to_end(key)
             return entry.handle
+
+    def get_source(self, source: str) -> tuple[str, CachedItem] | None:
+        """(content hash, item) last stored or found under the source key `source`; counts a query."""
+        with self._lock:
+            key = self._sources.get(source)
+            if key is not None and key not in self._index:  # its item was evicted meanwhile
+                del self._sources[source]
+                key = None
+            if key is None:
+                self._queries += 1
+                return None
+            self._sources.move_to_end(source)
+        handle = self.get_handle(key)
+        return None if handle is None else (key, self._storage.get(handle))
+
+    def get_linked(self, key: str, source: str) -> CachedItem | None:
+        """The second look of the query `get_source(source)` missed: by content hash (not counted again as a
+        query); a hit remembers `source` for the next time."""
+        handle = self.get_handle(key, counted=False)
+        if handle is None:
+            return None
+        self.link(source, key)
+        return self._storage.get(handle)
+
+    def link(self, source: str, key: str) -> None:
+        """Remember that the bytes of `source` give content hash `key`."""
+        with self._lock:
+            self._sources[source] = key
+            self._sources.move_to_end(source)
+            while len(self._sources) > MAX_SOURCES:
+                self._sources.popitem(last=False)
+
+    def sources(self) -> dict[str, str]:
+        """Content hash -> a source key that gives it, for the items held."""
+        with self._lock:
+            return {key: source for source, key in self._sources.items() if key in self._index}
+
+    def find_source(self, source: str) -> Future[tuple[str, CachedItem] | None]:
+        return done(self.get_source(source))
+
+    def find(self, key: str, source: str) -> Future[CachedItem | None]:
+        return done(self.get_linked(key, source))
 
     def peek(self, key: str) -> CachedItem | None:
         """The item under `key`, or None, without counting a lookup or making it recent: for readers
@@ -112,13 +177,20 @@ class ProcessorCache:
         handle = self.get_handle(key)
         return None if handle is None else self._storage.get(handle)
 
-    def store(self, key: str, item: ProcessedItem) -> ProcessedItem:
+    def store(self, key: str, item: ProcessedItem, source: str | None = None) -> ProcessedItem:
         """Cache `item` if it fits; return what a FeatureSpec should carry (here: the item itself)."""
-        self.put(key, item)
+        self.put(key, item, source)
         return item
 
-    def put(self, key: str, item: CachedItem) -> bool:
-        """Store `item`, evicting LRU entries until it fits; False if it can never fit."""
+    def put(self, key: str, item: CachedItem, source: str | None = None) -> bool:
+        """Store `item` (made from the bytes of `source`, if given), evicting LRU entries until it fits;
+        False if it can never fit."""
+        stored = self._put(key, item)
+        if stored and source is not None:
+            self.link(source, key)
+        return stored
+
+    def _put(self, key: str, item: CachedItem) -> bool:
         nbytes = item.nbytes
         with self._lock:
             if self.capacity_bytes == 0:
@@ -190,6 +262,7 @@ class ProcessorCache:
         with self._lock:
             handles = [e.handle for e in self._index.values()]
             self._index.clear()
+            self._sources.clear()
             self._bytes = 0
         for handle in handles:
             self._storage.free(handle)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 import typing
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from mmserve.errors import (
     TooManyItemsError,
     UnsupportedURLError,
 )
-from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.messages import ChatRequest, ProcessedItem, SamplingParams
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, PixelNormalization
 from mmserve.preprocess.image_runs import image_token_runs
@@ -65,11 +67,15 @@ def txt(text: str) -> dict[str, Any]:
 class SpyLoader(MediaLoader):
     def __init__(self, config: MediaConfig) -> None:
         super().__init__(config)
-        self.loads = 0
+        self.loads = self.decodes = 0
 
     def read_bytes(self, url: str) -> bytes:
         self.loads += 1
         return super().read_bytes(url)
+
+    def decode(self, data: bytes, index: int = 1) -> Image.Image:
+        self.decodes += 1
+        return super().decode(data, index)
 
 
 def make(ckpt: Path, *, capacity: int = GiB, max_model_len: int = 8192, **media: Any) -> Preprocessor:
@@ -208,6 +214,62 @@ def test_repeated_image_makes_no_new_processor_call(tiny_ckpt_224: Path) -> None
     assert other_kwarg.features[0].identifier != first.features[0].identifier
     stats = cache_of(pp).stats()
     assert (stats.queries, stats.hits, stats.entries) == (4, 2, 2)
+
+
+def test_a_repeat_of_the_same_bytes_is_not_decoded_and_other_bytes_learn_their_source(tiny_ckpt_224: Path) -> None:
+    pp = make(tiny_ckpt_224)
+    loader = typing.cast(SpyLoader, pp.loader)
+    first = pp.process(one_image(DOG))
+    assert (loader.decodes, pp.image_processor_calls) == (1, 1)
+    again = pp.process(one_image(DOG))  # the same bytes: found by them, never decoded
+    assert (loader.decodes, pp.image_processor_calls, again.processor_cache_hits) == (1, 1, 1)
+    assert again.features[0].identifier == first.features[0].identifier
+    assert again.features[0].data is first.features[0].data
+    webp = pp.process(one_image(DOG, "WEBP"))  # other bytes of the same pixels: decoded once, found by pixels
+    assert (loader.decodes, pp.image_processor_calls, webp.processor_cache_hits) == (2, 1, 1)
+    pp.process(one_image(DOG, "WEBP"))  # ...and from then on found by their bytes too
+    assert (loader.decodes, pp.image_processor_calls) == (2, 1)
+    other = pp.process(one_image(DOG, mm_processor_kwargs={"do_pan_and_scan": True}))  # same bytes, other kwargs
+    assert (loader.decodes, pp.image_processor_calls, other.processor_cache_hits) == (3, 2, 0)
+    stats = cache_of(pp).stats()
+    assert (stats.queries, stats.hits, stats.entries) == (5, 3, 2)  # one query per item
+
+
+class FarCache:
+    """A ProcessorCache whose answers travel (as the shared store's do): each lookup's future is settled
+    by another thread a moment later."""
+
+    def __init__(self) -> None:
+        self.near = ProcessorCache(GiB)
+
+    def _later(self, value: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        threading.Timer(0.05, future.set_result, (value,)).start()
+        return future
+
+    def find_source(self, source: str) -> Future[Any]:
+        return self._later(self.near.get_source(source))
+
+    def find(self, key: str, source: str) -> Future[Any]:
+        return self._later(self.near.get_linked(key, source))
+
+    def store(self, key: str, item: ProcessedItem, source: str) -> ProcessedItem:
+        return self.near.store(key, item, source)
+
+
+def test_while_a_lookup_travels_the_work_it_may_spare_runs_and_a_hit_still_wins(tiny_ckpt_224: Path) -> None:
+    far = FarCache()
+    pp = Preprocessor(tiny_ckpt_224, media=MediaConfig(), cache=far, model_id="tiny", max_model_len=8192,
+                      rule=Gemma3PromptRule.from_checkpoint(tiny_ckpt_224), loader=SpyLoader(MediaConfig()))
+    loader = typing.cast(SpyLoader, pp.loader)
+    first = pp.process(one_image(DOG))
+    assert (loader.decodes, pp.image_processor_calls, first.processor_cache_hits) == (1, 1, 0)
+    again = pp.process(one_image(DOG))  # decoded beside the lookup, which then hits
+    assert (loader.decodes, pp.image_processor_calls, again.processor_cache_hits) == (2, 1, 1)
+    webp = pp.process(one_image(DOG, "WEBP"))  # processed beside the lookup by pixels, which then hits
+    assert (loader.decodes, pp.image_processor_calls, webp.processor_cache_hits) == (3, 2, 1)
+    assert webp.features[0].data is first.features[0].data and len(far.near) == 1
+    assert webp.features[0].identifier == first.features[0].identifier
 
 
 def test_cached_pixels_are_read_only(pre224: Preprocessor) -> None:

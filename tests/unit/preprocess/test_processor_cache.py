@@ -27,6 +27,28 @@ def test_hit_miss_and_stats() -> None:
     assert stats.hit_rate == 0.5
 
 
+def test_a_source_key_finds_its_item_in_one_query_until_the_item_is_evicted() -> None:
+    cache = ProcessorCache(1000)
+    a, b = item(600), item(600)
+    assert cache.put("a", a, source="bytes-a")
+    assert cache.get_source("bytes-a") == ("a", a)
+    assert cache.get_source("bytes-other") is None
+    assert cache.get_linked("a", "bytes-other") is a  # the second look of that query: now linked
+    assert cache.get_source("bytes-other") == ("a", a)
+    assert cache.sources()["a"] in ("bytes-a", "bytes-other")
+    stats = cache.stats()
+    assert (stats.queries, stats.hits) == (3, 3)  # get_linked is not a query of its own
+    assert cache.put("b", b, source="bytes-b")  # evicts "a"
+    assert cache.get_source("bytes-a") is None and cache.get_linked("z", "bytes-z") is None
+    assert "a" not in cache.sources()
+
+
+def test_a_refused_item_links_no_source() -> None:
+    for cache in (ProcessorCache(100), ProcessorCache(0)):
+        assert not cache.put("a", item(400), source="bytes-a")
+        assert cache.get_source("bytes-a") is None and cache.sources() == {}
+
+
 def test_peek_neither_counts_nor_refreshes() -> None:
     cache = ProcessorCache(1000)
     old, new = item(400), item(400)
