@@ -34,11 +34,10 @@ from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError, ReplicaLostError
-from mmserve.messages import ChatRequest, RequestFailed
+from mmserve.messages import ChatRequest, RequestFailed, ServedModel
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import IngressMetrics, MetricsSnapshot, RequestStatus, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
-from mmserve.stages import StageFactory
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
@@ -121,9 +120,9 @@ def _error(exc: BaseException) -> JSONResponse:
 @serve.ingress(api)
 class Ingress:
     def __init__(self, app_args: AppArgs, preprocess: Any, decoder: Any, hub: Any):
-        spec = StageFactory(app_args.engine_config()).spec  # NOTE: config files only, no weights
-        self.model_name = spec.model_id
-        self.default_max_tokens = spec.max_model_len
+        # NOTE: asked of Preprocess on first use, not read here: reading a checkpoint's config imports torch
+        # and transformers (~3 s of start-up and ~0.3 GB per ingress replica), which the edge needs for nothing else
+        self.served: ServedModel | None = None
         self.max_body_bytes = app_args.ingress.max_body_bytes
         self.request_timeout_s = app_args.ingress.request_timeout_s
         self.replica_loss_retries = app_args.replica_loss_retries
@@ -152,8 +151,26 @@ class Ingress:
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.default_max_tokens)]).model_dump()
+    async def models(self) -> Response:
+        try:
+            served = await self._served_model()
+        except Exception as exc:
+            return _error(exc)
+        return JSONResponse(ModelList(data=[ModelCard(id=served.model_id, max_model_len=served.max_model_len)])
+                            .model_dump())
+
+    async def _served_model(self) -> ServedModel:
+        if self.served is None:
+            fetched: ServedModel = await retrying(lambda _: self.preprocess.served_model.remote(),
+                                                  retries=self.replica_loss_retries, what="the served model")
+            self.served = fetched
+            return fetched
+        return self.served
+
+    def _model_id(self) -> str:
+        """The served name, once a request has fetched it (every answer comes after its request did)."""
+        assert self.served is not None
+        return self.served.model_id
 
     def _metrics(self) -> MetricsSnapshot:
         """What this replica pushes: its requests, and its Decoder router's decisions."""
@@ -175,9 +192,10 @@ class Ingress:
             check_declared_size(request.headers.get("content-length"), self.max_body_bytes)
             raw = await deadline.wait(read_bounded(request.stream(), self.max_body_bytes))  # a slow drip too
             body = ChatCompletionRequest.model_validate(parse_json(raw))
-            if body.model not in (None, self.model_name):
-                raise ModelNotFoundError(f"model {body.model!r} is not served here; try {self.model_name!r}")
-            chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", self.default_max_tokens)
+            served = await deadline.wait(self._served_model())
+            if body.model not in (None, served.model_id):
+                raise ModelNotFoundError(f"model {body.model!r} is not served here; try {served.model_id!r}")
+            chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len)
             timing.mark("parse")
             first, outputs = await retrying(lambda attempt: self._first(chat, attempt, deadline, timing),
                                             retries=self.replica_loss_retries, what=f"request {chat.request_id}")
@@ -232,7 +250,7 @@ class Ingress:
 
     async def _complete(self, request_id: str, n: int, first: Any, outputs: Any, started: float,
                         deadline: Deadline, timing: "ServerTiming") -> Response:
-        builder = CompletionBuilder(request_id, self.model_name, n=n)
+        builder = CompletionBuilder(request_id, self._model_id(), n=n)
         try:
             builder.add(first)
             while not builder.finished and (message := await self._next(outputs, deadline)) is not None:
@@ -248,7 +266,7 @@ class Ingress:
 
     async def _sse(self, request_id: str, n: int, include_usage: bool, first: Any, outputs: Any,
                    started: float, deadline: Deadline) -> AsyncIterator[str]:
-        chunks = ChunkBuilder(request_id, self.model_name, n=n, include_usage=include_usage)
+        chunks = ChunkBuilder(request_id, self._model_id(), n=n, include_usage=include_usage)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
         try:
             for event in chunks.events(first):

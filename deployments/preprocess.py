@@ -13,7 +13,7 @@ from deployments.args import AppArgs
 from deployments.cache_store import SharedProcessorCache
 from deployments.metrics_hub import MetricsReporter
 from mmserve.errors import InvalidRequestError
-from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed
+from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
 from mmserve.stages import StageFactory
 
@@ -24,7 +24,9 @@ class Preprocess:
         cache = app_args.engine.processor_cache  # NOTE: the cache off (0 bytes) keeps nothing here either
         self.cache = SharedProcessorCache(cache_store, min(cache.replica_capacity_bytes, cache.capacity_bytes))
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
-        self.preprocessor = StageFactory(app_args.engine_config()).preprocessor(
+        factory = StageFactory(app_args.engine_config())
+        self.served = ServedModel(factory.spec.model_id, factory.spec.max_model_len)
+        self.preprocessor = factory.preprocessor(
             self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity")  # the Decoder router's key
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
@@ -41,6 +43,10 @@ class Preprocess:
             return RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
         finally:
             self.ongoing -= 1
+
+    async def served_model(self) -> ServedModel:
+        """The model's name and context length, for the ingress (which reads no checkpoint itself)."""
+        return self.served
 
     def metrics(self) -> MetricsSnapshot:
         return merge([preprocess_snapshot(self.preprocessor.image_processor_calls),

@@ -123,6 +123,14 @@ class StoredItem:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """What the HTTP edge says of the model it serves (read from the checkpoint by a model stage)."""
+
+    model_id: str  # the name served: OpenAI's `model`
+    max_model_len: int  # prompt + output tokens a sequence may hold (tokens)
+
+
+@dataclass(frozen=True)
 class StoreLookup:
     """The shared ProcessorCache store's answer to a lookup."""
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.api.errors import with_param
-from mmserve.decoder.grammar import InvalidGrammarError, check
+from mmserve.decoder.constraint import InvalidGrammarError, check
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
 

@@ -1,96 +1,31 @@
 """Structured output: the grammar a request's output must match, enforced token by token with llguidance.
 
-Owns: turning a `StructuredOutput` into an llguidance grammar and checking that it compiles (the edge
-calls `check` for its 400), the model's vocabulary as llguidance sees it (built once, on the first request
-that asks), one matcher per request, the batch's allowed-token bitmask and its application to logits.
-Does not own: when a row is masked (the decoder's step) nor sampling (sampler.py).
-
-NOTE: JSON is compiled without free whitespace (llguidance's `whitespace_flexible: false`, vLLM's
-`disable_any_whitespace`) and with `", "` / `": "` separators: a model cannot spend its tokens on runs of
-blanks, and the output reads as `json.dumps` writes it.
+Owns: the model's vocabulary as llguidance sees it (built once, on the first request that asks), one
+matcher per request, the batch's allowed-token bitmask and its application to logits. Does not own: the
+constraint's grammar and the edge's check that it compiles (constraint.py), when a row is masked (the
+decoder's step) nor sampling (sampler.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
 import numpy as np
 import torch
 
+from mmserve.decoder.constraint import NAMES, InvalidGrammarError, compiling, contained, grammar_of
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions  # NOTE: a typing-only name, not exported at run time
-
-_JSON_OPTIONS: JsonCompileOptions = {
-    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
-}
 PARALLEL_ROWS = 32  # constrained rows in a step from which their masks are computed on llguidance's pool
-_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "lark": "Lark grammar"}
 _BITS = torch.arange(32, dtype=torch.int32)  # (32,): bit k of a mask word is token 32 * word + k
-
-
-class InvalidGrammarError(InvalidRequestError):
-    """The requested schema, regex, choice list or grammar does not compile."""
-
-
-def grammar_of(structured: StructuredOutput) -> str:
-    """The llguidance grammar (its JSON text) for a request's constraint."""
-    if structured.kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(structured.spec, defaults=_JSON_OPTIONS)
-    if structured.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(structured.spec)
-    if structured.kind == "choice":
-        choices = json.loads(structured.spec)
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-    if structured.kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(structured.spec)
-    raise InvalidGrammarError(f"unknown kind of structured output {structured.kind!r}")
-
-
-@functools.lru_cache(maxsize=256)
-def check(structured: StructuredOutput) -> None:
-    """Raise InvalidGrammarError with llguidance's reason when the constraint does not compile (the
-    constraints that did are remembered: the same schema is sent again and again)."""
-    with _compiling(structured):
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(structured))
-    if failed:
-        reason = messages[0] if messages else "no reason given"
-        raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {reason}")
-
-
-def contained(exc: BaseException) -> bool:
-    """Whether a failure inside llguidance is its request's alone: an Exception, or a panic in its Rust code
-    (pyo3's PanicException, a BaseException); not an interrupt or an exit."""
-    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
-
-
-@contextlib.contextmanager
-def _compiling(structured: StructuredOutput) -> Iterator[None]:
-    """Turn what compiling a constraint raises (not JSON where JSON is due, a panic) into InvalidGrammarError."""
-    try:
-        yield
-    except InvalidGrammarError:
-        raise
-    except ValueError as exc:  # not JSON where JSON is due
-        raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {exc}") from None
-    except BaseException as exc:
-        if isinstance(exc, Exception) or not contained(exc):
-            raise
-        raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {exc}") from None  # a panic
 
 
 class GrammarViolationError(RuntimeError):
@@ -129,10 +64,10 @@ class Grammars:
                 self._compiled.move_to_end(structured)
                 return pristine.deep_copy()
             tokenizer = self._vocabulary()
-        with _compiling(structured):  # NOTE: outside the lock: compiling is slow
+        with compiling(structured):  # NOTE: outside the lock: compiling is slow
             pristine = llguidance.LLMatcher(tokenizer, grammar_of(structured))
         if pristine.is_error():
-            raise InvalidGrammarError(f"invalid {_NAMES[structured.kind]}: {pristine.get_error()}")
+            raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {pristine.get_error()}")
         with self._lock:
             self._compiled[structured] = pristine
             while len(self._compiled) > self._cached:

@@ -1,10 +1,13 @@
 """The house rules that code review alone lets slip: the engine's folders are the request's stages, shared
-code never names a model, and the engine never imports Ray."""
+code never names a model, the engine never imports Ray, and the HTTP edge never imports the model's
+libraries."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "mmserve"
@@ -61,3 +64,14 @@ def test_the_engine_never_imports_ray() -> None:
             if any(n == "ray" or n.startswith("ray.") for n in names):
                 offenders.append(str(path.relative_to(PACKAGE)))
     assert not offenders, f"mmserve/ is pure Python; Ray belongs in deployments/: {offenders}"
+
+
+def test_the_http_edge_imports_neither_torch_nor_transformers() -> None:
+    """The ingress (and the engine's OpenAI edge it is built on) starts without the model's libraries: each
+    ingress replica would pay ~3 s of start-up and ~0.3 GB for them. NOTE: a fresh interpreter, since this
+    one has imported both long ago; importing `deployments.ingress` imports Ray's modules, starts no Ray."""
+    code = ("import sys, deployments.ingress, mmserve.api.protocol, mmserve.api.stream, mmserve.api.structured; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 
 from mmserve.config import EngineConfig, MediaConfig
-from mmserve.decoder.grammar import InvalidGrammarError, NoTokenAllowedError
+from mmserve.decoder.constraint import InvalidGrammarError
+from mmserve.decoder.grammar import NoTokenAllowedError
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, RequestOutput, SamplingParams, StructuredOutput
 from tests.unit.test_engine import IMAGE

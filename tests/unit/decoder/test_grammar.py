@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from mmserve.decoder.grammar import Grammars, InvalidGrammarError, _forbidden_on, check, forbidden
+from mmserve.decoder.constraint import InvalidGrammarError, check
+from mmserve.decoder.grammar import Grammars, _forbidden_on, forbidden
 from mmserve.decoder.grammar_step import GrammarStep
 from mmserve.decoder.sampler import Sampler
 from mmserve.messages import SamplingParams, StructuredOutput

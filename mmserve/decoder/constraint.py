@@ -1,0 +1,82 @@
+"""A request's constraint as an llguidance grammar, and whether it compiles.
+
+Owns: turning a `StructuredOutput` into an llguidance grammar (its JSON text), the edge's check that it
+compiles (for a 400 naming llguidance's reason), and telling a request's own failure inside llguidance
+from a fault. Does not own: the vocabulary, matchers or masks (grammar.py). Imports neither torch nor a
+tokenizer, so the HTTP edge can check constraints without loading either.
+
+NOTE: JSON is compiled without free whitespace (llguidance's `whitespace_flexible: false`, vLLM's
+`disable_any_whitespace`) and with `", "` / `": "` separators: a model cannot spend its tokens on runs of
+blanks, and the output reads as `json.dumps` writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import llguidance
+
+from mmserve.errors import InvalidRequestError
+from mmserve.messages import StructuredOutput
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # NOTE: a typing-only name, not exported at run time
+
+_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
+}
+NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "lark": "Lark grammar"}
+
+
+class InvalidGrammarError(InvalidRequestError):
+    """The requested schema, regex, choice list or grammar does not compile."""
+
+
+def grammar_of(structured: StructuredOutput) -> str:
+    """The llguidance grammar (its JSON text) for a request's constraint."""
+    if structured.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(structured.spec, defaults=_JSON_OPTIONS)
+    if structured.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(structured.spec)
+    if structured.kind == "choice":
+        choices = json.loads(structured.spec)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if structured.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(structured.spec)
+    raise InvalidGrammarError(f"unknown kind of structured output {structured.kind!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def check(structured: StructuredOutput) -> None:
+    """Raise InvalidGrammarError with llguidance's reason when the constraint does not compile (the
+    constraints that did are remembered: the same schema is sent again and again)."""
+    with compiling(structured):
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(structured))
+    if failed:
+        reason = messages[0] if messages else "no reason given"
+        raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {reason}")
+
+
+def contained(exc: BaseException) -> bool:
+    """Whether a failure inside llguidance is its request's alone: an Exception, or a panic in its Rust code
+    (pyo3's PanicException, a BaseException); not an interrupt or an exit."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
+@contextlib.contextmanager
+def compiling(structured: StructuredOutput) -> Iterator[None]:
+    """Turn what compiling a constraint raises (not JSON where JSON is due, a panic) into InvalidGrammarError."""
+    try:
+        yield
+    except InvalidGrammarError:
+        raise
+    except ValueError as exc:  # not JSON where JSON is due
+        raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {exc}") from None
+    except BaseException as exc:
+        if isinstance(exc, Exception) or not contained(exc):
+            raise
+        raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {exc}") from None  # a panic
