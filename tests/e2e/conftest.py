@@ -43,8 +43,10 @@ from tests.e2e.e2e_support import (
     http_post_json,
     make_image,
 )
+from tests.folder_scope import FolderScope
 
 REPO = Path(__file__).resolve().parents[2]
+SCOPE = FolderScope(Path(__file__).resolve().parent)  # e2e_server: up from the first e2e test to the last
 SERVE = Path(sys.executable).with_name("serve")
 # NOTE: ~65 s to /health on an idle 2-core machine; several Ray clusters at once can need far more.
 HEALTH_TIMEOUT_S = float(os.environ.get("MMSERVE_E2E_START_TIMEOUT_S", "180"))
@@ -230,12 +232,8 @@ def e2e_server(tiny_ckpt_224: Path, tmp_path_factory: pytest.TempPathFactory) ->
             start_new_session=True,  # its own process group: a Ctrl-C of pytest does not race our SIGTERM
         )
     started = False
-    try:
-        _wait_ready(proc, server)
-        _warm_up(server)
-        started = True
-        yield server
-    finally:
+
+    def stop() -> None:
         try:
             _stop(proc, ray_tmp)
         finally:
@@ -243,6 +241,20 @@ def e2e_server(tiny_ckpt_224: Path, tmp_path_factory: pytest.TempPathFactory) ->
                 shutil.rmtree(ray_tmp, ignore_errors=True)
             else:  # keep Ray's logs (session_*/logs) for whoever reads the failure
                 sys.stderr.write(f"\ne2e: serve run log {log_path}; Ray logs kept under {ray_tmp}\n")
+
+    stop_once = SCOPE.hold(stop)
+    try:
+        _wait_ready(proc, server)
+        _warm_up(server)
+        started = True
+        yield server
+    finally:
+        stop_once()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    SCOPE.after(nextitem)  # the server stops once the last e2e test is done (tests/folder_scope.py)
 
 
 # --- a local image host ------------------------------------------------------------------------------

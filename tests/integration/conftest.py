@@ -24,9 +24,11 @@ from typing import Any
 import pytest
 
 from deployments.args import DEFAULT_STAGE_ENV
+from tests.folder_scope import FolderScope
 from tests.integration.helpers import NodeProbe, deploy, free_port
 
 APP = "mm"
+SCOPE = FolderScope(Path(__file__).resolve().parent)  # ray_cluster: up from the first integration test to the last
 PREPROCESS_NODES = ("preprocess_node_0", "preprocess_node_1")  # each such node also has one of these
 OBJECT_STORE_BYTES = 128 * 1024 * 1024  # per node; they all share this machine's /dev/shm
 
@@ -74,9 +76,7 @@ def ray_cluster() -> Iterator[ClusterInfo]:
     ray.init(address=cluster.address, namespace="mmserve-integration", log_to_driver=False)
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield ClusterInfo(cluster, {role: node.node_id for role, node in roles.items()}, port)
-    finally:
+    def stop() -> None:
         try:
             shutdown_handles()
             serve.shutdown()
@@ -93,6 +93,17 @@ def ray_cluster() -> Iterator[ClusterInfo]:
                     os.environ[key] = value
             if not os.environ.get("MMSERVE_IT_KEEP_RAY_LOGS"):  # set it to keep the replicas' logs
                 shutil.rmtree(ray_tmp, ignore_errors=True)
+
+    stop_once = SCOPE.hold(stop)
+    try:
+        yield ClusterInfo(cluster, {role: node.node_id for role, node in roles.items()}, port)
+    finally:
+        stop_once()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    SCOPE.after(nextitem)  # the cluster stops once the last integration test is done (tests/folder_scope.py)
 
 
 # NOTE: the replicas that call a handle from a worker thread (Preprocess: the processor cache; Encoder:
