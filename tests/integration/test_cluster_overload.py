@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
 from tests.integration.helpers import SSEStream, chat_body, deploy, wait_until
-from tests.integration.test_cluster_cancellation import idle
+from tests.integration.test_cluster_cancellation import decoder_state, idle
 
 APP, ROUTE = "mm_tight", "/tight"
 DEADLINE_S = 3.0  # ingress.request_timeout_s of this app
@@ -93,6 +93,10 @@ def test_a_request_past_its_deadline_ends_and_frees_its_kv_blocks(tight_app: App
 
     thread = threading.Thread(target=unary)
     thread.start()
+    # NOTE: the stream only once the first request runs: two arriving at once may both be pending in the
+    # ingress's handle while its router picks a replica, and the second is then past max_queued_requests 1
+    wait_until(lambda: decoder_state(tight_app)["running_requests"] >= 1, timeout=30, interval=0.05,
+               what="the first request to run")
     start = time.monotonic()
     stream = SSEStream(tight_app.cluster.http_port, ROUTE + "/v1/chat/completions",
                        chat_body(text="Go on and on.", stream=True, **LONG), timeout=60)
