@@ -120,8 +120,8 @@ def _error(exc: BaseException) -> JSONResponse:
 @serve.ingress(api)
 class Ingress:
     def __init__(self, app_args: AppArgs, preprocess: Any, decoder: Any, hub: Any):
-        # NOTE: asked of Preprocess on first use, not read here: reading a checkpoint's config imports torch
-        # and transformers (~3 s of start-up and ~0.3 GB per ingress replica), which the edge needs for nothing else
+        # NOTE: asked of Preprocess on first use, not read here: reading a checkpoint's config imports torch and
+        # transformers, whose start-up time and memory the edge would pay for nothing else (docs/benchmarks.md)
         self.served: ServedModel | None = None
         self.max_body_bytes = app_args.ingress.max_body_bytes
         self.request_timeout_s = app_args.ingress.request_timeout_s
@@ -161,10 +161,9 @@ class Ingress:
 
     async def _served_model(self) -> ServedModel:
         if self.served is None:
-            fetched: ServedModel = await retrying(lambda _: self.preprocess.served_model.remote(),
-                                                  retries=self.replica_loss_retries, what="the served model")
-            self.served = fetched
-            return fetched
+            served: ServedModel = await retrying(lambda _: self.preprocess.served_model.remote(),
+                                                 retries=self.replica_loss_retries, what="the served model")
+            self.served = served
         return self.served
 
     def _model_id(self) -> str:

@@ -1,7 +1,7 @@
 """Session resources of one test folder (a served app, a local Ray cluster), released as soon as that
 folder's last test has run instead of at the session's end.
 
-NOTE: an idle mmserve keeps ~0.35 cores busy (Ray's processes polling; docs/benchmarks.md): left up until
+NOTE: an idle mmserve keeps a good part of a core busy (Ray's processes polling; docs/benchmarks.md): left up until
 the session ends, the e2e server and the integration cluster would take that from every test after them.
 pytest's `package` scope does not help here: these folders are not packages, and for them it lasts the
 session. A folder's tests run one after another (collection order), so the test after its last one is

@@ -68,8 +68,9 @@ def test_the_engine_never_imports_ray() -> None:
 
 def test_the_http_edge_imports_neither_torch_nor_transformers() -> None:
     """The ingress (and the engine's OpenAI edge it is built on) starts without the model's libraries: each
-    ingress replica would pay ~3 s of start-up and ~0.3 GB for them. NOTE: a fresh interpreter, since this
-    one has imported both long ago; importing `deployments.ingress` imports Ray's modules, starts no Ray."""
+    ingress replica would pay their start-up time and memory (docs/benchmarks.md). NOTE: a fresh
+    interpreter, since this one has imported both long ago; importing `deployments.ingress` imports Ray's
+    modules, starts no Ray."""
     code = ("import sys, deployments.ingress, mmserve.api.protocol, mmserve.api.stream, mmserve.api.structured; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
