@@ -93,6 +93,11 @@ class DecoderConfig(_Bounded):
     # A request's outputs are sent at most this often (ms), the first at once; what comes between is merged:
     # each send is a message through the stages to the client, so this bounds messages per second per stream.
     stream_interval_ms: float = at_least(0, 20.0)
+    # ... and all streams of a replica together send about this many messages a second (messages/s; 0 = no
+    # budget): under load each stream's interval stretches to streams / this, up to stream_interval_max_ms (ms).
+    # NOTE: a message costs CPU in every process it crosses, beside the step's (docs/benchmarks.md has figures)
+    stream_messages_per_s: float = at_least(0, 100.0)
+    stream_interval_max_ms: float = at_least(0, 250.0)
     # Requests accepted but not yet running, per replica; past it a new request is refused as overloaded
     # (503 + Retry-After) at once instead of waiting behind the whole queue. NOTE: in the Ray app Serve lets
     # in at most the decoder's max_ongoing_requests, so the bound that bites is the smaller of this and

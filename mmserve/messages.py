@@ -51,6 +51,9 @@ class SamplingParams:
     min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens (vLLM's)
     structured: StructuredOutput | None = None  # the output must match it; None = free text
     n: int = 1  # choices generated from the prompt, which is computed once (choices)
+    # the caller reads only the whole answer (a non-streamed response): after the first output, one message
+    # at the end with all the rest merged (vLLM's RequestOutputKind.FINAL_ONLY)
+    final_only: bool = False
 
     def validate(self) -> None:
         """Raise InvalidSamplingError naming the first out-of-range field."""

@@ -16,6 +16,7 @@ from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import Decoder, LogitsObserver
 from mmserve.decoder.prefix_cache import BlockHasher
 from mmserve.decoder.service import DecoderService
+from mmserve.decoder.stream_pacing import StreamPacing
 from mmserve.encoder.runner import batch_wait_s
 from mmserve.encoder.service import EncoderService
 from mmserve.encoder.stage import EncoderStage, Resolver, inline_pixels
@@ -61,8 +62,10 @@ class StageFactory:
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         decoder = Decoder(self.family.load_text(), self.spec, tokenizer, self.config.decoder, dtype=self.dtype,
                           device=self.device, on_logits=on_logits)
-        return DecoderService(decoder, stream_interval_s=self.config.decoder.stream_interval_ms / 1000,
-                              max_waiting=self.config.decoder.max_waiting_requests)
+        config = self.config.decoder
+        pacing = StreamPacing(config.stream_interval_ms / 1000, config.stream_messages_per_s,
+                              config.stream_interval_max_ms / 1000)
+        return DecoderService(decoder, pacing=pacing, max_waiting=config.max_waiting_requests)
 
     def _block_hasher(self) -> BlockHasher:
         """The prefix cache's hashing, as the decoder builds it (decoder.Decoder)."""

@@ -4,6 +4,7 @@ in-process Engine is explained by a measured breakdown rather than by "Ray's ove
 
   python scripts/bench_cpu.py                          # hot at concurrency 8, ~2 min on 2 cores
   python scripts/bench_cpu.py --workload unique --concurrency 1 --requests 16
+  python scripts/bench_cpu.py --set decoder.stream_interval_ms=50    # an app argument changed, as serve run k=v
 Prints the table; nothing is written.
 """
 
@@ -84,12 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="hot")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an app argument on top of the benchmark's (repeatable)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
     ckpt = bench_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    server = Mmserve(ckpt, Path(tempfile.mkdtemp(prefix="mmserve-bench-cpu-")))
+    overrides = dict(item.split("=", 1) for item in args.set)
+    server = Mmserve(ckpt, Path(tempfile.mkdtemp(prefix="mmserve-bench-cpu-")), app_args=overrides)
     server.start()
     try:
         measure(server, args.workload, args.concurrency, 16, 7, tokenizer)  # warm-up: its own images

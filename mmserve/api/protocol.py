@@ -186,6 +186,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             stop_token_ids=tuple(self.stop_token_ids or ()),
             structured=self.structured(),
             n=1 if self.n is None else self.n,
+            final_only=not self.stream,
         )
         try:
             params.validate()

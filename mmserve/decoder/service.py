@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mmserve.decoder.decoder import Decoder
+from mmserve.decoder.stream_pacing import StreamPacing
 from mmserve.errors import OverloadedError
 from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, merge_outputs
 from mmserve.runtime.step_loop import StepLoop
@@ -38,10 +39,11 @@ class _Live:
 
 
 class DecoderService:
-    def __init__(self, decoder: Decoder, *, stream_interval_s: float = 0.0, max_waiting: int | None = None):
+    def __init__(self, decoder: Decoder, *, pacing: StreamPacing | None = None, max_waiting: int | None = None):
         self.decoder = decoder
         self.max_waiting = max_waiting  # requests accepted but not running; None = unbounded
-        self.stream_interval_s = stream_interval_s  # outputs go at most this often, the first at once
+        self.pacing = pacing or StreamPacing()  # how often a request's outputs go, the first at once
+        self._streams = 0  # live requests whose outputs are streamed (not final_only)
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
         self._live: dict[str, _Live] = {}
         self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder
@@ -127,9 +129,15 @@ class DecoderService:
                 self._arriving -= 1
             # NOTE: deltas that piled up while this consumer waited, or came within one stream interval,
             # go on as one: each output is a message through Serve to the ingress and on to the client.
-            async for out in self.loop.outputs(request_id, merge=merge_outputs, interval_s=self.stream_interval_s):
-                finished = out.finished
-                yield out
+            final_only = pre.sampling.final_only
+            self._streams += not final_only
+            try:
+                async for out in self.loop.outputs(request_id, merge=merge_outputs, interval_s=lambda: (
+                        self.pacing.interval_s(self._streams, final_only=final_only))):
+                    finished = out.finished
+                    yield out
+            finally:
+                self._streams -= not final_only
         finally:
             del self._live[request_id]
             live.ended = True

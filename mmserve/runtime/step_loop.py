@@ -22,6 +22,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import math
 import threading
 import time
 import weakref
@@ -110,22 +111,22 @@ class StepLoop:
         return self._has_work()
 
     async def outputs(self, request_id: str, merge: Callable[[list[Any]], Any] | None = None,
-                      interval_s: float = 0.0) -> AsyncIterator[Any]:
+                      interval_s: Callable[[], float] = lambda: 0.0) -> AsyncIterator[Any]:
         """Outputs of one request until (and including) its finished one; failures are raised.
 
         With `merge`, the outputs that queued up while the consumer was busy come as one, `merge(items)`;
-        with `interval_s` too, an output that comes sooner than `interval_s` after the last one yielded
-        waits for the rest of the interval, gathering company (a finished or failed one never waits).
-        So the first output goes at once and later ones at most one interval late, at least one per
-        interval while they keep coming.
+        with `interval_s` too (asked before each wait: it may change with load; inf = only at the end), an
+        output that comes sooner than that after the last one yielded waits for the rest of the interval,
+        gathering company (a finished or failed one never waits). So the first output goes at once and later
+        ones at most one interval late, at least one per interval while they keep coming.
         """
         _, queue = self._queues[request_id]
-        last = float("-inf")
+        last: float | None = None
         try:
             while True:
                 items = [await queue.get()]
                 if merge is not None:
-                    await _gather_until(queue, items, last + interval_s)
+                    await _gather_until(queue, items, -math.inf if last is None else last + interval_s())
                 last = time.monotonic()
                 failed = items.pop() if isinstance(items[-1], RequestFailed) else None
                 if items:
@@ -238,6 +239,9 @@ async def _gather_until(queue: asyncio.Queue, items: list[Any], deadline: float)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
+        if math.isinf(remaining):
+            items.append(await queue.get())
+            continue
         try:
             async with asyncio.timeout(remaining):
                 items.append(await queue.get())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
@@ -119,7 +120,7 @@ def test_an_interval_sends_the_first_output_at_once_then_one_merged_chunk_per_in
 
         threading.Thread(target=produce, daemon=True).start()
         got = []
-        async for o in loop.outputs("r", merge=merge_outputs, interval_s=interval):
+        async for o in loop.outputs("r", merge=merge_outputs, interval_s=lambda: interval):
             got.append((time.monotonic(), o))
         return got
 
@@ -146,3 +147,24 @@ def test_health_fails_once_the_step_thread_died_and_not_after_a_stop() -> None:
         loop.check_health()
     loop.stop()
     loop.check_health()  # stopped on purpose: nothing to replace
+
+
+def test_an_infinite_interval_sends_the_first_output_then_everything_else_as_one_at_the_end() -> None:
+    n = 30
+
+    async def run() -> list[RequestOutput]:
+        loop = idle_loop()
+        loop.open("r")
+
+        def produce() -> None:
+            for i in range(1, n + 1):
+                loop._deliver("r", out(i, str(i % 10), n=i, finished=i == n))
+                time.sleep(0.001)
+
+        threading.Thread(target=produce, daemon=True).start()
+        return [o async for o in loop.outputs("r", merge=merge_outputs, interval_s=lambda: math.inf)]
+
+    got = asyncio.run(asyncio.wait_for(run(), 10))
+    assert [o.new_token_ids for o in got] == [[1], list(range(2, n + 1))]  # the first at once, then the rest
+    assert got[-1].finished and "".join(o.new_text for o in got) == "".join(str(i % 10) for i in range(1, n + 1))
+
