@@ -183,11 +183,11 @@ def base_name(spec: str) -> str:
 def http_system(spec: str, model_dir: Path, run_dir: Path) -> HttpSystem:
     """The HTTP system named by `spec`: a base name, optionally followed by `+KEY=VALUE` assignments.
 
-    An upper-case KEY is environment of the server process (`mmserve+OMP_NUM_THREADS=2`); a lower-case
-    one an app argument in `serve run` form, its value JSON (`mmserve+decoder.torch_threads=1`).
+    A KEY that begins upper-case is environment of the server process (`mmserve+RAY_worker_niceness=0`); else
+    an app argument in `serve run` form, its value JSON (`mmserve+decoder.torch_threads=1`).
     """
     base, *assignments = spec.split("+")
     pairs = [a.split("=", 1) for a in assignments]
-    env = {k: v for k, v in pairs if k.isupper()}
-    app_args = {k: v for k, v in pairs if not k.isupper()}
+    env = {k: v for k, v in pairs if k[:1].isupper()}
+    app_args = {k: v for k, v in pairs if not k[:1].isupper()}
     return HTTP_SYSTEMS[base](model_dir, run_dir, name=spec, env=env, app_args=app_args)
