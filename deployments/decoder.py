@@ -86,6 +86,8 @@ class Decoder:
         trials = threads.trials
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "torch_threads": threads.available, "small_step_threads": threads.threads_for(0),
+                "heavy_decode_threads": threads.threads_for(0, threads.heavy_rows + 1) if threads.heavy_rows else None,
+                "heavy_decode_rows": threads.heavy_rows,
                 "big_step_threads": threads.threads_for(threads.small_step_tokens + 1),
                 "thread_trials": trials.trials if trials is not None else 0,
                 "thread_changes": list(trials.changes) if trials is not None else []}

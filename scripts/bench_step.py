@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
 def grammar_of(ours: Decoder, ckpt: Path, ids: torch.Tensor) -> GrammarCost:
     """Structured-output rows' cost to their batch, against a twin Decoder with the same thread counts."""
     twin = engine_decoder(ckpt, max_num_seqs=ids.shape[0], num_blocks=1024)
-    twin.runner.threads.small, twin.runner.threads.big = ours.runner.threads.small, ours.runner.threads.big
+    for name in ("small", "big", "heavy", "heavy_rows"):
+        setattr(twin.runner.threads, name, getattr(ours.runner.threads, name))
     return grammar_cost(ours, twin, ids)
 
 

@@ -21,12 +21,13 @@ from mmserve.decoder.detokenizer import IncrementalDetokenizer
 from mmserve.decoder.grammar import Grammars
 from mmserve.decoder.grammar_step import GrammarStep
 from mmserve.decoder.kv_cache import KVCache
-from mmserve.decoder.model_runner import ModelRunner, StepLogits
+from mmserve.decoder.model_runner import ModelRunner, StepLogits, step_size
 from mmserve.decoder.prefix_cache import BlockHasher
 from mmserve.decoder.sampler import Sampler, make_generator, token_logprobs
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
-from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, SamplingParams, TokenLogprob
+from mmserve.decoder.thread_calibration import calibrate_threads
+from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.runtime.step_threads import StepThreads
 
@@ -88,7 +89,7 @@ class Decoder:
         self._states: dict[str, _OutputState] = {}
         self.steps = 0
         if self.runner.threads.needs_calibration:
-            self._calibrate_threads()
+            calibrate_threads(self.runner, self.scheduler, self.spec.eos_token_ids[0])
 
     def add(self, request: DecodeRequest, matcher: Any = None) -> None:
         """Queue a request; raises CapacityError if it can never be scheduled, InvalidGrammarError if its
@@ -145,10 +146,11 @@ class Decoder:
         self._ask_for_missing(plan.missing)
         if not plan.scheduled:
             return []
+        scheduled = [(s.seq, s.num_new_tokens) for s in plan.scheduled]
         masks = self.grammar_step.start([(s.seq.request_id, self._states[s.seq.request_id].matcher)
                                          for s in plan.scheduled if s.samples],
-                                        beside=self.runner.threads.leaves_a_core(plan.num_batched_tokens))
-        result, failed = self._execute([(s.seq, s.num_new_tokens) for s in plan.scheduled])
+                                        beside=self.runner.threads.leaves_a_core(*step_size(scheduled)))
+        result, failed = self._execute(scheduled)
         self.steps += 1
         ids = [seq.request_id for seq in result.seqs]
         if self.on_logits is not None:
@@ -280,26 +282,6 @@ class Decoder:
                 raise RuntimeError(f"request {seq.request_id} lacks embeddings and nobody can fetch them")
             seq.requested.update(new)
             self.on_missing(seq.request_id, new)
-
-    def _calibrate_threads(self, prompt_tokens: int = 128) -> None:
-        """Time a prefill chunk and a decode step of a scratch sequence to choose the threads of each."""
-        n = min(prompt_tokens, self.scheduler.config.max_num_batched_tokens, self.scheduler.max_seq_len - 1)
-        if n < 2:
-            return  # no room for a scratch prompt: counts stay open (all threads)
-        seq = Sequence("thread-calibration", [self.spec.eos_token_ids[0]] * n, SamplingParams())
-        seq.blocks = self.scheduler.kv.new_blocks()
-        if not self.pool.can_allocate(self.scheduler.kv.pages_to_grow(seq.blocks, n)):
-            return  # a pool too small to spare a scratch prompt: counts stay open (all threads)
-        self.scheduler.kv.grow(seq.blocks, n)
-
-        def run(start: int) -> None:
-            seq.num_computed_tokens = start
-            self.runner.execute([(seq, n - start)])
-
-        try:
-            self.runner.threads.calibrate(small_step=lambda: run(n - 1), big_step=lambda: run(0))
-        finally:
-            self.scheduler.kv.release(seq.blocks)
 
     def stats(self) -> DecoderStats:
         s = self.scheduler.stats()

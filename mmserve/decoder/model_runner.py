@@ -29,6 +29,11 @@ class StepLogits:
     logits: torch.Tensor  # (len(seqs), vocab) float32
 
 
+def step_size(scheduled: list[tuple[Sequence, int]]) -> tuple[int, int]:
+    """(new tokens, context rows attended: the sequences' lengths after the step, summed) of a step."""
+    return sum(n for _, n in scheduled), sum(seq.num_computed_tokens + n for seq, n in scheduled)
+
+
 class ModelRunner:
     def __init__(self, model: TextDecoder, spec: ModelSpec, kv: KVCache, kinds: tuple[LayerKind, ...], *,
                  device: torch.device, threads: StepThreads):
@@ -39,11 +44,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
         """Run the step where each (seq, n) computes tokens [seq.num_computed_tokens, +n)."""
-        num_new = sum(n for _, n in scheduled)
-        count = self.threads.apply(num_new)
+        num_new, attended = step_size(scheduled)
+        count = self.threads.apply(num_new, attended)
         started = time.perf_counter()
         out = self._forward(scheduled)
-        self.threads.observe(num_new, time.perf_counter() - started, count)
+        self.threads.observe(num_new, time.perf_counter() - started, count, attended)
         return out
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:

@@ -1,11 +1,16 @@
 """How many CPU threads torch may use for one step of a stage, measured rather than guessed.
 
-Owns: the count per step (a small step, i.e. decodes, and a big one, i.e. prefill chunks, may differ),
-choosing a count the config leaves open by timing a few steps at 1 and at all of the stage's threads
-on the loaded model (and, for decodes, again while serving: `thread_trials.py`), and applying it in the
-calling thread. Does not own what a step computes (the
-runners) nor the process-wide default (set by whoever starts the stage, e.g. a Ray replica from its
-stage's `torch_threads`).
+Owns: the count per step (a small step, i.e. decodes, and a big one, i.e. prefill chunks, may differ;
+among decodes, a light one and a heavy one, by the context rows they attend), choosing a count the
+config leaves open by timing a few steps at 1 and at all of the stage's threads on the loaded model
+(and, for light decodes, again while serving: `thread_trials.py`), and applying it in the calling
+thread. Does not own what a step computes (the runners) nor the process-wide default (set by whoever
+starts the stage, e.g. a Ray replica from its stage's `torch_threads`).
+
+NOTE: decodes differ in work by more than their token count: a batch of 8 at 8k tokens of context reads
+hundreds of times the keys of one short sequence, and a second thread that changes nothing for the light
+one made the heavy one ~4x faster on one CPU (docs/benchmarks.md). So a decode attending more than
+`heavy_rows` context rows (the geometric mean of the two measured decodes') takes the heavy count.
 
 NOTE: torch's thread count is per calling thread (OpenMP's nthreads ICV), but `torch.set_num_threads`
 also changes the default that threads started later begin with. So every stage sets its count in
@@ -20,6 +25,7 @@ Hence a measurement on the machine and model at hand, not a constant.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -41,36 +47,43 @@ class StepThreads:
         self.small_step_tokens = config.small_step_tokens if config is not None else 0
         self.small = config.small_step_threads if config is not None else self.available
         self.big = config.big_step_threads if config is not None else self.available
+        # heavy decodes: their own count only when the light one is measured (a configured count holds for all)
+        self.heavy: int | None = None if self.small is None else self.small
+        self.heavy_rows = 0  # decodes attending more context rows than this are heavy; 0 = none are (rows)
         if self.available == 1:  # nothing to choose between
-            self.small, self.big = self.small or 1, self.big or 1
+            self.small, self.big, self.heavy = self.small or 1, self.big or 1, self.heavy or 1
         self.cores = usable_cores()  # cores this process may run on (fixed for its life)
         # a decode count the config left open is re-measured while serving, on the decodes themselves
         self.trials = ThreadTrials((1, self.available), CLOSE) if self.enabled and self.small is None else None
 
-    def threads_for(self, num_new_tokens: int) -> int:
-        """Threads for a step computing `num_new_tokens` tokens (all sequences together)."""
-        chosen = self.small if self._is_small(num_new_tokens) else self.big
+    def threads_for(self, num_new_tokens: int, attended: int = 0) -> int:
+        """Threads for a step computing `num_new_tokens` tokens (all sequences together) that attends
+        `attended` context rows (the sequences' lengths after the step, summed)."""
+        if not self._is_small(num_new_tokens):
+            chosen = self.big
+        else:
+            chosen = self.heavy if self._is_heavy(attended) else self.small
         return min(chosen or self.available, self.available)
 
-    def leaves_a_core(self, num_new_tokens: int) -> bool:
-        """Whether a step of `num_new_tokens` leaves the host a core for other work while it runs: always
-        off the CPU (the forward runs on the accelerator), else when its threads are fewer than the cores
-        this process may run on."""
-        return not self.enabled or self.threads_for(num_new_tokens) < self.cores
+    def leaves_a_core(self, num_new_tokens: int, attended: int = 0) -> bool:
+        """Whether such a step leaves the host a core for other work while it runs: always off the CPU (the
+        forward runs on the accelerator), else when its threads are fewer than the cores this process may
+        run on."""
+        return not self.enabled or self.threads_for(num_new_tokens, attended) < self.cores
 
-    def apply(self, num_new_tokens: int) -> int:
+    def apply(self, num_new_tokens: int, attended: int = 0) -> int:
         """Set torch's threads for the coming step in the calling thread (no-op off CPU) -> the count."""
-        wanted = self.threads_for(num_new_tokens)
-        trial = self._trial(num_new_tokens)
+        wanted = self.threads_for(num_new_tokens, attended)
+        trial = self._trial(num_new_tokens, attended)
         if trial is not None:
             wanted = trial[0].count_for(trial[1])
         if self.enabled and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
         return wanted
 
-    def observe(self, num_new_tokens: int, seconds: float, count: int) -> None:
+    def observe(self, num_new_tokens: int, seconds: float, count: int, attended: int = 0) -> None:
         """A step `apply` set up took `seconds` at `count` threads (fed to the decode trials; CPU only)."""
-        trial = self._trial(num_new_tokens)
+        trial = self._trial(num_new_tokens, attended)
         if trial is not None:
             trials, current = trial
             chosen = trials.observe(count, num_new_tokens, seconds, current)
@@ -82,9 +95,14 @@ class StepThreads:
     def _is_small(self, num_new_tokens: int) -> bool:
         return num_new_tokens <= self.small_step_tokens
 
-    def _trial(self, num_new_tokens: int) -> tuple[ThreadTrials, int] | None:
-        """(the decode trials, the decodes' chosen count) if they see a step of this size, else None."""
-        if self.trials is None or self.small is None or not self._is_small(num_new_tokens):
+    def _is_heavy(self, attended: int) -> bool:
+        return 0 < self.heavy_rows < attended
+
+    def _trial(self, num_new_tokens: int, attended: int) -> tuple[ThreadTrials, int] | None:
+        """(the decode trials, the decodes' chosen count) if they see a step of this size (a light decode),
+        else None."""
+        if (self.trials is None or self.small is None or not self._is_small(num_new_tokens)
+                or self._is_heavy(attended)):
             return None
         return self.trials, self.small
 
@@ -92,21 +110,30 @@ class StepThreads:
     def needs_calibration(self) -> bool:
         return self.enabled and (self.small is None or self.big is None)
 
-    def calibrate(self, small_step: Callable[[], object], big_step: Callable[[], object]) -> None:
-        """Fill each open count with the fastest of 1 and all threads for that kind of step.
+    def calibrate(self, small_step: Callable[[], object], big_step: Callable[[], object],
+                  heavy_step: tuple[Callable[[], object], int, int] | None = None) -> None:
+        """Fill each open count with the fastest of 1 and all threads for that kind of step. `heavy_step`:
+        (a heavy decode, the rows the light decode attends, the rows it attends), measured when the light
+        decode's count is open; without it every decode takes the light one's count.
 
         NOTE: the counts are tried in interleaved rounds (1, N, 1, N, ...), so that the machine's drift
         during the measurement hits both alike; the step applies the count under test itself.
         """
         try:
             if self.small is None:
+                if heavy_step is not None:
+                    step, light_rows, heavy_rows = heavy_step
+                    self.heavy_rows = math.isqrt(light_rows * heavy_rows)  # NOTE: first: the step is heavy
+                    self.heavy = self._fastest(step, "heavy")
                 self.small = self._fastest(small_step, "small")
+                self.heavy = self.heavy or self.small
             if self.big is None:
                 self.big = self._fastest(big_step, "big")
         finally:
             torch.set_num_threads(self.available)
-        log.info("step threads: %d for steps of <= %d new tokens, %d for bigger ones (of %d)",
-                 self.small, self.small_step_tokens, self.big, self.available)
+        log.info("step threads: %d for steps of <= %d new tokens (%d when they attend more than %d rows), "
+                 "%d for bigger ones (of %d)", self.small, self.small_step_tokens, self.heavy, self.heavy_rows,
+                 self.big, self.available)
 
     def _fastest(self, step: Callable[[], object], which: str, warmup: int = 2, rounds: int = 7) -> int:
         counts = sorted({1, self.available})

@@ -103,10 +103,11 @@ def our_step_ms(decoder: Decoder, ids: torch.Tensor, new_tokens: int) -> tuple[S
     """Median decode step with `ids.shape[0]` sequences decoding; and the pages each one held."""
     names = start(decoder, ids, new_tokens)
     pages = [s.blocks.num_pages for s in decoder.scheduler.running]
+    threads = decoder.runner.threads
+    decode = threads.threads_for(len(names), sum(s.num_tokens + 1 for s in decoder.scheduler.running))
     times = [timed_step(decoder) for _ in range(new_tokens)]
     stop(decoder, names)
-    threads = decoder.runner.threads
-    return StepTime(statistics.median(times[2:]) * 1e3, f"{threads.small}/{threads.big}"), pages
+    return StepTime(statistics.median(times[2:]) * 1e3, f"{decode}/{threads.big}"), pages
 
 
 def uniform_pages(context: int, num_layers: int, block_size: int) -> int:

@@ -116,3 +116,32 @@ def test_a_step_leaves_a_core_when_its_threads_are_fewer_than_the_cores() -> Non
     threads.cores = 1
     assert not threads.leaves_a_core(8)
     assert StepThreads(torch.device("meta"), DecoderConfig()).leaves_a_core(300)  # the forward is elsewhere
+
+
+def test_a_heavy_decode_takes_its_own_measured_count_and_light_ones_keep_theirs() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16))
+
+        def light() -> None:  # one short sequence: the same on 1 or 2
+            threads.apply(1, 128)
+            time.sleep(0.01)
+
+        def heavy() -> None:  # 8 sequences of 1024: twice as fast on 2
+            threads.apply(8, 8 * 1024)
+            time.sleep(0.02 / torch.get_num_threads())
+
+        def big() -> None:
+            threads.apply(300, 300)
+            time.sleep(0.01)
+
+        threads.calibrate(small_step=light, big_step=big, heavy_step=(heavy, 128, 8 * 1024))
+        assert (threads.small, threads.heavy, threads.heavy_rows) == (1, 2, 1024)
+        # by the rows attended, not the tokens computed: one long sequence is heavy, a few short ones light
+        assert [threads.threads_for(n, rows) for n, rows in ((1, 300), (4, 1000), (8, 2400), (1, 8000))] == [1, 1, 2, 2]
+        assert threads.threads_for(300, 300) == 1  # prefill chunks keep theirs
+        configured = StepThreads(CPU, DecoderConfig(small_step_threads=1))
+        assert configured.threads_for(8, 10**6) == 1  # a configured decode count holds for every decode
+    finally:
+        torch.set_num_threads(before)

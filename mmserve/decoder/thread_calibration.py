@@ -1,0 +1,62 @@
+"""The decoder's start-up measurement of its step threads, on scratch sequences.
+
+Owns: the steps timed to choose the threads of each kind of step (`runtime.step_threads`): a prefill chunk
+and a light decode of one short scratch sequence, and a heavy decode of a batch of longer ones where the
+pool has room. The scratch sequences hold KV pages only while measured, and their KV is never computed:
+a step's time does not depend on the values it reads. Does not own the choice (StepThreads) nor the
+trials while serving (`runtime.thread_trials`).
+"""
+
+from __future__ import annotations
+
+from mmserve.decoder.model_runner import ModelRunner
+from mmserve.decoder.scheduler import Scheduler
+from mmserve.decoder.sequence import Sequence
+from mmserve.messages import SamplingParams
+
+PROMPT_TOKENS = 128  # the light decode's context and the prefill chunk (tokens)
+HEAVY_CONTEXT = 1024  # each of the heavy decode's sequences (tokens)
+
+
+def calibrate_threads(runner: ModelRunner, scheduler: Scheduler, token_id: int) -> None:
+    """Fill the step thread counts the config left open; counts stay open (all threads) where the pool or
+    the model's length leaves no room for the scratch sequences."""
+    config = scheduler.config
+    n = min(PROMPT_TOKENS, config.max_num_batched_tokens, scheduler.max_seq_len - 1)
+    light = _scratch(scheduler, 1, n, token_id) if n >= 2 else []
+    if not light:
+        return
+    [seq] = light
+    long = min(HEAVY_CONTEXT, scheduler.max_seq_len - 1)
+    batch = _scratch(scheduler, min(config.max_num_seqs, config.small_step_tokens), long, token_id) if long > n else []
+
+    def run(start: int) -> None:
+        seq.num_computed_tokens = start
+        runner.execute([(seq, n - start)])
+
+    def decode_batch() -> None:
+        for s in batch:
+            s.num_computed_tokens = long - 1
+        runner.execute([(s, 1) for s in batch])
+
+    heavy = (decode_batch, n, len(batch) * long) if len(batch) > 1 else None
+    try:
+        runner.threads.calibrate(small_step=lambda: run(n - 1), big_step=lambda: run(0), heavy_step=heavy)
+    finally:
+        for s in [*light, *batch]:
+            scheduler.kv.release(s.blocks)
+
+
+def _scratch(scheduler: Scheduler, count: int, tokens: int, token_id: int) -> list[Sequence]:
+    """`count` scratch sequences of `tokens` tokens holding their KV pages, or [] if the pool lacks room."""
+    seqs: list[Sequence] = []
+    for i in range(count):
+        seq = Sequence(f"thread-calibration-{tokens}-{i}", [token_id] * tokens, SamplingParams())
+        seq.blocks = scheduler.kv.new_blocks()
+        if not scheduler.pool.can_allocate(scheduler.kv.pages_to_grow(seq.blocks, tokens)):
+            for held in seqs:
+                scheduler.kv.release(held.blocks)
+            return []
+        scheduler.kv.grow(seq.blocks, tokens)
+        seqs.append(seq)
+    return seqs
