@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import DecoderStats, LogitsObserver
@@ -84,6 +84,7 @@ class Engine:
 
     async def _complete(self, pre: PreprocessedRequest) -> list[Completion]:
         outputs: dict[int, list[RequestOutput]] = {i: [] for i in range(pre.sampling.n)}
+        pre = replace(pre, sampling=replace(pre.sampling, final_only=True))  # the whole answer is read at once
         async for out in self._serve(pre):
             outputs[out.index].append(out)
         return [_completion(pre, index, outs) for index, outs in outputs.items()]

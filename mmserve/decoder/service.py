@@ -43,7 +43,7 @@ class DecoderService:
         self.decoder = decoder
         self.max_waiting = max_waiting  # requests accepted but not running; None = unbounded
         self.pacing = pacing or StreamPacing()  # how often a request's outputs go, the first at once
-        self._streams = 0  # live requests whose outputs are streamed (not final_only)
+        self._streams = 0  # requests streaming now: past their first output, not final_only
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
         self._live: dict[str, _Live] = {}
         self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder
@@ -129,15 +129,16 @@ class DecoderService:
                 self._arriving -= 1
             # NOTE: deltas that piled up while this consumer waited, or came within one stream interval,
             # go on as one: each output is a message through Serve to the ingress and on to the client.
-            final_only = pre.sampling.final_only
-            self._streams += not final_only
+            final_only, streaming = pre.sampling.final_only, False
             try:
                 async for out in self.loop.outputs(request_id, merge=merge_outputs, interval_s=lambda: (
                         self.pacing.interval_s(self._streams, final_only=final_only))):
                     finished = out.finished
+                    if not (streaming or final_only):  # NOTE: from its first output: a queued one sends nothing
+                        streaming, self._streams = True, self._streams + 1
                     yield out
             finally:
-                self._streams -= not final_only
+                self._streams -= streaming
         finally:
             del self._live[request_id]
             live.ended = True

@@ -28,7 +28,7 @@ def calibrate_threads(runner: ModelRunner, scheduler: Scheduler, token_id: int) 
         return
     [seq] = light
     long = min(HEAVY_CONTEXT, scheduler.max_seq_len - 1)
-    batch = _scratch(scheduler, min(config.max_num_seqs, config.small_step_tokens), long, token_id) if long > n else []
+    batch: list[Sequence] = []
 
     def run(start: int) -> None:
         seq.num_computed_tokens = start
@@ -39,8 +39,10 @@ def calibrate_threads(runner: ModelRunner, scheduler: Scheduler, token_id: int) 
             s.num_computed_tokens = long - 1
         runner.execute([(s, 1) for s in batch])
 
-    heavy = (decode_batch, n, len(batch) * long) if len(batch) > 1 else None
     try:
+        if long > n:
+            batch = _scratch(scheduler, min(config.max_num_seqs, config.small_step_tokens), long, token_id)
+        heavy = (decode_batch, n, len(batch) * long) if len(batch) > 1 else None
         runner.threads.calibrate(small_step=lambda: run(n - 1), big_step=lambda: run(0), heavy_step=heavy)
     finally:
         for s in [*light, *batch]:
@@ -50,13 +52,22 @@ def calibrate_threads(runner: ModelRunner, scheduler: Scheduler, token_id: int) 
 def _scratch(scheduler: Scheduler, count: int, tokens: int, token_id: int) -> list[Sequence]:
     """`count` scratch sequences of `tokens` tokens holding their KV pages, or [] if the pool lacks room."""
     seqs: list[Sequence] = []
-    for i in range(count):
-        seq = Sequence(f"thread-calibration-{tokens}-{i}", [token_id] * tokens, SamplingParams())
-        seq.blocks = scheduler.kv.new_blocks()
-        if not scheduler.pool.can_allocate(scheduler.kv.pages_to_grow(seq.blocks, tokens)):
-            for held in seqs:
-                scheduler.kv.release(held.blocks)
+    try:
+        for i in range(count):
+            seq = Sequence(f"thread-calibration-{tokens}-{i}", [token_id] * tokens, SamplingParams())
+            seq.blocks = scheduler.kv.new_blocks()
+            seqs.append(seq)  # NOTE: before it grows: released below whatever it got to hold
+            if not scheduler.pool.can_allocate(scheduler.kv.pages_to_grow(seq.blocks, tokens)):
+                raise _NoRoom
+            scheduler.kv.grow(seq.blocks, tokens)
+    except BaseException as exc:
+        for held in seqs:
+            scheduler.kv.release(held.blocks)
+        if isinstance(exc, _NoRoom):
             return []
-        scheduler.kv.grow(seq.blocks, tokens)
-        seqs.append(seq)
+        raise
     return seqs
+
+
+class _NoRoom(Exception):
+    """The pool cannot spare the scratch sequences' pages."""

@@ -9,8 +9,9 @@ starts the stage, e.g. a Ray replica from its stage's `torch_threads`).
 
 NOTE: decodes differ in work by more than their token count: a batch of 8 at 8k tokens of context reads
 hundreds of times the keys of one short sequence, and a second thread that changes nothing for the light
-one made the heavy one ~4x faster on one CPU (docs/benchmarks.md). So a decode attending more than
-`heavy_rows` context rows (the geometric mean of the two measured decodes') takes the heavy count.
+one made the heavy one several times faster on one CPU (docs/benchmarks.md). So a
+decode attending more than `heavy_rows` context rows (the geometric mean of the two measured decodes')
+takes the heavy count.
 
 NOTE: torch's thread count is per calling thread (OpenMP's nthreads ICV), but `torch.set_num_threads`
 also changes the default that threads started later begin with. So every stage sets its count in

@@ -61,7 +61,7 @@ def grammar_cost(decoder: Decoder, twin: Decoder, ids: torch.Tensor, steps: int 
     sample_free, sample_masked = sampler_us(decoder, ids.shape[0], constrained)
     mixed_ms = statistics.median(a for a, _ in pairs) * 1e3
     masks_us = masks.total / on_path.calls * 1e6  # NOTE: on_path counts `finish`: one call per step
-    beside = decoder.runner.threads.leaves_a_core(ids.shape[0])
+    beside = decoder.runner.threads.leaves_a_core(ids.shape[0], sum(s.num_tokens for s in decoder.scheduler.running))
     critical_us = on_path.total / on_path.calls * 1e6
     return GrammarCost(
         constrained, len(pairs), mixed_ms, statistics.median(b for _, b in pairs) * 1e3,

@@ -104,7 +104,7 @@ def our_step_ms(decoder: Decoder, ids: torch.Tensor, new_tokens: int) -> tuple[S
     names = start(decoder, ids, new_tokens)
     pages = [s.blocks.num_pages for s in decoder.scheduler.running]
     threads = decoder.runner.threads
-    decode = threads.threads_for(len(names), sum(s.num_tokens + 1 for s in decoder.scheduler.running))
+    decode = threads.threads_for(len(names), sum(s.num_tokens for s in decoder.scheduler.running))
     times = [timed_step(decoder) for _ in range(new_tokens)]
     stop(decoder, names)
     return StepTime(statistics.median(times[2:]) * 1e3, f"{decode}/{threads.big}"), pages

@@ -10,14 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from mmserve.config import DecoderConfig, EngineConfig, MediaConfig
+from mmserve.config import EngineConfig, MediaConfig
 from mmserve.decoder.sampler import Sampler
 from mmserve.engine import Engine
 from mmserve.errors import (
     InvalidRequestError,
     InvalidSamplingError,
     MediaError,
-    OverloadedError,
     PromptTooLongError,
     TooManyItemsError,
     UnsupportedURLError,
@@ -88,18 +87,6 @@ def test_stream_matches_generate_and_runs_concurrently(engine):
         assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
         assert outs[-1].finished and outs[-1].finish_reason == ref.finish_reason
         assert outs[-1].num_output_tokens == len(ref.token_ids)
-
-
-def test_a_final_only_request_gets_its_first_output_then_the_rest_in_one_with_the_same_tokens(engine):
-    [ref] = engine.generate([chat("f0", IMAGE, max_tokens=24, ignore_eos=True)])
-
-    async def collect(req):
-        return [out async for out in engine.stream(req)]
-
-    outs = asyncio.run(collect(chat("f1", IMAGE, max_tokens=24, ignore_eos=True, final_only=True)))
-    assert len(outs) == 2 and len(outs[0].new_token_ids) == 1 and outs[1].finished, outs
-    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
-    assert "".join(o.new_text for o in outs) == ref.text
 
 
 def test_abort_mid_stream_frees_blocks_and_references(engine):
@@ -207,31 +194,6 @@ def test_embeddings_skipped_for_a_prefix_the_cache_then_lost_are_fetched(engine)
         engine.decoder.prefix_hit_tokens = claimed
     assert late.token_ids == expected.token_ids and late.num_cached_tokens == 0
     assert engine.stats().encoder.queries == before + 1  # asked once, late, by the step
-
-
-def test_a_full_waiting_queue_refuses_at_once_and_the_rest_complete(tiny_ckpt_224):
-    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
-                          decoder=DecoderConfig(max_num_seqs=1, max_waiting_requests=2))
-
-    async def run(eng: Engine) -> tuple[list[Any], OverloadedError]:
-        # NOTE: q0 long enough to outlast the queueing below on a fast CPU (60 tokens did not, on one)
-        long = eng.stream(chat("q0", max_tokens=1500, ignore_eos=True))
-        first = await long.__anext__()  # q0 runs: the one sequence slot is taken
-        waiting = [asyncio.ensure_future(collect(eng, chat(f"q{i}", max_tokens=4))) for i in (1, 2)]
-        async with asyncio.timeout(30):
-            while len(eng.decoder.scheduler.waiting) < 2:  # both accepted and queued behind q0
-                await asyncio.sleep(0.005)
-        with pytest.raises(OverloadedError) as refused:
-            await collect(eng, chat("q3", max_tokens=4))
-        rest = [o async for o in long]
-        return [[first, *rest], *await asyncio.gather(*waiting)], refused.value
-
-    with Engine(config) as eng:
-        done, refused = asyncio.run(run(eng))
-        assert "decoder.max_waiting_requests" in str(refused) and refused.status == 503
-        assert all(outs[-1].finished and outs[-1].finish_reason in ("stop", "length") for outs in done)
-        [after] = eng.generate([chat("q4", max_tokens=4)])  # and the queue has room again
-        assert after.finish_reason in ("stop", "length")
 
 
 async def collect(eng: Engine, request: ChatRequest) -> list[Any]:

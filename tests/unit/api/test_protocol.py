@@ -188,6 +188,12 @@ def test_defaults() -> None:
     assert req.mm_processor_kwargs == {} and req.messages == USER
 
 
+@pytest.mark.parametrize(("stream", "final_only"), [(None, True), (False, True), (True, False)])
+def test_only_a_non_streamed_request_reads_its_answer_whole(stream: bool | None, final_only: bool) -> None:
+    fields = {} if stream is None else {"stream": stream}
+    assert parse({"messages": USER, **fields}).to_chat_request("r", 16).sampling.final_only is final_only
+
+
 @pytest.mark.parametrize(("fields", "expected"), [
     ({"max_tokens": 7}, 7),
     ({"max_completion_tokens": 9}, 9),

@@ -1,0 +1,56 @@
+"""How the in-process engine hands requests their outputs: a final-only answer in at most two messages, and
+a full waiting queue that refuses at once while the rest complete."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from mmserve.config import DecoderConfig, EngineConfig
+from mmserve.engine import Engine
+from mmserve.errors import OverloadedError
+from tests.unit.test_engine import IMAGE, chat, collect
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt_224):
+    eng = Engine(EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048))
+    yield eng
+    eng.shutdown()
+
+
+def test_a_final_only_request_gets_its_first_output_then_the_rest_in_one_with_the_same_tokens(engine):
+    [ref] = engine.generate([chat("f0", IMAGE, max_tokens=24, ignore_eos=True)])
+
+    outs = asyncio.run(collect(engine, chat("f1", IMAGE, max_tokens=24, ignore_eos=True, final_only=True)))
+    # NOTE: the first output may carry what was already queued with it; after it, nothing until the end
+    assert len(outs) <= 2 and outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 24, outs
+    assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+    assert "".join(o.new_text for o in outs) == ref.text
+
+
+def test_a_full_waiting_queue_refuses_at_once_and_the_rest_complete(tiny_ckpt_224):
+    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
+                          decoder=DecoderConfig(max_num_seqs=1, max_waiting_requests=2))
+
+    async def run(eng: Engine) -> tuple[list[Any], OverloadedError]:
+        # NOTE: q0 long enough to outlast the queueing below on a fast CPU (60 tokens did not, on one)
+        long = eng.stream(chat("q0", max_tokens=1500, ignore_eos=True))
+        first = await long.__anext__()  # q0 runs: the one sequence slot is taken
+        waiting = [asyncio.ensure_future(collect(eng, chat(f"q{i}", max_tokens=4))) for i in (1, 2)]
+        async with asyncio.timeout(30):
+            while len(eng.decoder.scheduler.waiting) < 2:  # both accepted and queued behind q0
+                await asyncio.sleep(0.005)
+        with pytest.raises(OverloadedError) as refused:
+            await collect(eng, chat("q3", max_tokens=4))
+        rest = [o async for o in long]
+        return [[first, *rest], *await asyncio.gather(*waiting)], refused.value
+
+    with Engine(config) as eng:
+        done, refused = asyncio.run(run(eng))
+        assert "decoder.max_waiting_requests" in str(refused) and refused.status == 503
+        assert all(outs[-1].finished and outs[-1].finish_reason in ("stop", "length") for outs in done)
+        [after] = eng.generate([chat("q4", max_tokens=4)])  # and the queue has room again
+        assert after.finish_reason in ("stop", "length")
