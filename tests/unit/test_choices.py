@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from mmserve.config import EngineConfig
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
 from tests.unit.test_engine import IMAGE
@@ -24,10 +23,8 @@ def chat(request_id: str, salt: str, image: bool = True, **sampling) -> ChatRequ
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_ckpt_224):
-    eng = Engine(EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048))
-    yield eng
-    eng.shutdown()
+def engine(default_engine: Engine) -> Engine:
+    return default_engine
 
 
 def test_seeded_choices_are_reproducible_and_differ_from_each_other(engine):

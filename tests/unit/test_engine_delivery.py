@@ -15,10 +15,8 @@ from tests.unit.test_engine import IMAGE, chat, collect
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_ckpt_224):
-    eng = Engine(EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048))
-    yield eng
-    eng.shutdown()
+def engine(default_engine: Engine) -> Engine:
+    return default_engine
 
 
 def test_a_final_only_request_gets_its_first_output_then_the_rest_in_one_with_the_same_tokens(engine):
