@@ -187,7 +187,9 @@ def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(
           f"({sum(not o.ok and excused(o) for o in outcomes)} streams in flight on a killed Decoder/Ingress); "
           f"{summary}")
     assert not lost, [o.detail for o in lost]
-    assert all(o.end - o.start < CLIENT_TIMEOUT_S for o in outcomes)
+    slow = [(o.detail, f"{o.end - o.start:.1f} s from +{o.start - outcomes[0].start:.1f} s") for o in outcomes
+            if o.end - o.start >= CLIENT_TIMEOUT_S]
+    assert not slow, slow  # a request this slow hung somewhere, even if a retry answered it
     assert sum(o.ok for o in outcomes) > 4 * len(VICTIMS)  # the load really ran throughout
 
     started = time.monotonic()
