@@ -45,8 +45,7 @@ def calibrate_threads(runner: ModelRunner, scheduler: Scheduler, token_id: int) 
         heavy = (decode_batch, n, len(batch) * long) if len(batch) > 1 else None
         runner.threads.calibrate(small_step=lambda: run(n - 1), big_step=lambda: run(0), heavy_step=heavy)
     finally:
-        for s in [*light, *batch]:
-            scheduler.kv.release(s.blocks)
+        _release(scheduler, [*light, *batch])
 
 
 def _scratch(scheduler: Scheduler, count: int, tokens: int, token_id: int) -> list[Sequence]:
@@ -58,16 +57,17 @@ def _scratch(scheduler: Scheduler, count: int, tokens: int, token_id: int) -> li
             seq.blocks = scheduler.kv.new_blocks()
             seqs.append(seq)  # NOTE: before it grows: released below whatever it got to hold
             if not scheduler.pool.can_allocate(scheduler.kv.pages_to_grow(seq.blocks, tokens)):
-                raise _NoRoom
+                break
             scheduler.kv.grow(seq.blocks, tokens)
-    except BaseException as exc:
-        for held in seqs:
-            scheduler.kv.release(held.blocks)
-        if isinstance(exc, _NoRoom):
-            return []
+        else:
+            return seqs
+    except BaseException:
+        _release(scheduler, seqs)
         raise
-    return seqs
+    _release(scheduler, seqs)  # no room for all of them
+    return []
 
 
-class _NoRoom(Exception):
-    """The pool cannot spare the scratch sequences' pages."""
+def _release(scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        scheduler.kv.release(seq.blocks)
