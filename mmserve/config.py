@@ -90,6 +90,9 @@ class DecoderConfig(_Bounded):
     small_step_tokens: int = at_least(0, 16)  # a step computing at most this many new tokens is small (decodes)
     small_step_threads: int | None = at_least(1, None)  # threads of a small step
     big_step_threads: int | None = at_least(1, None)  # threads of the other steps (prefill chunks)
+    # CPU only: time equivalent forms of a small step's x @ w.T at start-up, per row count and thread count, and
+    # use the fastest (runtime/matmul_forms.py); False = F.linear throughout
+    measure_matmul_forms: bool = True
     # A request's outputs are sent at most this often (ms), the first at once; what comes between is merged:
     # each send is a message through the stages to the client, so this bounds messages per second per stream.
     stream_interval_ms: float = at_least(0, 20.0)

@@ -88,6 +88,9 @@ class Decoder:
         self.grammar_step = GrammarStep(self.grammars, device)
         self._states: dict[str, _OutputState] = {}
         self.steps = 0
+        if config.measure_matmul_forms and device.type == "cpu":  # NOTE: first: the threads are timed with them
+            model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
+                                   config.small_step_tokens)
         if self.runner.threads.needs_calibration:
             calibrate_threads(self.runner, self.scheduler, self.spec.eos_token_ids[0])
 

@@ -46,6 +46,7 @@ class ModelRunner:
         """Run the step where each (seq, n) computes tokens [seq.num_computed_tokens, +n)."""
         num_new, attended = step_size(scheduled)
         count = self.threads.apply(num_new, attended)
+        self.model.matmul.use(count)
         started = time.perf_counter()
         out = self._forward(scheduled)
         self.threads.observe(num_new, time.perf_counter() - started, count, attended)

@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from mmserve.decoder.attention import AttentionMetadata
     from mmserve.decoder.kv_cache import KVCache
+    from mmserve.runtime.matmul_forms import MatmulForms
 
 FULL = "full_attention"  # layer kind: attends to the whole context
 SLIDING = "sliding_attention"  # layer kind: attends to the last `sliding_window` positions only
@@ -56,6 +57,10 @@ VisionEncoder = Callable[[torch.Tensor], torch.Tensor]
 
 class TextDecoder(Protocol):
     """A decoder forward over our paged KV cache (see mmserve/decoder/attention.py)."""
+
+    matmul: MatmulForms  # how its products x @ w.T are computed; the decoder measures and selects the forms
+
+    def linear_weights(self) -> list[torch.Tensor]: ...  # every (out, in) weight a step reads, in step order
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # (T,) -> (T, hidden)
 

@@ -107,6 +107,11 @@ class StepThreads:
             return None
         return self.trials, self.small
 
+    def possible_counts(self) -> set[int]:
+        """Every thread count a step may run with: the configured ones, and 1 and all where one is open."""
+        counts = {min(c, self.available) for c in (self.small, self.big) if c is not None}
+        return counts | ({1, self.available} if self.small is None or self.big is None else set())
+
     @property
     def needs_calibration(self) -> bool:
         return self.enabled and (self.small is None or self.big is None)

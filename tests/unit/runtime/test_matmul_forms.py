@@ -1,0 +1,63 @@
+"""A step's x @ w.T in the form measured fastest: every form is the same product, and the choice is per
+row count and thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmserve.config import DecoderConfig
+from mmserve.runtime import matmul_forms
+from mmserve.runtime.matmul_forms import FORMS, LINEAR, MatmulForms
+from mmserve.runtime.step_threads import StepThreads
+
+
+@pytest.mark.parametrize(("name", "rows"), [(name, rows) for name in FORMS for rows in (1, 2, 5, 16)
+                                             if name != "doubled" or rows == 1])  # doubled: one row only
+def test_every_form_is_the_same_product(name: str, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 48, generator=gen), torch.randn(80, 48, generator=gen)
+    out = FORMS[name](x, w)
+    assert out.shape == (rows, 80)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.view(rows, 5, 16), F.linear(x, w).view(rows, 5, 16), rtol=1e-5, atol=1e-5)
+
+
+def test_calibration_chooses_a_form_per_row_count_and_thread_count_and_restores_the_threads() -> None:
+    weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(96, 32)]
+    forms = MatmulForms()
+    before = torch.get_num_threads()
+    forms.calibrate(weights, {1, before}, max_rows=4, rounds=1)
+    assert torch.get_num_threads() == before
+    assert set(forms.chosen) == {1, before}
+    for chosen in forms.chosen.values():
+        assert len(chosen) == 5 and chosen[0] == LINEAR and set(chosen) <= set(FORMS)
+        assert "doubled" not in chosen[2:]  # two rows or more are never computed twice
+
+
+def test_the_chosen_forms_follow_the_thread_count_and_rows_past_them_take_linear() -> None:
+    forms = MatmulForms()
+    forms.chosen = {2: (LINEAR, "doubled", "transposed")}
+    w = torch.randn(40, 24)
+    forms.use(2)
+    assert not forms(torch.randn(2, 24), w).is_contiguous()  # mm(w, x.T).T: a transposed view
+    assert forms(torch.randn(3, 24), w).is_contiguous()  # past the measured rows: F.linear
+    forms.use(1)  # nothing measured at 1 thread: F.linear
+    assert forms(torch.randn(2, 24), w).is_contiguous()
+
+
+def test_the_timed_cycle_is_the_first_weights_that_outgrow_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = [torch.zeros(256, 256) for _ in range(6)]  # 256 KiB each
+    monkeypatch.setattr(matmul_forms, "COLD_BYTES", 600 << 10)
+    assert len(matmul_forms._cold_cycle(weights)) == 3
+    monkeypatch.setattr(matmul_forms, "COLD_BYTES", 1 << 30)
+    assert len(matmul_forms._cold_cycle(weights)) == 6
+
+
+def test_forms_are_measured_at_every_count_a_step_may_use() -> None:
+    threads = StepThreads(torch.device("cpu"), DecoderConfig(small_step_threads=1, big_step_threads=3))
+    threads.available = 4
+    assert threads.possible_counts() == {1, 3}
+    threads.big = None  # open: measured between 1 and all
+    assert threads.possible_counts() == {1, 4}
