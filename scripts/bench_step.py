@@ -93,10 +93,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def grammar_of(ours: Decoder, ckpt: Path, ids: torch.Tensor) -> GrammarCost:
-    """Structured-output rows' cost to their batch, against a twin Decoder with the same thread counts."""
-    twin = engine_decoder(ckpt, max_num_seqs=ids.shape[0], num_blocks=1024)
+    """Structured-output rows' cost to their batch, against a twin Decoder with the same thread counts and
+    matmul forms."""
+    twin = engine_decoder(ckpt, max_num_seqs=ids.shape[0], num_blocks=1024, measure_forms=False)
     for name in ("small", "big", "heavy", "heavy_rows"):
         setattr(twin.runner.threads, name, getattr(ours.runner.threads, name))
+    forms, theirs = twin.runner.model.matmul, ours.runner.model.matmul
+    forms.chosen = dict(theirs.chosen)
+    forms.packing(theirs.pack_rows)
+    twin.runner.model.pack_weights()
     return grammar_cost(ours, twin, ids)
 
 

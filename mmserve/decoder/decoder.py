@@ -31,6 +31,7 @@ from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenL
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.runtime.step_threads import StepThreads
 
+TIMED_CHUNK = 256  # rows of the prefill chunk timed beside the decodes' when choosing the matmul forms
 log = logging.getLogger(__name__)
 
 # Called with the request ids and their (n, vocab) logits of every step; tests use it for parity.
@@ -90,7 +91,8 @@ class Decoder:
         self.steps = 0
         if config.measure_matmul_forms and device.type == "cpu":  # NOTE: first: the threads are timed with them
             model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
-                                   config.small_step_tokens)
+                                   config.small_step_tokens, min(config.max_num_batched_tokens, TIMED_CHUNK))
+            model.pack_weights()
         if self.runner.threads.needs_calibration:
             calibrate_threads(self.runner, self.scheduler, self.spec.eos_token_ids[0])
 

@@ -60,7 +60,9 @@ class TextDecoder(Protocol):
 
     matmul: MatmulForms  # how its products x @ w.T are computed; the decoder measures and selects the forms
 
-    def linear_weights(self) -> list[torch.Tensor]: ...  # every (out, in) weight a step reads, in step order
+    def linear_weights(self) -> list[torch.Tensor]: ...  # the (out, in) weights `pack_weights` packs, step order
+
+    def pack_weights(self) -> None: ...  # store those weights as `matmul.pack` makes them
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # (T,) -> (T, hidden)
 

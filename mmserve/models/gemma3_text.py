@@ -9,7 +9,7 @@ RMSNorm gains stored as (1 + w), q and k normed and rotated as one tensor. Only 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -89,8 +89,14 @@ class Gemma3PagedText:
         self.rope = {kind: table(kind) for kind in dict.fromkeys(pattern.layer_kinds)}
 
     def linear_weights(self) -> list[torch.Tensor]:
-        """Every (out, in) weight a step multiplies by, in step order."""
-        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        """The (out, in) weights of the layers' products, in step order (the lm_head is the embeddings')."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    def pack_weights(self) -> None:
+        """Store the layers' weights as `self.matmul.pack` makes them (the tied lm_head stays as it is)."""
+        pack = self.matmul.pack
+        self.layers = [replace(w, qkv=pack(w.qkv), o=pack(w.o), gate_up=pack(w.gate_up), down=pack(w.down))
+                       for w in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, hidden), scaled by sqrt(hidden) inside the embedding module."""
@@ -99,7 +105,7 @@ class Gemma3PagedText:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden) final hidden states -> (n, vocab) float32 logits."""
         # NOTE: Gemma3ForConditionalGeneration applies no final soft-capping; neither do we.
-        return self.matmul(hidden, self.lm_head).float()
+        return self.matmul.product(hidden, self.lm_head).float()
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
@@ -112,7 +118,7 @@ class Gemma3PagedText:
 
     def _layer(self, index: int, w: _LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
-        t, heads, kv_heads, d, mm = h.shape[0], self.heads, self.kv_heads, self.head_dim, self.matmul
+        t, heads, kv_heads, d, mm = h.shape[0], self.heads, self.kv_heads, self.head_dim, self.matmul.product
         qkv = mm(w.input_norm(h), w.qkv)  # (T, (heads + 2 kv_heads) * d)
         qk = w.qk_norm(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d))
         qk = self.rope[w.kind].rotate(qk, *rope)  # (T, heads + kv_heads, d)

@@ -1,17 +1,22 @@
 """A step's products of activations and weights, `x @ w.T`, in the form this machine runs fastest.
 
-Owns: the equivalent forms of the product (each one BLAS call, same result up to float rounding),
-choosing one per row count and thread count by timing them at start-up on the model's own weights,
-and the product itself (`forms(x, w)`). Does not own which threads a step uses (`step_threads.py`),
-the weights (the model module), nor when to measure (the decoder, on a CPU).
+Owns: the equivalent forms of the product (each one library call, same result up to float rounding),
+whether weights are stored in oneDNN's packed layout, choosing both by timing them at start-up on the
+model's own weights (a form per row count and thread count), and the product itself (`forms(x, w)`).
+Does not own which threads a step uses (`step_threads.py`), the weights (the model module packs its
+own with `pack`), nor when to measure (the decoder, on a CPU).
 
 NOTE: why: a decode step reads every weight once, so its products are matrix-vector-like, with the
-weights coming from memory, and CPU BLAS libraries route such shapes differently. On one CPU
-(docs/benchmarks.md) `F.linear` at 1-8 rows took 2.5-4x as long as the same product written as
-`mm(w, x.T).T`, and one row was faster computed twice (two rows) than once; another CPU ranked the
-forms differently. Hence a measurement on the machine, the model and the thread counts at hand.
+weights coming from memory, and CPU libraries route such shapes differently. On one CPU
+(docs/benchmarks.md) `F.linear` (MKL) at 1-8 rows took 2.5-4x as long as the same product written
+as `mm(w, x.T).T`, one row was faster computed twice (two rows) than once, and oneDNN with packed
+weights (what torch.compile's CPU backend emits for a linear layer) was faster still at every row
+count, prefill included; another CPU ranked the plain forms differently. Hence a measurement on the
+machine, the model and the thread counts at hand.
 NOTE: the forms are timed on a cycle of the model's weights in step order, at least `COLD_BYTES` of
 them (or all), so that the weights are not in the CPU's caches between uses, as in a step.
+NOTE: the oneDNN ops are torch's internal `torch.ops.mkldnn` ones (torch is pinned); where a build
+lacks them, packing is simply not a candidate.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ log = logging.getLogger(__name__)
 
 Form = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows, in) x, (out, in) w -> (rows, out)
 LINEAR = "linear"
-CLOSE = 0.05  # another form must be this much faster than F.linear to be chosen (noise, not a win)
+ONEDNN = "onednn"  # the product with a weight packed for oneDNN (a timing key; `pack` stores the weights so)
+CLOSE = 0.05  # another form (or packing) must be this much faster than F.linear to be chosen (noise, not a win)
 COLD_BYTES = 256 << 20  # NOTE: more than a core complex's last-level cache on today's server CPUs
 
 
@@ -44,19 +50,36 @@ def _doubled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, torch.cat((x, x)).t())[:, :1].t()  # one row as two: (1, out)
 
 
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (..., in) times a weight packed by `MatmulForms.pack` -> (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
+
+
 FORMS: dict[str, Form] = {LINEAR: _linear, "transposed": _transposed, "doubled": _doubled}
 
 
+def onednn_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
+
+
 class MatmulForms:
-    """`forms(x, w)` = `x @ w.T` for x (rows, in) and w (out, in), in the form chosen for x's row count
-    under the thread count set by `use`; F.linear where nothing was chosen (the default everywhere).
-    The result may be a non-contiguous view."""
+    """`forms(x, w)` (or `forms.product(x, w)`) = `x @ w.T` for x (rows, in) and w (out, in): by oneDNN if w was
+    packed by `pack`, else in the form chosen for x's row count under the thread count set by `use`,
+    F.linear where nothing was chosen (the default everywhere). The result may be a non-contiguous view."""
 
     def __init__(self) -> None:
         self.chosen: dict[int, tuple[str, ...]] = {}  # threads -> form per row count (index = rows)
+        self.pack_rows: int | None = None  # weights are packed for steps of about this many rows; None = plain
         self._forms: tuple[Form, ...] = ()  # the current thread count's forms, index = rows
+        self.product: Form = F.linear  # what a call computes with: F.linear, or the dispatch to the chosen forms
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.product(x, w)
+
+    def _chosen(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if w.is_mkldnn:
+            return _onednn(x, w)
         rows, forms = x.shape[0], self._forms
         return forms[rows](x, w) if rows < len(forms) else F.linear(x, w)
 
@@ -64,22 +87,49 @@ class MatmulForms:
         """The forms for steps run at `threads` torch threads (F.linear if none were measured for it)."""
         names = self.chosen.get(threads, ())
         self._forms = () if all(n == LINEAR for n in names) else tuple(FORMS[n] for n in names)
+        # NOTE: a tiny model's step is mostly launch costs: F.linear itself where nothing else was chosen
+        self.product = F.linear if not self._forms and self.pack_rows is None else self._chosen
+
+    def packing(self, rows: int | None) -> None:
+        """Pack weights (`pack`) for steps of about `rows` rows from now on; None = keep them plain."""
+        self.pack_rows = rows
+        self.use(torch.get_num_threads())
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` (out, in) as this machine multiplies it fastest: oneDNN's packed layout if measured so, else itself."""
+        return w if self.pack_rows is None else torch.ops.mkldnn._reorder_linear_weight(w, self.pack_rows)
 
     def calibrate(self, weights: Sequence[torch.Tensor], thread_counts: Iterable[int], max_rows: int,
-                  rounds: int = 5) -> None:
-        """Choose a form for each row count 1..max_rows at each thread count, timing the products with a
-        cycle of `weights` (in step order); leaves torch's thread count as it found it."""
+                  big_rows: int, rounds: int = 5) -> None:
+        """Choose a plain form for each row count 1..max_rows at each thread count, and whether to pack the
+        weights (`pack_rows`): when oneDNN's product is faster by CLOSE in the geometric mean over those row
+        counts and `big_rows` (a prefill chunk) at every count. Times products with a cycle of `weights` (in
+        step order); leaves torch's thread count as it found it."""
         cycle = _cold_cycle(weights)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, big_rows) for w in cycle] \
+            if onednn_packing_available() else None
+        ratios: list[float] = []
         before = torch.get_num_threads()
         try:
             for threads in sorted(set(thread_counts)):
                 torch.set_num_threads(threads)
-                self.chosen[threads] = (LINEAR, *(_fastest(cycle, rows, rounds) for rows in range(1, max_rows + 1)))
-                log.info("matmul forms at %d threads, by rows 1..%d: %s", threads, max_rows,
-                         ", ".join(self.chosen[threads][1:]))
+                names = [LINEAR]
+                for rows in [*range(1, max_rows + 1), big_rows]:
+                    medians = _timings(cycle, packed, rows, rounds)
+                    plain = {name: t for name, t in medians.items() if name != ONEDNN}
+                    best = min(plain, key=plain.__getitem__)
+                    if rows <= max_rows:
+                        names.append(LINEAR if plain[LINEAR] <= plain[best] * (1 + CLOSE) else best)
+                    if ONEDNN in medians:
+                        ratios.append(medians[ONEDNN] / plain[best])
+                self.chosen[threads] = tuple(names)
+                log.info("matmul forms at %d threads, by rows 1..%d: %s", threads, max_rows, ", ".join(names[1:]))
         finally:
             torch.set_num_threads(before)
-        self.use(before)
+        gain = statistics.geometric_mean(ratios) if ratios else 1.0
+        self.packing(big_rows if gain < 1 - CLOSE else None)
+        log.info("weights %s: oneDNN's product took %.2fx the best plain form's (geometric mean)",
+                 "packed for oneDNN" if self.pack_rows else "kept plain", gain)
 
 
 def _cold_cycle(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -93,22 +143,25 @@ def _cold_cycle(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return cycle
 
 
-def _fastest(cycle: list[torch.Tensor], rows: int, rounds: int) -> str:
-    """The form whose products of `rows` rows with every weight of the cycle take least time; F.linear unless
-    another beats it by more than CLOSE. Forms are timed in interleaved rounds (a warm-up first), so that
-    the machine's drift falls on all alike."""
-    names = [LINEAR, "transposed"] + (["doubled"] if rows == 1 else [])
+def _timings(cycle: list[torch.Tensor], packed: list[torch.Tensor] | None, rows: int,
+             rounds: int) -> dict[str, float]:
+    """Median seconds of the products of `rows` rows with every weight of the cycle, per form (and packed).
+    Forms are timed in interleaved rounds (a warm-up first), so that the machine's drift falls on all alike."""
+    names = [LINEAR, "transposed"] + (["doubled"] if rows == 1 else []) + ([ONEDNN] if packed else [])
     w0 = cycle[0]
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w0.dtype, device=w0.device) for w in cycle}
     timings: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(1 + rounds):
         for name in names:
-            form = FORMS[name]
             started = time.perf_counter()
-            for w in cycle:
-                form(xs[w.shape[1]], w)
+            if name == ONEDNN:
+                assert packed is not None
+                for w, p in zip(cycle, packed, strict=True):
+                    _onednn(xs[w.shape[1]], p)
+            else:
+                form = FORMS[name]
+                for w in cycle:
+                    form(xs[w.shape[1]], w)
             if round_:
                 timings[name].append(time.perf_counter() - started)
-    medians = {name: statistics.median(t) for name, t in timings.items()}
-    best = min(medians, key=medians.__getitem__)
-    return LINEAR if medians[LINEAR] <= medians[best] * (1 + CLOSE) else best
+    return {name: statistics.median(t) for name, t in timings.items()}

@@ -61,9 +61,9 @@ def hf_step_ms(model: Any, ids: torch.Tensor, new_tokens: int, threads: int) -> 
     return StepTime(statistics.median(gaps) * 1e3, str(threads))
 
 
-def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int) -> Decoder:
-    config = EngineConfig(model=str(model_dir), decoder=DecoderConfig(max_num_seqs=max_num_seqs,
-                                                                      num_blocks=num_blocks))
+def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measure_forms: bool = True) -> Decoder:
+    config = EngineConfig(model=str(model_dir), decoder=DecoderConfig(
+        max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_matmul_forms=measure_forms))
     stages = StageFactory(config)
     decoder = stages.decoder().decoder
     stages.release_unused()

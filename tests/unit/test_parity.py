@@ -21,7 +21,7 @@ from mmserve.config import DecoderConfig, EngineConfig
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
 from mmserve.preprocess.image_runs import image_token_runs
-from mmserve.runtime.matmul_forms import LINEAR
+from mmserve.runtime.matmul_forms import LINEAR, ONEDNN, onednn_packing_available
 
 # Max |ours - reference| over the vocab, every step. NOTE: two implementations with their own kernels and
 # summation orders through every layer; logits are O(1..10), so this is ~1000 float32 ulps of the largest,
@@ -188,14 +188,23 @@ def test_greedy_logprobs_are_log_softmax_of_transformers_logits(oracle, case):
         assert lp.token_id in [t for t, _, _ in lp.top] or lp.top[0][0] in engine.spec.never_sampled
 
 
-@pytest.mark.parametrize("one_row", ["transposed", "doubled"])
+@pytest.mark.parametrize("one_row", ["transposed", "doubled", ONEDNN])
 def test_every_matmul_form_matches_transformers(oracle, one_row):
-    """The forms a CPU may measure fastest (runtime/matmul_forms.py), forced for every row count: one row
-    by `one_row`, any more rows (decodes and prefill chunks) as mm(w, x.T).T; all cases batched."""
+    """The forms a CPU may measure fastest (runtime/matmul_forms.py), forced for every row count: one row by
+    `one_row`, any more rows (decodes and prefill chunks) as mm(w, x.T).T; or the layers' weights packed for
+    oneDNN (the lm_head, tied to the embeddings, stays plain). All cases batched."""
     model_dir, refs = oracle
     engine, rec = make_engine(model_dir)
-    forms = engine.decoder.runner.model.matmul
-    forms.chosen = {count: (LINEAR, one_row, *("transposed",) * 4096) for count in range(1, (os.cpu_count() or 1) + 1)}
+    model = engine.decoder.runner.model
+    if one_row == ONEDNN:
+        if not onednn_packing_available():
+            pytest.skip("this torch build has no oneDNN packing")
+        model.matmul.packing(64)
+        model.pack_weights()
+        assert all(w.is_mkldnn for w in model.linear_weights())
+    else:
+        forced = (LINEAR, one_row, *("transposed",) * 4096)
+        model.matmul.chosen = {count: forced for count in range(1, (os.cpu_count() or 1) + 1)}
     outs = engine.generate([build_request(case)[0] for case in CASES])
     for case, out in zip(CASES, outs, strict=True):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mmserve.config import DecoderConfig
 from mmserve.runtime import matmul_forms
-from mmserve.runtime.matmul_forms import FORMS, LINEAR, MatmulForms
+from mmserve.runtime.matmul_forms import FORMS, LINEAR, MatmulForms, onednn_packing_available
 from mmserve.runtime.step_threads import StepThreads
 
 
@@ -28,8 +28,9 @@ def test_calibration_chooses_a_form_per_row_count_and_thread_count_and_restores_
     weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(96, 32)]
     forms = MatmulForms()
     before = torch.get_num_threads()
-    forms.calibrate(weights, {1, before}, max_rows=4, rounds=1)
+    forms.calibrate(weights, {1, before}, max_rows=4, big_rows=32, rounds=1)
     assert torch.get_num_threads() == before
+    assert forms.pack_rows in (None, 32)
     assert set(forms.chosen) == {1, before}
     for chosen in forms.chosen.values():
         assert len(chosen) == 5 and chosen[0] == LINEAR and set(chosen) <= set(FORMS)
@@ -45,6 +46,18 @@ def test_the_chosen_forms_follow_the_thread_count_and_rows_past_them_take_linear
     assert forms(torch.randn(3, 24), w).is_contiguous()  # past the measured rows: F.linear
     forms.use(1)  # nothing measured at 1 thread: F.linear
     assert forms(torch.randn(2, 24), w).is_contiguous()
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN packing")
+def test_a_weight_packed_for_onednn_gives_the_same_product_at_any_row_count() -> None:
+    forms, w = MatmulForms(), torch.randn(80, 48)
+    assert forms.pack(w) is w  # nothing measured: plain
+    forms.packing(16)
+    packed = forms.pack(w)
+    assert packed.is_mkldnn
+    for rows in (1, 3, 16, 100):
+        x = torch.randn(rows, 96)[:, ::2]  # NOTE: a strided input, as the layers' normed slices are
+        torch.testing.assert_close(forms(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_the_timed_cycle_is_the_first_weights_that_outgrow_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
