@@ -77,6 +77,9 @@ class EncoderConfig(_Bounded):
     compute_budget_tokens: int = at_least(1, 256 * 8)  # embedding rows encoded in one encoder step
     max_batch_items: int | None = at_least(1, None)  # crops per vision forward and step; None = by device
     batch_wait_ms: float | None = at_least(0, None)  # ms the first request of a batch waits; None = by device
+    # CPU only: time oneDNN's product with packed weights against F.linear at start-up on the vision tower's
+    # weights, and pack its linear layers where it wins (runtime/matmul_forms.py); False = as loaded
+    measure_matmul_forms: bool = True
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from mmserve.models.base import ModelFamily, ModelSpec
 from mmserve.models.registry import checkpoint_dir, load_family
 from mmserve.preprocess.preprocessor import Preprocessor
 from mmserve.preprocess.processor_cache import ItemCache
+from mmserve.runtime.passing_thread import in_passing_thread
 
 
 class StageFactory:
@@ -50,7 +51,8 @@ class StageFactory:
                             block_hashes=self._block_hasher().prompt if stamp else None)
 
     def encoder(self, resolve: Resolver = inline_pixels) -> EncoderService:
-        stage = EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device)
+        stage = in_passing_thread(  # NOTE: loading and timing kernels leave no OpenMP pool behind (passing_thread.py)
+            lambda: EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device))
         return EncoderService(stage, batch_wait_s=batch_wait_s(self.config.encoder.batch_wait_ms, self.device),
                               resolve=resolve)
 
@@ -60,8 +62,9 @@ class StageFactory:
             from transformers import AutoTokenizer  # NOTE: deferred; importing transformers takes ~2 s
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        decoder = Decoder(self.family.load_text(), self.spec, tokenizer, self.config.decoder, dtype=self.dtype,
-                          device=self.device, on_logits=on_logits)
+        decoder = in_passing_thread(  # NOTE: loading and timing kernels leave no OpenMP pool behind (passing_thread.py)
+            lambda: Decoder(self.family.load_text(), self.spec, tokenizer, self.config.decoder, dtype=self.dtype,
+                            device=self.device, on_logits=on_logits))
         config = self.config.decoder
         pacing = StreamPacing(config.stream_interval_ms / 1000, config.stream_messages_per_s,
                               config.stream_interval_max_ms / 1000)

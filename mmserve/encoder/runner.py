@@ -16,6 +16,7 @@ import torch
 
 from mmserve.messages import ProcessedItem
 from mmserve.models.base import VisionEncoder  # (n_images, 3, H, W) -> (n_images, mm_tokens, hidden)
+from mmserve.runtime.passing_thread import in_passing_thread
 from mmserve.runtime.step_threads import StepThreads
 
 # NOTE: on a CPU a batch of images costs about the same per image as one alone (docs/benchmarks.md,
@@ -62,6 +63,14 @@ class EncoderRunner:
         if not items:
             return []
         crops, n_crops = _flatten_crops(items)
+        # NOTE: on a CPU in a passing thread, whose OpenMP pool ends with the forward: a pool kept by the
+        # encoder's thread would slow every small step of a decoder in the same process (passing_thread.py)
+        per_item = in_passing_thread(lambda: self._encode(crops, n_crops), "mmserve-vision") \
+            if self.device.type == "cpu" else self._encode(crops, n_crops)
+        self.items_encoded += len(items)
+        return per_item  # each (n_crops * mm_tokens, hidden)
+
+    def _encode(self, crops: list[np.ndarray], n_crops: list[int]) -> list[torch.Tensor]:
         self.threads.apply(len(crops))
         with torch.inference_mode():
             chunks = [
@@ -74,9 +83,7 @@ class EncoderRunner:
         # inference tensors would break a decoder that runs with autograd enabled, and cloning
         # gives each item its own storage instead of a view that pins the whole batch.
         with torch.no_grad():
-            per_item = [t.reshape(-1, hidden).clone() for t in features.split(n_crops)]
-        self.items_encoded += len(items)
-        return per_item  # each (n_crops * mm_tokens, hidden)
+            return [t.reshape(-1, hidden).clone() for t in features.split(n_crops)]
 
     def _forward(self, crops: list[np.ndarray]) -> torch.Tensor:
         # NOTE: np.stack copies into a fresh writable array, so read-only arrays (zero-copy from

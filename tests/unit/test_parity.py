@@ -21,7 +21,8 @@ from mmserve.config import DecoderConfig, EngineConfig
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
 from mmserve.preprocess.image_runs import image_token_runs
-from mmserve.runtime.matmul_forms import LINEAR, ONEDNN, onednn_packing_available
+from mmserve.runtime import matmul_forms
+from mmserve.runtime.matmul_forms import LINEAR, ONEDNN, PackedLinear, onednn_packing_available
 
 # Max |ours - reference| over the vocab, every step. NOTE: two implementations with their own kernels and
 # summation orders through every layer; logits are O(1..10), so this is ~1000 float32 ulps of the largest,
@@ -189,18 +190,23 @@ def test_greedy_logprobs_are_log_softmax_of_transformers_logits(oracle, case):
 
 
 @pytest.mark.parametrize("one_row", ["transposed", "doubled", ONEDNN])
-def test_every_matmul_form_matches_transformers(oracle, one_row):
+def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch):
     """The forms a CPU may measure fastest (runtime/matmul_forms.py), forced for every row count: one row by
-    `one_row`, any more rows (decodes and prefill chunks) as mm(w, x.T).T; or the layers' weights packed for
-    oneDNN (the lm_head, tied to the embeddings, stays plain). All cases batched."""
+    `one_row`, any more rows (decodes and prefill chunks) as mm(w, x.T).T; or oneDNN's product measured
+    fastest, so that the decoder layers' weights and the vision tower's linear layers are packed for it (the
+    lm_head, tied to the embeddings, stays plain). All cases batched."""
     model_dir, refs = oracle
-    engine, rec = make_engine(model_dir)
-    model = engine.decoder.runner.model
+    packed_calls: list[int] = []
     if one_row == ONEDNN:
         if not onednn_packing_available():
             pytest.skip("this torch build has no oneDNN packing")
-        model.matmul.packing(64)
-        model.pack_weights()
+        monkeypatch.setattr(matmul_forms, "_timings", lambda cycle, packed, rows, rounds: {
+            LINEAR: 1.0, "transposed": 1.0, "doubled": 1.0, ONEDNN: 0.5})
+        forward = PackedLinear.forward
+        monkeypatch.setattr(PackedLinear, "forward", lambda self, x: packed_calls.append(1) or forward(self, x))
+    engine, rec = make_engine(model_dir)
+    model = engine.decoder.runner.model
+    if one_row == ONEDNN:
         assert all(w.is_mkldnn for w in model.linear_weights())
     else:
         forced = (LINEAR, one_row, *("transposed",) * 4096)
@@ -208,3 +214,4 @@ def test_every_matmul_form_matches_transformers(oracle, one_row):
     outs = engine.generate([build_request(case)[0] for case in CASES])
     for case, out in zip(CASES, outs, strict=True):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
+    assert one_row != ONEDNN or packed_calls  # the vision tower ran on packed weights

@@ -9,7 +9,15 @@ import torch.nn.functional as F
 
 from mmserve.config import DecoderConfig
 from mmserve.runtime import matmul_forms
-from mmserve.runtime.matmul_forms import FORMS, LINEAR, MatmulForms, onednn_packing_available
+from mmserve.runtime.matmul_forms import (
+    FORMS,
+    LINEAR,
+    ONEDNN,
+    MatmulForms,
+    PackedLinear,
+    onednn_packing_available,
+    pack_linears,
+)
 from mmserve.runtime.step_threads import StepThreads
 
 
@@ -74,3 +82,32 @@ def test_forms_are_measured_at_every_count_a_step_may_use() -> None:
     assert threads.possible_counts() == {1, 3}
     threads.big = None  # open: measured between 1 and all
     assert threads.possible_counts() == {1, 4}
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN packing")
+def test_a_packed_linear_layer_is_the_same_layer() -> None:
+    linear = torch.nn.Linear(24, 40)
+    forms = MatmulForms()
+    forms.packing(64)
+    packed = PackedLinear(linear, forms)
+    x = torch.randn(2, 7, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN packing")
+@pytest.mark.parametrize("packed_wins", [True, False])
+def test_linear_layers_are_packed_only_where_measured_faster(monkeypatch: pytest.MonkeyPatch,
+                                                             packed_wins: bool) -> None:
+    def timings(cycle, packed, rows, rounds):  # stands in for the clock
+        return {LINEAR: 1.0, "transposed": 1.0, ONEDNN: 0.5 if packed_wins else 1.0}
+
+    monkeypatch.setattr(matmul_forms, "_timings", timings)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Sequential(torch.nn.Linear(32, 8)))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        before = model(x)
+        assert pack_linears(model, rows=64) == (2 if packed_wins else 0)
+        kinds = {type(m) for m in model.modules()}
+        assert (PackedLinear in kinds) == packed_wins and (torch.nn.Linear in kinds) != packed_wins
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
