@@ -28,7 +28,8 @@ from bench_lib.loadgen import http_sender, run_cell  # noqa: E402
 from bench_lib.systems import Mmserve  # noqa: E402
 from bench_lib.workloads import cell_requests  # noqa: E402
 
-THREADS_OF = ("mmserve:Ingress", "ProxyActor", "mmserve:Decoder", "mmserve:Preprocess", "mmserve:Encoder")  # split by thread
+# split by thread
+THREADS_OF = ("mmserve:Ingress", "ProxyActor", "mmserve:Decoder", "mmserve:Preprocess", "mmserve:Encoder")
 Key = tuple[int, str]  # (pid, command line)
 
 
