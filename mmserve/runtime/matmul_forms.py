@@ -106,8 +106,7 @@ class MatmulForms:
         counts and `big_rows` (a prefill chunk) at every count. Times products with a cycle of `weights` (in
         step order); leaves torch's thread count as it found it."""
         cycle = _cold_cycle(weights)
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, big_rows) for w in cycle] \
-            if onednn_packing_available() else None
+        packed = _packed(cycle, big_rows)
         ratios: list[float] = []
         before = torch.get_num_threads()
         try:
@@ -162,6 +161,18 @@ def pack_linears(module: torch.nn.Module, rows: int, rounds: int = 2) -> int:
     for parent, name, child in linears:
         setattr(parent, name, PackedLinear(child, forms))
     return len(linears)
+
+
+def _packed(weights: list[torch.Tensor], rows: int) -> list[torch.Tensor] | None:
+    """The weights packed for oneDNN, or None where it cannot pack them (no such ops; a dtype this CPU's
+    oneDNN lacks, e.g. float16 without AVX-512 FP16)."""
+    if not onednn_packing_available():
+        return None
+    try:
+        return [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    except RuntimeError as exc:
+        log.info("oneDNN cannot pack %s weights here (%s): kept plain", weights[0].dtype, exc)
+        return None
 
 
 def _cold_cycle(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -56,6 +56,16 @@ def test_the_chosen_forms_follow_the_thread_count_and_rows_past_them_take_linear
     assert forms(torch.randn(2, 24), w).is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_dtype_onednn_cannot_pack_here_is_measured_plain(dtype: torch.dtype) -> None:
+    """float16 packing needs AVX-512 FP16 or AVX-NE-CONVERT: where the CPU lacks them, the forms stay plain."""
+    forms = MatmulForms()
+    forms.calibrate([torch.randn(64, 32).to(dtype), torch.randn(32, 64).to(dtype)], {1}, max_rows=2, big_rows=16,
+                    rounds=1)
+    x, w = torch.randn(3, 32).to(dtype), torch.randn(48, 32).to(dtype)
+    torch.testing.assert_close(forms(x, forms.pack(w)).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN packing")
 def test_a_weight_packed_for_onednn_gives_the_same_product_at_any_row_count() -> None:
     forms, w = MatmulForms(), torch.randn(80, 48)
