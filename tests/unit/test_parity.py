@@ -203,7 +203,12 @@ def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch):
         monkeypatch.setattr(matmul_forms, "_timings", lambda cycle, packed, rows, rounds: {
             LINEAR: 1.0, "transposed": 1.0, "doubled": 1.0, ONEDNN: 0.5})
         forward = PackedLinear.forward
-        monkeypatch.setattr(PackedLinear, "forward", lambda self, x: packed_calls.append(1) or forward(self, x))
+
+        def counted(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+            packed_calls.append(1)
+            return forward(self, x)
+
+        monkeypatch.setattr(PackedLinear, "forward", counted)
     engine, rec = make_engine(model_dir)
     model = engine.decoder.runner.model
     if one_row == ONEDNN:

@@ -68,7 +68,9 @@ def _spec(mm_hash: str, data: Any, num_embeds: int = MM_TOKENS) -> MultiModalFea
 
 
 def _stage(vision: Callable[[torch.Tensor], torch.Tensor] | None = None, **config: int) -> EncoderStage:
-    cfg = EncoderConfig(**{"cache_capacity_tokens": 64, "compute_budget_tokens": 32, "max_batch_items": 16, **config})
+    settings: dict[str, Any] = {"cache_capacity_tokens": 64, "compute_budget_tokens": 32, "max_batch_items": 16,
+                                **config}
+    cfg = EncoderConfig(**settings)
     return EncoderStage.build(vision or FakeVision(), cfg)
 
 
