@@ -10,6 +10,8 @@ from typing import Any
 
 from deployments.args import DEFAULT_STAGE_ENV
 from deployments.process_setup import SWITCH_INTERVAL_S
+from mmserve.config import DecoderConfig
+from mmserve.runtime.matmul_forms import FORMS
 from tests.integration.conftest import PREPROCESS_NODES, AppInfo
 from tests.integration.helpers import info_of_every_replica, replica_actors, replica_states
 
@@ -52,3 +54,13 @@ def test_encoder_replicas_run_torch_on_every_core_with_the_stage_environment(mm_
     cores = len(os.sched_getaffinity(0))  # the nodes of a local Cluster share this machine's cores
     assert {(i["torch_threads"], i["gomp_spincount"], i["switch_interval_s"]) for i in infos.values()} == {
         (cores, DEFAULT_STAGE_ENV["GOMP_SPINCOUNT"], SWITCH_INTERVAL_S)}
+
+
+def test_the_decoder_replica_chose_its_matmul_forms_at_start_up(mm_app: AppInfo):
+    """A CPU decoder times the forms of x @ w.T for every row count of a small step at every thread count its
+    steps may use (runtime/matmul_forms.py), in the replica, before serving."""
+    info = mm_app.handle("Decoder").replica_info.remote().result()
+    rows = DecoderConfig().small_step_tokens
+    assert info["matmul_forms"] and {info["small_step_threads"], info["big_step_threads"]} <= set(info["matmul_forms"])
+    assert all(len(names) == rows and set(names) <= set(FORMS) for names in info["matmul_forms"].values())
+    assert isinstance(info["weights_packed"], bool)
