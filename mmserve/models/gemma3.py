@@ -22,8 +22,6 @@ from mmserve.models.gemma3_text import Gemma3PagedText
 from mmserve.models.pixels import PixelNormalization
 from mmserve.runtime.matmul_forms import pack_linears
 
-PACK_TIMING_ROWS = 1024  # the most patch rows the vision tower's products are timed with at start-up
-
 
 def _eos_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
     ids: list[int] = []
@@ -96,8 +94,7 @@ class Gemma3Family:
         projector = inner.multi_modal_projector.to(device)
         vision = self.hf_config.vision_config
         if device.type == "cpu" and self.engine_config.encoder.measure_matmul_forms:
-            # NOTE: timed at up to 1024 of one image's patch rows: its products are bound by arithmetic
-            pack_linears(tower, min((vision.image_size // vision.patch_size) ** 2, PACK_TIMING_ROWS))
+            pack_linears(tower, rows=(vision.image_size // vision.patch_size) ** 2)  # one image's patch rows
         normalize, dtype = PixelNormalization.from_checkpoint(self.model_dir), self.dtype
 
         def encode(pixels: torch.Tensor) -> torch.Tensor:

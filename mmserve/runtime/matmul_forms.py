@@ -36,6 +36,7 @@ LINEAR = "linear"
 ONEDNN = "onednn"  # the product with a weight packed for oneDNN (a timing key; `pack` stores the weights so)
 CLOSE = 0.05  # another form (or packing) must be this much faster than F.linear to be chosen (noise, not a win)
 COLD_BYTES = 256 << 20  # NOTE: more than a core complex's last-level cache on today's server CPUs
+BIG_TIMING_ROWS = 1024  # products of more rows are timed at this many (bound by arithmetic, not by the weights)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -147,7 +148,8 @@ class PackedLinear(torch.nn.Module):
 
 def pack_linears(module: torch.nn.Module, rows: int, rounds: int = 2) -> int:
     """Replace every `nn.Linear` under `module` by a `PackedLinear` where oneDNN's product with packed weights
-    is measured faster (CLOSE) than F.linear at `rows` rows, on one weight of each shape; -> how many.
+    is measured faster (CLOSE) than F.linear at `rows` rows (at most BIG_TIMING_ROWS), on one weight of each
+    shape; -> how many.
     NOTE: products of many rows are bound by arithmetic, not by reading the weights: no cold cycle needed."""
     linears = [(parent, name, child) for parent in module.modules()
                for name, child in parent.named_children() if isinstance(child, torch.nn.Linear)]
@@ -155,7 +157,7 @@ def pack_linears(module: torch.nn.Module, rows: int, rounds: int = 2) -> int:
         return 0
     forms = MatmulForms()
     shapes = {tuple(child.weight.shape): child.weight.detach() for _, _, child in linears}
-    forms.calibrate(list(shapes.values()), {torch.get_num_threads()}, 0, rows, rounds)
+    forms.calibrate(list(shapes.values()), {torch.get_num_threads()}, 0, min(rows, BIG_TIMING_ROWS), rounds)
     if forms.pack_rows is None:
         return 0
     for parent, name, child in linears:
