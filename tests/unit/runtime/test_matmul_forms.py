@@ -43,6 +43,8 @@ def test_calibration_chooses_a_form_per_row_count_and_thread_count_and_restores_
     for chosen in forms.chosen.values():
         assert len(chosen) == 5 and chosen[0] == LINEAR and set(chosen) <= set(FORMS)
         assert "doubled" not in chosen[2:]  # two rows or more are never computed twice
+    forms.calibrate(weights, {1}, max_rows=4, big_rows=4, rounds=1)  # a prefill chunk no bigger than a decode
+    assert len(forms.chosen[1]) == 5
 
 
 def test_the_chosen_forms_follow_the_thread_count_and_rows_past_them_take_linear() -> None:
