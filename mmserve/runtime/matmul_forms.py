@@ -2,7 +2,7 @@
 
 Owns: the equivalent forms of the product (each one library call, same result up to float rounding),
 whether weights are stored in oneDNN's packed layout, choosing both by timing them at start-up on the
-model's own weights (a form per row count and thread count), and the product itself (`forms(x, w)`).
+model's own weights (a form per row count and thread count), and the product itself (`forms.product(x, w)`).
 Does not own which threads a step uses (`step_threads.py`), the weights (the model module packs its
 own with `pack`), nor when to measure (the decoder, on a CPU).
 
@@ -65,7 +65,7 @@ def onednn_packing_available() -> bool:
 
 
 class MatmulForms:
-    """`forms(x, w)` (or `forms.product(x, w)`) = `x @ w.T` for x (rows, in) and w (out, in): by oneDNN if w was
+    """`forms.product(x, w)` = `x @ w.T` for x (rows, in) and w (out, in): by oneDNN if w was
     packed by `pack`, else in the form chosen for x's row count under the thread count set by `use`,
     F.linear where nothing was chosen (the default everywhere). The result may be a non-contiguous view."""
 
@@ -74,9 +74,6 @@ class MatmulForms:
         self.pack_rows: int | None = None  # weights are packed for steps of about this many rows; None = plain
         self._forms: tuple[Form, ...] = ()  # the current thread count's forms, index = rows
         self.product: Form = F.linear  # what a call computes with: F.linear, or the dispatch to the chosen forms
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.product(x, w)
 
     def _chosen(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if w.is_mkldnn:

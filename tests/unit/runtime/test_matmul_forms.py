@@ -52,10 +52,10 @@ def test_the_chosen_forms_follow_the_thread_count_and_rows_past_them_take_linear
     forms.chosen = {2: (LINEAR, "doubled", "transposed")}
     w = torch.randn(40, 24)
     forms.use(2)
-    assert not forms(torch.randn(2, 24), w).is_contiguous()  # mm(w, x.T).T: a transposed view
-    assert forms(torch.randn(3, 24), w).is_contiguous()  # past the measured rows: F.linear
+    assert not forms.product(torch.randn(2, 24), w).is_contiguous()  # mm(w, x.T).T: a transposed view
+    assert forms.product(torch.randn(3, 24), w).is_contiguous()  # past the measured rows: F.linear
     forms.use(1)  # nothing measured at 1 thread: F.linear
-    assert forms(torch.randn(2, 24), w).is_contiguous()
+    assert forms.product(torch.randn(2, 24), w).is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -65,7 +65,7 @@ def test_a_dtype_onednn_cannot_pack_here_is_measured_plain(dtype: torch.dtype) -
     forms.calibrate([torch.randn(64, 32).to(dtype), torch.randn(32, 64).to(dtype)], {1}, max_rows=2, big_rows=16,
                     rounds=1)
     x, w = torch.randn(3, 32).to(dtype), torch.randn(48, 32).to(dtype)
-    torch.testing.assert_close(forms(x, forms.pack(w)).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(forms.product(x, forms.pack(w)).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN packing")
@@ -77,7 +77,7 @@ def test_a_weight_packed_for_onednn_gives_the_same_product_at_any_row_count() ->
     assert packed.is_mkldnn
     for rows in (1, 3, 16, 100):
         x = torch.randn(rows, 96)[:, ::2]  # NOTE: a strided input, as the layers' normed slices are
-        torch.testing.assert_close(forms(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(forms.product(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_the_timed_cycle_is_the_first_weights_that_outgrow_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
