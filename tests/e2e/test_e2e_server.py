@@ -505,4 +505,7 @@ def test_logprobs_streamed_and_not_agree(client, e2e_server):
         assert len(best) == 3 and best == sorted(best, reverse=True) and token.logprob <= best[0] + 1e-6
     streamed = [t for chunk in client.chat.completions.create(**kwargs, stream=True) for choice in chunk.choices
                 if choice.logprobs is not None for t in choice.logprobs.content]
-    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    # NOTE: the second request reuses the first's prefix blocks, so its prefill runs fewer rows, which may take
+    # another matmul form: logprobs agree to float32 rounding, not bit for bit (rounding to 4 places flaked).
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-3)
