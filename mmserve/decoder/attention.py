@@ -191,8 +191,9 @@ def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead,
     heads, kv_heads, d = q.shape[1], kv.keys.shape[2], q.shape[2]
     pages = read.pages[rank]
     lo, hi = read.keys
-    keys = kv.keys.index_select(0, pages).view(b, read.rows, kv_heads, d)[:, lo:hi].transpose(1, 2)
-    values = kv.values.index_select(0, pages).view(b, read.rows, kv_heads, d)[:, lo:hi].transpose(1, 2)
+    gathered_keys, gathered_values = kv.gather(pages)  # each (B * blocks, block_size, kv_heads, d)
+    keys = gathered_keys.view(b, read.rows, kv_heads, d)[:, lo:hi].transpose(1, 2)
+    values = gathered_values.view(b, read.rows, kv_heads, d)[:, lo:hi].transpose(1, 2)
     gqa = n > 1 and kv_heads != heads
     # decodes: (B, kv_heads, heads per kv head, d), each kv head's query heads as its query rows;
     # one prefill chunk: (1, heads, Q, d)

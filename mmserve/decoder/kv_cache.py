@@ -4,7 +4,14 @@ Owns: the memory. A page holds one layer's keys (and, in the other tensor, value
 positions; a cache row is `page * block_size + offset`. Which pages a sequence holds on which layer
 is `kv_blocks.py`'s business; which rows a step reads is attention's. The pool holds
 `num_blocks * num_layers` pages: the memory of `num_blocks` blocks on every layer, which the layer
-kinds share (a sliding layer keeps only its window).
+kinds share (a sliding layer keeps only its window). Also owns the workspace that attention gathers a
+group's pages into (`gather`).
+
+NOTE: the workspace is kept and reused, not allocated per layer and step. A gather above glibc's mmap
+threshold (32 MiB at most: 8 sequences of 8k tokens on the benchmark checkpoint) is otherwise mapped
+afresh each time, and each of its 4 KiB pages faults on first write: ~15k page faults per step there,
+which on a VM can double the step (docs/benchmarks.md). It grows by doubling to the largest gather seen
+and does not shrink; on CUDA it only spares the caching allocator its calls.
 """
 
 from __future__ import annotations
@@ -24,7 +31,20 @@ class KVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         rows = (self.num_pages * self.block_size, spec.num_kv_heads, spec.head_dim)
         self.key_rows, self.value_rows = self.keys.view(rows), self.values.view(rows)  # (rows, kv_heads, head_dim)
+        self._workspace = torch.empty((2, 0, *shape[1:]), dtype=dtype, device=device)  # (K|V, pages, ...)
+
+    def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n,) page ids -> ((n, block_size, kv_heads, head_dim) keys, the same for values): copies in the
+        workspace, valid until the next `gather`."""
+        n = pages.shape[0]
+        if n > self._workspace.shape[1]:
+            grown = max(n, 2 * self._workspace.shape[1])
+            self._workspace = self.keys.new_empty((2, grown, *self.keys.shape[1:]))
+        keys = torch.index_select(self.keys, 0, pages, out=self._workspace[0, :n])
+        values = torch.index_select(self.values, 0, pages, out=self._workspace[1, :n])
+        return keys, values
 
     @property
     def nbytes(self) -> int:
+        """The pages' bytes (the workspace, sized by the largest gather, is not counted)."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))

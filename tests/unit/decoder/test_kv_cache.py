@@ -1,0 +1,39 @@
+"""KVCache's gather workspace: a group's pages copied out exactly, into memory kept across gathers."""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.config import DecoderConfig
+from mmserve.decoder.kv_cache import KVCache
+from mmserve.models.base import FULL, AttentionPattern, ModelSpec
+
+PATTERN = AttentionPattern(layer_kinds=(FULL, FULL), sliding_window=None, bidirectional_images=False, scaling=0.5,
+                           softcap=None)
+SPEC = ModelSpec("gemma3", "m", 9, 4, 50, 16, 2, 2, 4, 1024, (1,), PATTERN)
+
+
+def _filled_cache() -> KVCache:
+    kv = KVCache(SPEC, DecoderConfig(block_size=4, num_blocks=16), dtype=torch.float32, device=torch.device("cpu"))
+    kv.keys.copy_(torch.randn(kv.keys.shape))
+    kv.values.copy_(torch.randn(kv.values.shape))
+    return kv
+
+
+def test_gather_copies_the_pages_asked_for_in_order() -> None:
+    kv = _filled_cache()
+    pages = torch.tensor([5, 0, 5, 31])
+    keys, values = kv.gather(pages)
+    assert torch.equal(keys, kv.keys[pages]) and torch.equal(values, kv.values[pages])
+
+
+def test_a_gather_no_bigger_than_the_largest_so_far_reuses_its_memory() -> None:
+    kv = _filled_cache()
+    first, _ = kv.gather(torch.arange(8))
+    smaller_keys, smaller_values = kv.gather(torch.tensor([3, 1]))
+    assert smaller_keys.data_ptr() == first.data_ptr()
+    assert torch.equal(smaller_keys, kv.keys[[3, 1]]) and torch.equal(smaller_values, kv.values[[3, 1]])
+    bigger, _ = kv.gather(torch.arange(9))  # grows (to 16 pages: doubling), then 16 fit again
+    again, _ = kv.gather(torch.arange(16))
+    assert bigger.data_ptr() != first.data_ptr() and again.data_ptr() == bigger.data_ptr()
+    assert torch.equal(again, kv.keys[:16])
