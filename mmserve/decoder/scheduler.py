@@ -1,8 +1,8 @@
 """Continuous-batching FCFS scheduler of the decoder: who computes which tokens in the next step.
 
-Owns: the waiting and running queues, admission, chunked prefill, KV-page allocation per step (what
-each layer kind needs, through `KVBlockManager`), returning pages that fell out of the sliding
-window after each step, preemption (recompute policy), and finishing on eos / stop tokens /
+Owns: the waiting and running queues, admission, chunked prefill (where a chunk ends: chunking.py),
+KV-page allocation per step (what each layer kind needs, through `KVBlockManager`), returning pages
+that fell out of the sliding window after each step, preemption (recompute policy), and finishing on eos / stop tokens /
 max_tokens / max_model_len. Does not own: the model forward and sampling (the model runner), stop
 strings (the output processor calls `finish`), nor the K/V tensors (only page ids).
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.chunking import chunk_tokens, lacking
 from mmserve.decoder.kv_blocks import KVBlockManager
 from mmserve.decoder.prefix_cache import BlockHasher, PrefixCache
 from mmserve.decoder.sequence import Sequence, SequenceStatus
@@ -145,7 +146,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._num_new_tokens(seq, budget)
+            n = chunk_tokens(seq, budget)
             if n > 0 and self._grow_or_preempt(seq, n, preempted):
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
@@ -203,20 +204,6 @@ class Scheduler:
                 f"an image's {longest} tokens attend to each other both ways and must be computed in one "
                 f"decoder step, which computes at most {budget} tokens (max_num_batched_tokens)")
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        """Tokens to compute for `seq` this step: its remainder, cut to `budget`, to image spans and to
-        the first item whose embeddings it lacks."""
-        start = seq.num_computed_tokens
-        end = start + min(seq.num_tokens - start, budget)
-        if end < seq.num_tokens:
-            end = _end_outside_spans(seq, start, end)
-        for i in _lacking(seq):
-            f = seq.features[i]
-            if f.placeholder.offset + f.placeholder.length > start:
-                end = min(end, f.placeholder.offset)
-        return max(end - start, 0)
-
-
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
         return self.kv.pages_to_grow(seq.blocks, seq.num_computed_tokens + num_new)
 
@@ -241,7 +228,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hit = self._start_from_cache(seq)
-            n = self._num_new_tokens(seq, budget)
+            n = chunk_tokens(seq, budget)
             needed = self._pages_needed(seq, n)
             if n == 0 or not self.kv.can_allocate(needed):
                 self.kv.release(seq.blocks)  # the cached prefix it took, if any: held again next step
@@ -265,7 +252,7 @@ class Scheduler:
         embeddings of and the prefix does not wholly cover are asked for now, before any chunk needs them."""
         hit = self.kv.start_from_cache(seq.blocks, seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
         seq.num_computed_tokens = hit
-        needed = [i for i in _lacking(seq)
+        needed = [i for i in lacking(seq)
                   if seq.features[i].placeholder.offset + seq.features[i].placeholder.length > hit]
         if needed:
             self._asks.append((seq, needed))
@@ -293,27 +280,5 @@ class Scheduler:
         return None
 
 
-def _lacking(seq: Sequence) -> list[int]:
-    """Features whose embeddings the sequence was given as None (their placeholder was cached)."""
-    return [i for i, emb in enumerate(seq.embeddings) if emb is None]
-
-
 def _arrival(seq: Sequence) -> int:
     return seq.arrival_order
-
-
-def _end_outside_spans(seq: Sequence, chunk_start: int, end: int) -> int:
-    """Move a chunk end that falls strictly inside an atomic span back to the span's start (to the chunk's
-    start, i.e. nothing this step, when the chunk starts inside that span: a cached prefix ended in it).
-
-    NOTE: Gemma 3 attends both ways within one image (or crop), so a chunk must hold its tokens whole;
-    an item's crops, and the text between them, may go to different steps (the model runner merges
-    the matching rows of the item's embeddings). A prefix cached from a step that saw the whole image
-    may end inside it: its K/V are right, and the rest of the image must go in one chunk. Spans are
-    disjoint, so one move is enough; a chunk that starts inside a span and cannot reach its end this step
-    waits (0 tokens) for a step with that much budget (`add` checked the span fits max_num_batched_tokens).
-    """
-    for start, stop in seq.atomic_spans:
-        if start < end < stop:
-            return start if start >= chunk_start else chunk_start
-    return end

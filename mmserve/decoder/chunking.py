@@ -1,0 +1,47 @@
+"""Where one sequence's chunk of a step ends: the token budget, images kept whole, embeddings in hand.
+
+Owns: the rule for how many tokens a sequence computes in a step, given the budget left: its remainder,
+cut so that a chunk never ends inside an atomic span (Gemma 3's image, whose tokens attend to each
+other both ways) and never reaches an item whose embeddings the sequence lacks. Does not own the budget
+nor the queues (scheduler.py), nor asking for missing embeddings (the decoder service).
+"""
+
+from __future__ import annotations
+
+from mmserve.decoder.sequence import Sequence
+
+
+def chunk_tokens(seq: Sequence, budget: int) -> int:
+    """Tokens to compute for `seq` this step: its remainder, cut to `budget`, to image spans and to
+    the first item whose embeddings it lacks."""
+    start = seq.num_computed_tokens
+    end = start + min(seq.num_tokens - start, budget)
+    if end < seq.num_tokens:
+        end = _end_outside_spans(seq, start, end)
+    for i in lacking(seq):
+        f = seq.features[i]
+        if f.placeholder.offset + f.placeholder.length > start:
+            end = min(end, f.placeholder.offset)
+    return max(end - start, 0)
+
+
+def lacking(seq: Sequence) -> list[int]:
+    """Features whose embeddings the sequence was given as None (their placeholder was cached)."""
+    return [i for i, emb in enumerate(seq.embeddings) if emb is None]
+
+
+def _end_outside_spans(seq: Sequence, chunk_start: int, end: int) -> int:
+    """Move a chunk end that falls strictly inside an atomic span back to the span's start (to the chunk's
+    start, i.e. nothing this step, when the chunk starts inside that span: a cached prefix ended in it).
+
+    NOTE: Gemma 3 attends both ways within one image (or crop), so a chunk must hold its tokens whole;
+    an item's crops, and the text between them, may go to different steps (the model runner merges
+    the matching rows of the item's embeddings). A prefix cached from a step that saw the whole image
+    may end inside it: its K/V are right, and the rest of the image must go in one chunk. Spans are
+    disjoint, so one move is enough; a chunk that starts inside a span and cannot reach its end this step
+    waits (0 tokens) for a step with that much budget (`add` checked the span fits max_num_batched_tokens).
+    """
+    for start, stop in seq.atomic_spans:
+        if start < end < stop:
+            return start if start >= chunk_start else chunk_start
+    return end
