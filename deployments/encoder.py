@@ -15,7 +15,7 @@ import ray
 import torch
 from ray import serve
 
-from deployments.args import AppArgs
+from deployments.args import DEFAULT_STAGE_ENV, AppArgs
 from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process
@@ -79,5 +79,5 @@ class Encoder:
         return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "referenced_requests": referenced, "forward_passes": self.stage.runner.forward_passes,
                 "cache_queries": stats.queries, "cache_hits": stats.hits,
-                "torch_threads": torch.get_num_threads(), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
-                "switch_interval_s": sys.getswitchinterval()}
+                "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
+                "stage_env": {k: os.environ.get(k) for k in DEFAULT_STAGE_ENV}}

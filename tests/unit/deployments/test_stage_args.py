@@ -22,6 +22,9 @@ def test_replica_environment_reaches_ray_actor_options() -> None:
     actor = StageArgs().deployment_options()["ray_actor_options"]
     assert actor["runtime_env"] == {"env_vars": DEFAULT_STAGE_ENV}
     assert "GOMP_SPINCOUNT" in DEFAULT_STAGE_ENV
+    # glibc's own ceilings for its dynamic thresholds: 32 MiB to mmap, twice that to trim
+    assert (DEFAULT_STAGE_ENV["MALLOC_MMAP_THRESHOLD_"], DEFAULT_STAGE_ENV["MALLOC_TRIM_THRESHOLD_"]) == (
+        str(32 << 20), str(64 << 20))
     args = parse_args({"encoder.env": '{"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}', "decoder.env": "{}"})
     assert args.encoder.deployment_options()["ray_actor_options"]["runtime_env"] == {
         "env_vars": {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}}
