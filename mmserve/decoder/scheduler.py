@@ -2,8 +2,8 @@
 
 Owns: the waiting and running queues, admission, chunked prefill (where a chunk ends: chunking.py),
 KV-page allocation per step (what each layer kind needs, through `KVBlockManager`), returning pages
-that fell out of the sliding window after each step, preemption (recompute policy), and finishing on eos / stop tokens /
-max_tokens / max_model_len. Does not own: the model forward and sampling (the model runner), stop
+that fell out of the sliding window after each step, preemption (recompute policy), and finishing on
+eos / stop tokens / max_tokens / max_model_len. Does not own: the model forward and sampling (the model runner), stop
 strings (the output processor calls `finish`), nor the K/V tensors (only page ids).
 
 One rule covers every case: a sequence computes its `num_tokens - num_computed_tokens` remaining
