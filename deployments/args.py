@@ -45,9 +45,9 @@ class Autoscaling(_Strict):
 # NOTE: glibc's malloc serves a block above its mmap threshold with a fresh mapping, and gives the heap's
 # free top back to the kernel past its trim threshold; either way the next request's buffers (a decoded
 # image, its resized copy, activations) fault in their pages again. glibc raises both thresholds itself
-# after freeing a big block, up to 32 MiB and twice that, but not for every pattern: a Preprocess replica
-# faulted ~3,300 pages per new image and with these set 588 (the pixels it keeps). These are glibc's own
-# ceilings, set from the start (docs/benchmarks.md). Other C libraries ignore them.
+# after freeing a big block, up to 32 MiB and twice that, but not for every pattern (a Preprocess replica
+# faulted in every new image's buffers again: docs/benchmarks.md has the counts). These are glibc's own
+# ceilings, set from the start. Other C libraries ignore them.
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
                      "MALLOC_TRIM_THRESHOLD_": str(2 * MMAP_THRESHOLD_BYTES)}

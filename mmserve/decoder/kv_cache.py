@@ -8,10 +8,10 @@ kinds share (a sliding layer keeps only its window). Also owns the workspace tha
 group's pages into (`gather`).
 
 NOTE: the workspace is kept and reused, not allocated per layer and step. A gather above glibc's mmap
-threshold (32 MiB at most; 8 sequences of 8k tokens on the benchmark checkpoint gather 32.8 MB of keys)
-is otherwise mapped afresh each time, and each of its 4 KiB pages faults on first write: ~15k page
-faults per step there, which on a VM can double the step (docs/benchmarks.md). It grows by doubling to
-the largest gather seen and does not shrink; on CUDA it only spares the caching allocator its calls.
+threshold (32 MiB at most: a batch of long decodes reaches it) is otherwise mapped afresh each time, and
+each of its 4 KiB pages faults on first write, every layer and step (docs/benchmarks.md has the cost).
+It grows by doubling to the largest gather seen and does not shrink; on CUDA it only spares the caching
+allocator its calls.
 """
 
 from __future__ import annotations
