@@ -2,7 +2,7 @@
 
 Owns: the bridge between a synchronous, single-threaded stage and many concurrent async callers:
 actions that touch the stage (add, abort) are queued and run by the loop thread between
-steps, so the stage itself needs no locks; each output goes to the asyncio queue of its request id.
+steps, so the stage itself needs no locks; each output goes to its request's `OutputChannel`.
 An optional batch window lets requests arriving together share the first step. Does not own what a
 step does. Used alike by the in-process Engine and by the Ray deployments.
 
@@ -22,7 +22,6 @@ import asyncio
 import atexit
 import contextlib
 import logging
-import math
 import threading
 import time
 import weakref
@@ -30,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mmserve.messages import RequestFailed
+from mmserve.runtime.output_channel import OutputChannel
 
 log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[StepLoop] = weakref.WeakSet()  # loops with a thread, for the exit hook
@@ -52,8 +52,7 @@ class StepLoop:
         self._step, self._has_work, self._abort_all = step, has_work, abort_all
         self.batch_wait_s = batch_wait_s
         self.name = name
-        # request id -> (the event loop its consumer runs on, its queue)
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._channels: dict[str, OutputChannel] = {}  # request id -> its outputs, to its consumer's loop
         self._actions: list[tuple[str | None, Callable[[], Any]]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -64,7 +63,7 @@ class StepLoop:
     # ---- called from any thread / event loop ---------------------------------------------------
     def open(self, request_id: str) -> None:
         """Register interest in a request's outputs (from its consumer's event loop), before submitting."""
-        self._queues[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
+        self._channels[request_id] = OutputChannel(asyncio.get_running_loop())
 
     def submit(self, request_id: str | None, action: Callable[[], Any]) -> None:
         """Run `action` in the loop thread before the next step; its exception fails `request_id`.
@@ -115,28 +114,37 @@ class StepLoop:
         """Outputs of one request until (and including) its finished one; failures are raised.
 
         With `merge`, the outputs that queued up while the consumer was busy come as one, `merge(items)`;
-        with `interval_s` too (asked before each wait: it may change with load; inf = only at the end), an
-        output that comes sooner than that after the last one yielded waits for the rest of the interval,
-        gathering company (a finished or failed one never waits). So the first output goes at once and later
-        ones at most one interval late, at least one per interval while they keep coming.
+        with `interval_s` too (asked after each output yielded, and counted from when it went: it may
+        change with load; inf = only at the end), outputs that come sooner than that wait for the rest of
+        the interval, gathering company (a finished or failed one never waits). So the first output goes
+        at once and later ones at most one interval late, at least one per interval while they keep coming.
         """
-        _, queue = self._queues[request_id]
-        last: float | None = None
+        channel = self._channels[request_id]
         try:
+            if merge is None:
+                while True:
+                    for item in await channel.take():
+                        if isinstance(item, RequestFailed):
+                            raise item.error
+                        yield item
+                        if item.finished:
+                            return
+            deadline: float | None = None
             while True:
-                items = [await queue.get()]
-                if merge is not None:
-                    await _gather_until(queue, items, -math.inf if last is None else last + interval_s())
-                last = time.monotonic()
+                items = await channel.take(deadline)
+                if not items:  # none came within the interval: the next goes at once
+                    items = await channel.take()
                 failed = items.pop() if isinstance(items[-1], RequestFailed) else None
+                sent = time.monotonic()
                 if items:
-                    yield merge(items) if merge is not None else items[0]
+                    yield merge(items)
                 if failed is not None:
                     raise failed.error
                 if items[-1].finished:
                     return
+                deadline = sent + interval_s()
         finally:
-            self._queues.pop(request_id, None)
+            self._channels.pop(request_id, None)
 
     def check_health(self) -> None:
         """Raise RuntimeError if the step thread started and died (only a BaseException ends it early):
@@ -158,7 +166,7 @@ class StepLoop:
                 log.warning("%s: step thread still running %s s after stop", self.name, timeout_s)
         with self._lock:
             self._actions.clear()  # never run: their requests and calls fail below
-        for request_id in list(self._queues):
+        for request_id in list(self._channels):
             self._deliver(request_id, RequestFailed(request_id, StageStopped(f"{self.name} stopped")))
         for future, loop in list(self._calls.items()):
             with contextlib.suppress(RuntimeError):  # that loop has closed
@@ -197,7 +205,7 @@ class StepLoop:
             named = getattr(exc, "request_ids", None)
             if named is None:
                 log.exception("%s: step failed; aborting every request", self.name)
-                named = list(self._queues)
+                named = list(self._channels)
                 self._abort_all()
             for request_id in named:
                 self._deliver(request_id, RequestFailed(request_id, exc))
@@ -211,14 +219,13 @@ class StepLoop:
             self._wake.clear()
 
     def _deliver(self, request_id: str, item: Any) -> None:
-        entry = self._queues.get(request_id)
-        if entry is None:
+        channel = self._channels.get(request_id)
+        if channel is None:
             return  # nobody listens (any more)
-        loop, queue = entry
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            channel.put(item)
         except RuntimeError:  # the consumer's event loop has closed; it is gone
-            self._queues.pop(request_id, None)
+            self._channels.pop(request_id, None)
 
 
 def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
@@ -228,25 +235,6 @@ def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> Non
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-async def _gather_until(queue: asyncio.Queue, items: list[Any], deadline: float) -> None:
-    """Append to `items` what `queue` has now, then what comes before `deadline` (monotonic seconds)."""
-    while not items[-1].finished:
-        if not queue.empty():
-            items.append(queue.get_nowait())
-            continue
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return
-        if math.isinf(remaining):
-            items.append(await queue.get())
-            continue
-        try:
-            async with asyncio.timeout(remaining):
-                items.append(await queue.get())
-        except TimeoutError:
-            return
 
 
 @atexit.register
