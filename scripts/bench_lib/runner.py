@@ -45,7 +45,7 @@ class Bench:
     probes: dict[str, Any] = field(default_factory=dict)
     runs: dict[tuple[str, str, int], CellRun] = field(default_factory=dict)
     results: dict[str, dict[str, dict[int, dict[str, Any]]]] = field(default_factory=dict)
-    memory: dict[str, Any] = field(default_factory=lambda: {"peaks": {}, "bounds": {}, "samples": 0})
+    memory: dict[str, Any] = field(default_factory=lambda: {"systems": {}, "samples": 0})  # system -> peaks, bounds
     idle_cpu: dict[str, Any] = field(default_factory=dict)
     engine: Any = None  # the probed in-process Engine (its stage timers outlive its shutdown)
 
@@ -123,7 +123,7 @@ class Bench:
     def _run_one(self, system: str, workload: str, c: int, reqs: list[BenchRequest]) -> tuple[dict[str, Any], CellRun]:
         desc = f"{system} {workload} c={c}"
         if system in self.servers:
-            return self._run_http(self.servers[system], desc, c, reqs)
+            return self._run_http(system, self.servers[system], desc, c, reqs)
         sampler = procs.RssSampler(os.getpid(), recursive=False).start()
         if system == "generate":
             run = self.inproc["generate"].run_cell(reqs, c, desc)
@@ -134,7 +134,8 @@ class Bench:
         summary["peak_rss_bytes"] = sampler.window_peak
         return summary, run
 
-    def _run_http(self, server: HttpSystem, desc: str, c: int, reqs: list[BenchRequest]) -> tuple[dict, CellRun]:
+    def _run_http(self, system: str, server: HttpSystem, desc: str, c: int,
+                  reqs: list[BenchRequest]) -> tuple[dict, CellRun]:
         send = http_sender(server.base_url, server.model, reqs, server.request_kwargs)
         before = poller = None
         if server.has_metrics:
@@ -161,9 +162,11 @@ class Bench:
             summary.update(prom.cache_figures(before, prom.scrape(server.root)))
             summary["gauge_peaks"] = poller.peaks
             self.memory["samples"] += poller.samples
-            self.memory["bounds"].update(poller.bounds)
+            # NOTE: per system: a variant may set other bounds (e.g. a cache switched off)
+            mine = self.memory["systems"].setdefault(system, {"peaks": {}, "bounds": {}})
+            mine["bounds"].update(poller.bounds)
             for k, v in poller.peaks.items():
-                self.memory["peaks"][k] = max(self.memory["peaks"].get(k, 0.0), v)
+                mine["peaks"][k] = max(mine["peaks"].get(k, 0.0), v)
         return summary, run
 
     # --- take down --------------------------------------------------------------------------------

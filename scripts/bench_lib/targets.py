@@ -71,12 +71,15 @@ def evaluate(results: dict, probes: dict[str, Any], memory: dict[str, Any]) -> l
     else:
         out.append(Target(name, "SKIP", "needs the mmserve probes"))
     name = "memory: processor and encoder caches within their configured bounds"
-    if memory.get("bounds"):
+    systems = memory.get("systems", {})
+    if any(m["bounds"] for m in systems.values()):
         parts, ok = [], True
-        for gauge, bound in memory["bounds"].items():
-            peak = memory["peaks"].get(gauge, 0.0)
-            ok &= peak <= bound
-            parts.append(f"{gauge} peak {peak:.0f} of {bound:.0f} ({peak / bound:.0%})")
+        for system, mine in systems.items():
+            for gauge, bound in mine["bounds"].items():
+                peak = mine["peaks"].get(gauge, 0.0)
+                ok &= peak <= bound
+                share = f"{peak / bound:.0%}" if bound else "off"  # NOTE: bound 0: that cache is switched off
+                parts.append(f"{system}: {gauge} peak {peak:.0f} of {bound:.0f} ({share})")
         out.append(Target(name, "PASS" if ok else "FAIL", "; ".join(parts)
                           + f" [{memory.get('samples', 0)} /metrics samples]"))
     else:
