@@ -1,5 +1,6 @@
 """Where a single client's time goes: the tiny model served through HTTP and the deployments, against the
-in-process Engine and Serve's own floor (a no-op app shaped like ours), all in one run on one Ray.
+in-process Engine and Serve's own floor (a no-op app shaped like ours), all in one run on one Ray, the three
+sampled in turn rep by rep so that the machine's drift falls on all alike.
 
 Prints, for a text request, a new image and the same image again: time to first token in process and
 served, the difference, Serve's floor for the hops that path takes, and what is left above it; the
@@ -26,12 +27,12 @@ sys.path.insert(0, str(HERE))
 from bench_lib.path import (  # noqa: E402
     STREAM_TOKENS,
     Client,
+    ServeFloor,
     Timed,
     engine_phases,
     image_url,
     in_process,
     messages,
-    serve_floor,
     served,
 )
 from bench_lib.report import write_results  # noqa: E402
@@ -60,10 +61,14 @@ def start(port: int) -> None:
     serve.run(build_app({}), name="default", route_prefix="/")
 
 
-def probes(engine: Any, client: Client, reps: int) -> dict[str, list[tuple[Timed, Timed, float]]]:
-    """kind -> [(in process, served, in-process preprocess ms)], interleaved rep by rep."""
+def probes(engine: Any, client: Client, reps: int, floor: ServeFloor | None = None,
+           ) -> dict[str, list[tuple[Timed, Timed, float]]]:
+    """kind -> [(in process, served, in-process preprocess ms)], interleaved rep by rep, each rep also
+    sampling Serve's floor into `floor`."""
     out: dict[str, list[tuple[Timed, Timed, float]]] = {"text": [], "new image": [], "repeated image": []}
     for i in range(reps):
+        if floor is not None:
+            floor.sample(client)
         text = messages(f"Tell me about the sea, number {i}.", None)
         url = image_url(10_000 + i)
         fresh, again = messages("What is in this picture?", url), messages(f"And now {i}?", url)
@@ -89,14 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     start(port)
     engine = Engine(parse_args({}).engine_config())  # the app's own engine config, in this process
     client = Client(port)
-    for _ in range(3):  # warm-up: every stage's first forward pays torch's one-time costs
-        probes(engine, client, 1)
-    floor = serve_floor(client, args.reps)
-    runs = probes(engine, client, args.reps)
+    for _ in range(3):  # warm-up: every stage's first forward pays torch's one-time costs (the no-op app too)
+        probes(engine, client, 1, ServeFloor())
+    floor = ServeFloor()
+    runs = probes(engine, client, args.reps, floor)
     long = messages("Write a long story.", None)
     streams = [(in_process(engine, long, STREAM_TOKENS), served(client, long, STREAM_TOKENS))
                for _ in range(max(args.reps // 2, 3))]
-    results = summarize(floor, runs, streams)
+    results = summarize(floor.summary(), runs, streams)
     report(results)
     write_results(results, args.out, "path")
     engine.shutdown()

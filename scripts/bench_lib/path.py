@@ -125,17 +125,28 @@ def engine_phases(engine: Engine, msgs: list[dict[str, Any]]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def serve_floor(client: Client, reps: int) -> dict[str, float]:
-    """Serve's own cost (ms, medians): the proxy to the ingress, one handle hop, a streamed hop's first
-    item, and each further streamed item."""
-    ping = [client.get("/noop/ping") for _ in range(reps)]
-    hop = [client.post("/noop/hop", {"x": 1}) for _ in range(reps)]
-    first, per_item = [], []
-    for _ in range(reps):
+@dataclass
+class ServeFloor:
+    """Serve's own cost, sampled from the no-op app: a sample at a time, so that a run can take them between
+    its own probes and the machine's drift falls on both alike."""
+
+    ping: list[float] = field(default_factory=list)  # proxy -> ingress and back (ms)
+    hop: list[float] = field(default_factory=list)  # the same plus one handle hop (ms)
+    first: list[float] = field(default_factory=list)  # the same plus a streamed hop, to its first item (ms)
+    per_item: list[float] = field(default_factory=list)  # each further streamed item (ms)
+
+    def sample(self, client: Client) -> None:
+        self.ping.append(client.get("/noop/ping"))
+        self.hop.append(client.post("/noop/hop", {"x": 1}))
         start, events, _ = client.stream("/noop/chat?n=33", {"x": 1})
         items = [t for t, d in events if d != "[DONE]"]
-        first.append((items[0] - start) * 1e3)
-        per_item.append((items[-1] - items[0]) * 1e3 / (len(items) - 1))
-    m = statistics.median
-    return {"proxy_to_ingress": m(ping), "handle_hop": m(hop) - m(ping), "streamed_hop_first": m(first) - m(hop),
-            "streamed_item": m(per_item), "text_path": m(first)}
+        self.first.append((items[0] - start) * 1e3)
+        self.per_item.append((items[-1] - items[0]) * 1e3 / (len(items) - 1))
+
+    def summary(self) -> dict[str, float]:
+        """Medians (ms): the proxy to the ingress, one handle hop, a streamed hop's first item, each further
+        streamed item, and the text path (proxy, hop, streamed hop)."""
+        m = statistics.median
+        return {"proxy_to_ingress": m(self.ping), "handle_hop": m(self.hop) - m(self.ping),
+                "streamed_hop_first": m(self.first) - m(self.hop), "streamed_item": m(self.per_item),
+                "text_path": m(self.first)}
