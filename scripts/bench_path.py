@@ -61,14 +61,12 @@ def start(port: int) -> None:
     serve.run(build_app({}), name="default", route_prefix="/")
 
 
-def probes(engine: Any, client: Client, reps: int, floor: ServeFloor | None = None,
-           ) -> dict[str, list[tuple[Timed, Timed, float]]]:
+def probes(engine: Any, client: Client, reps: int, floor: ServeFloor) -> dict[str, list[tuple[Timed, Timed, float]]]:
     """kind -> [(in process, served, in-process preprocess ms)], interleaved rep by rep, each rep also
     sampling Serve's floor into `floor`."""
     out: dict[str, list[tuple[Timed, Timed, float]]] = {"text": [], "new image": [], "repeated image": []}
     for i in range(reps):
-        if floor is not None:
-            floor.sample(client)
+        floor.sample(client)
         text = messages(f"Tell me about the sea, number {i}.", None)
         url = image_url(10_000 + i)
         fresh, again = messages("What is in this picture?", url), messages(f"And now {i}?", url)

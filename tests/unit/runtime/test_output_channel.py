@@ -38,12 +38,20 @@ def later(delay_s: float, *puts: tuple[OutputChannel, Any]) -> None:
     threading.Thread(target=run, daemon=True).start()
 
 
+async def waiting(channel: OutputChannel, deadline: float | None = None) -> asyncio.Task:
+    """`channel.take(deadline)` started and waiting (its waiter registered) before anything is put."""
+    task = asyncio.create_task(channel.take(deadline))
+    await asyncio.sleep(0)  # NOTE: the task runs up to its first await: the put cannot come first
+    return task
+
+
 def test_a_waiting_taker_is_woken_once_by_the_first_output() -> None:
     async def run() -> tuple[list, int]:
         channel = OutputChannel(asyncio.get_running_loop())
         wakes = counted(channel.loop)
+        taking = await waiting(channel)
         later(0.01, (channel, out(1)))
-        return await asyncio.wait_for(channel.take(), 5), wakes[0]
+        return await asyncio.wait_for(taking, 5), wakes[0]
 
     items, wakes = asyncio.run(run())
     assert [o.new_token_ids for o in items] == [[1]] and wakes == 1
@@ -53,24 +61,26 @@ def test_outputs_during_an_interval_wake_nobody_and_all_come_at_its_end_in_order
     async def run() -> tuple[list, int, float]:
         channel = OutputChannel(asyncio.get_running_loop())
         wakes = counted(channel.loop)
-        later(0.001, *((channel, out(i)) for i in range(1, 11)))
         started = time.monotonic()
-        items = await asyncio.wait_for(channel.take(started + 0.1), 5)
+        taking = await waiting(channel, started + 0.5)
+        later(0.001, *((channel, out(i)) for i in range(1, 11)))
+        items = await asyncio.wait_for(taking, 5)
         return items, wakes[0], time.monotonic() - started
 
     items, wakes, waited = asyncio.run(run())
     assert [o.new_token_ids[0] for o in items] == list(range(1, 11))
     assert wakes == 0  # the step thread touched nothing of the consumer's loop
-    assert waited >= 0.09  # taken at the interval's end, not per output
+    assert waited >= 0.45  # taken at the interval's end, not per output
 
 
 def test_a_last_output_ends_the_interval_early_with_everything_before_it() -> None:
     async def run() -> tuple[list, int, float]:
         channel = OutputChannel(asyncio.get_running_loop())
         wakes = counted(channel.loop)
-        later(0.001, (channel, out(1)), (channel, out(2)), (channel, out(3, finished=True)))
         started = time.monotonic()
-        items = await asyncio.wait_for(channel.take(started + 10.0), 5)
+        taking = await waiting(channel, started + 10.0)
+        later(0.001, (channel, out(1)), (channel, out(2)), (channel, out(3, finished=True)))
+        items = await asyncio.wait_for(taking, 5)
         return items, wakes[0], time.monotonic() - started
 
     items, wakes, waited = asyncio.run(run())
