@@ -260,14 +260,19 @@ def test_the_image_token_is_never_sampled_and_a_sampled_one_would_not_break_the_
 
 
 def test_once_encoded_no_pixels_are_held_for_the_rest_of_the_generation(engine):
-    async def run():
-        stream = engine.stream(chat("px", IMAGE, WIDE, text="Compare", max_tokens=6))
-        first = await stream.__anext__()  # prefilled: both images were encoded
+    def inspect() -> tuple[list, int]:
         [seq] = [s for s in engine.decoder.scheduler.running if s.request_id == "px"]
         live = engine.decoder_service._live["px"]
-        held = [f.data for f in seq.features] + [f.data for f in live.pre.features]
+        return [f.data for f in seq.features] + [f.data for f in live.pre.features], len(seq.features)
+
+    async def run():
+        stream = engine.stream(chat("px", IMAGE, WIDE, text="Compare", max_tokens=64))
+        first = await stream.__anext__()  # prefilled: both images were encoded
+        # NOTE: read in the step thread between two steps, while the sequence still runs: the step thread
+        # does not wait for this consumer, and a short generation could be over before it looks
+        held, n_features = await engine.decoder_service.loop.call(inspect)
         rest = [o async for o in stream]
-        return first, held, len(seq.features), rest
+        return first, held, n_features, rest
 
     first, held, n_features, rest = asyncio.run(run())
     assert n_features == 2 and held == [None] * 4
