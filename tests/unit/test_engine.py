@@ -201,13 +201,18 @@ async def collect(eng: Engine, request: ChatRequest) -> list[Any]:
 
 
 def test_a_request_that_breaks_the_decoder_step_fails_alone_and_the_rest_match_alone(engine):
-    [ref_one] = engine.generate([chat("d1", IMAGE, text="Tell me", max_tokens=12)])
-    [ref_two] = engine.generate([chat("d2", text="Tell me about d2", max_tokens=12)])
+    # NOTE: long enough that "bad" joins their steps however fast the step thread runs; asserted below
+    long = 160
+    [ref_one] = engine.generate([chat("d1", IMAGE, text="Tell me", max_tokens=long, ignore_eos=True)])
+    [ref_two] = engine.generate([chat("d2", text="Tell me about d2", max_tokens=long, ignore_eos=True)])
     runner = engine.decoder.runner
     execute = runner.execute
+    steps_with_bad: list[set[str]] = []
 
     def poisoned(scheduled):  # any step holding "bad" fails, as a token id past the vocabulary would
-        if any(seq.request_id == "bad" for seq, _ in scheduled):
+        ids = {seq.request_id for seq, _ in scheduled}
+        if "bad" in ids:
+            steps_with_bad.append(ids)
             raise IndexError("index out of range in self")
         return execute(scheduled)
 
@@ -215,8 +220,8 @@ def test_a_request_that_breaks_the_decoder_step_fails_alone_and_the_rest_match_a
         return [first, *[o async for o in stream]]
 
     async def run():
-        streams = [engine.stream(chat("d1x", IMAGE, text="Tell me", max_tokens=12)),
-                   engine.stream(chat("d2x", text="Tell me about d2", max_tokens=12))]
+        streams = [engine.stream(chat("d1x", IMAGE, text="Tell me", max_tokens=long, ignore_eos=True)),
+                   engine.stream(chat("d2x", text="Tell me about d2", max_tokens=long, ignore_eos=True))]
         firsts = [await s.__anext__() for s in streams]  # both running: "bad" joins their decode batch
         bad = collect(engine, chat("bad", text="Tell me about bad", max_tokens=12))
         return await asyncio.gather(rest(streams[0], firsts[0]), bad, rest(streams[1], firsts[1]),
@@ -228,6 +233,7 @@ def test_a_request_that_breaks_the_decoder_step_fails_alone_and_the_rest_match_a
     finally:
         runner.execute = execute
     assert isinstance(bad, IndexError), bad
+    assert any({"d1x", "d2x"} <= ids for ids in steps_with_bad), steps_with_bad  # it failed inside their batch
     for outs, ref in ((one, ref_one), (two, ref_two)):
         assert not isinstance(outs, BaseException), outs
         assert [t for o in outs for t in o.new_token_ids] == ref.token_ids  # greedy: as when served alone
