@@ -45,7 +45,7 @@ class SeqStep:
 class KindRead:
     """What one group reads on the layers of one kind."""
 
-    pages: torch.Tensor  # (layers of the kind, B * blocks) page ids per layer; padding repeats a held page
+    pages: tuple[torch.Tensor, ...]  # per layer of the kind, (B * blocks,) page ids; padding repeats a held page
     rows: int  # gathered key rows per sequence: blocks * block_size
     keys: tuple[int, int]  # [a, b): the gathered rows attended to (B > 1: all rows, the mask decides)
     mask: torch.Tensor | None  # (B, 1, Q, b - a) bool, True = may attend; None = all of [a, b)
@@ -62,7 +62,7 @@ class AttentionGroup:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slots: torch.Tensor  # (num_layers, T) cache row (page * block_size + offset) of each new token's K/V
+    slots: tuple[torch.Tensor, ...]  # per layer, (T,) cache row (page * block_size + offset) of each new token's K/V
     groups: list[AttentionGroup]  # every new token is a query of exactly one group
     kind_of: tuple[int, ...]  # layer -> index of its kind in `kinds`
     rank_of: tuple[int, ...]  # layer -> its index among the layers of its kind
@@ -72,6 +72,8 @@ class AttentionMetadata:
 def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_size: int,
                    pattern: AttentionPattern, device: torch.device) -> AttentionMetadata:
     """Everything attention needs for one step, built once on the host and moved in a few copies."""
+    if len(steps) == 1 and steps[0].num_new == 1:
+        return _lone_decode(steps[0], kinds, block_size, device)
     kind_of, rank_of, layers_of = _layer_map(kinds)
     offsets = np.concatenate(([0], np.cumsum([s.num_new for s in steps])))  # (B + 1,)
     slots = np.empty((len(kind_of), int(offsets[-1])), dtype=np.int64)
@@ -83,8 +85,30 @@ def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_siz
     members = ([decodes] if decodes else []) + [[i] for i, s in enumerate(steps) if s.num_new != 1]
     groups = [_group([steps[i] for i in idx], offsets[idx], kinds, block_size, pattern, device,
                      whole=len(members) == 1) for idx in members]
-    return AttentionMetadata(torch.from_numpy(slots).to(device), groups, kind_of, rank_of,
+    # NOTE: per-layer rows split off in one call here, not indexed out once per layer
+    return AttentionMetadata(torch.from_numpy(slots).to(device).unbind(0), groups, kind_of, rank_of,
                              max(s.start + s.num_new for s in steps) - 1)
+
+
+def _lone_decode(s: SeqStep, kinds: tuple[LayerKind, ...], block_size: int, device: torch.device) -> AttentionMetadata:
+    """`build_metadata` of a step that is one sequence's decode (one client's every step), in fewer calls.
+
+    NOTE: the general path's lists, padding and concatenations cost more than its arithmetic here.
+    """
+    kind_of, rank_of, layers_of = _layer_map(kinds)
+    position = s.start
+    block, within = divmod(position, block_size)
+    slots = np.empty((len(kind_of), 1), dtype=np.int64)
+    reads = []
+    for kind, table, layers in zip(kinds, s.tables, layers_of, strict=True):
+        slots[layers, 0] = table.pages[block] * block_size + within
+        first_key = max(position - kind.window + 1, 0) if kind.window is not None else 0
+        lo = first_key // block_size
+        pages = torch.from_numpy(np.ascontiguousarray(table.pages[lo : block + 1].T)).to(device)  # (layers, blocks)
+        keys = (first_key - lo * block_size, position + 1 - lo * block_size)
+        reads.append(KindRead(pages.unbind(0), (block + 1 - lo) * block_size, keys, None, False))
+    group = AttentionGroup(None, 1, 1, tuple(reads))
+    return AttentionMetadata(torch.from_numpy(slots).to(device).unbind(0), [group], kind_of, rank_of, position)
 
 
 @functools.cache
@@ -119,7 +143,7 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
         pages[:, i, : held.shape[1]] = held
         pages[:, i, held.shape[1] :] = held[:, -1:]  # padding: any page the sequence holds; masked
     rows = blocks * block_size
-    flat = torch.from_numpy(pages.reshape(len(kind.layers), -1)).to(device)
+    flat = torch.from_numpy(pages.reshape(len(kind.layers), -1)).to(device).unbind(0)
     if len(steps) > 1:  # decodes: a mask per sequence over its rows
         base = np.asarray(lo)[:, None] * block_size + np.arange(rows)[None]  # (B, rows) positions
         ends = np.asarray([s.start + 1 for s in steps])[:, None]
@@ -192,8 +216,8 @@ def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead,
     pages = read.pages[rank]
     lo, hi = read.keys
     gathered_keys, gathered_values = kv.gather(pages)  # each (B * blocks, block_size, kv_heads, d)
-    keys = gathered_keys.view(b, read.rows, kv_heads, d)[:, lo:hi].transpose(1, 2)
-    values = gathered_values.view(b, read.rows, kv_heads, d)[:, lo:hi].transpose(1, 2)
+    keys = _attended(gathered_keys, b, read.rows, lo, hi)  # (B, kv_heads, hi - lo, d)
+    values = _attended(gathered_values, b, read.rows, lo, hi)
     gqa = n > 1 and kv_heads != heads
     # decodes: (B, kv_heads, heads per kv head, d), each kv head's query heads as its query rows;
     # one prefill chunk: (1, heads, Q, d)
@@ -209,6 +233,14 @@ def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead,
     if n == 1:
         return out.reshape(b, heads, d)
     return out[0].transpose(0, 1)  # (Q, heads, d)
+
+
+def _attended(gathered: torch.Tensor, b: int, rows: int, lo: int, hi: int) -> torch.Tensor:
+    """(B * blocks, block_size, kv_heads, d) contiguous gathered pages -> (B, kv_heads, hi - lo, d): each
+    sequence's rows [lo, hi), heads first; `view(B, rows, ...)[:, lo:hi].transpose(1, 2)` in one call."""
+    kv_heads, d = gathered.shape[2], gathered.shape[3]
+    return gathered.as_strided((b, kv_heads, hi - lo, d), (rows * kv_heads * d, d, kv_heads * d, 1),
+                               gathered.storage_offset() + lo * kv_heads * d)
 
 
 def _softcapped_attention(q, k, v, mask, causal: bool, scaling: float, softcap: float) -> torch.Tensor:

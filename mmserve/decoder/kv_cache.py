@@ -32,16 +32,21 @@ class KVCache:
         rows = (self.num_pages * self.block_size, spec.num_kv_heads, spec.head_dim)
         self.key_rows, self.value_rows = self.keys.view(rows), self.values.view(rows)  # (rows, kv_heads, head_dim)
         self._workspace = torch.empty((2, 0, *shape[1:]), dtype=dtype, device=device)  # (K|V, pages, ...)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # n -> the workspace's first n pages, K and V
 
     def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(n,) page ids -> ((n, block_size, kv_heads, head_dim) keys, the same for values): copies in the
         workspace, valid until the next `gather`."""
         n = pages.shape[0]
-        if n > self._workspace.shape[1]:
-            grown = max(n, 2 * self._workspace.shape[1])
-            self._workspace = self.keys.new_empty((2, grown, *self.keys.shape[1:]))
-        keys = torch.index_select(self.keys, 0, pages, out=self._workspace[0, :n])
-        values = torch.index_select(self.values, 0, pages, out=self._workspace[1, :n])
+        views = self._views.get(n)
+        if views is None:  # NOTE: kept, as slicing them anew costs a step more than the copy on small models
+            if n > self._workspace.shape[1]:
+                grown = max(n, 2 * self._workspace.shape[1])
+                self._workspace = self.keys.new_empty((2, grown, *self.keys.shape[1:]))
+                self._views.clear()
+            views = self._views[n] = (self._workspace[0, :n], self._workspace[1, :n])
+        keys = torch.index_select(self.keys, 0, pages, out=views[0])
+        values = torch.index_select(self.values, 0, pages, out=views[1])
         return keys, values
 
     @property

@@ -69,6 +69,8 @@ class Gemma3PagedText:
         self.pattern = pattern
         self.matmul = MatmulForms()  # x @ w.T in the form measured fastest here (F.linear until measured)
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self._qk_v = ((self.heads + self.kv_heads) * self.head_dim, self.kv_heads * self.head_dim)  # qkv's columns
+        self._q_k = (self.heads, self.kv_heads)  # q and k's heads in the normed, rotated qk
         eps = cfg.rms_norm_eps
         self.embed_tokens = text_model.embed_tokens  # scales by sqrt(hidden) itself
         self.lm_head = lm_head.weight.detach()  # (vocab, hidden), tied to the embeddings
@@ -119,11 +121,11 @@ class Gemma3PagedText:
     def _layer(self, index: int, w: _LayerWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         t, heads, kv_heads, d, mm = h.shape[0], self.heads, self.kv_heads, self.head_dim, self.matmul.product
-        qkv = mm(w.input_norm(h), w.qkv)  # (T, (heads + 2 kv_heads) * d)
-        qk = w.qk_norm(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d))
-        qk = self.rope[w.kind].rotate(qk, *rope)  # (T, heads + kv_heads, d)
-        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-        out = paged_attention(qk[:, :heads], qk[:, heads:], v, kv, meta, index, self.pattern)  # (T, heads, d)
+        # (T, (heads + kv_heads) * d), (T, kv_heads * d)
+        qk, v = mm(w.input_norm(h), w.qkv).split_with_sizes(self._qk_v, dim=-1)
+        qk = w.qk_norm(qk.view(t, heads + kv_heads, d))
+        q, k = self.rope[w.kind].rotate(qk, *rope).split_with_sizes(self._q_k, dim=1)  # (T, heads | kv_heads, d)
+        out = paged_attention(q, k, v.view(t, kv_heads, d), kv, meta, index, self.pattern)  # (T, heads, d)
         h = h + w.post_attention_norm(mm(out.reshape(t, heads * d), w.o))
         gate, up = mm(w.pre_feedforward_norm(h), w.gate_up).chunk(2, dim=-1)
         return h + w.post_feedforward_norm(mm(F.gelu(gate, approximate="tanh") * up, w.down))

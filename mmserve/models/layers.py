@@ -24,23 +24,25 @@ class RMSNorm:
     def __init__(self, gain: torch.Tensor, eps: float) -> None:
         self.gain, self.eps = gain.float(), eps  # (..., d): broadcast over the trailing dims of x
         self.d = gain.shape[-1]
-        # the LayerNorm form's weight (NOTE above); per-head gains are applied after it instead
-        self.doubled = torch.cat((self.gain, self.gain), dim=-1) if gain.dim() == 1 else None
-        self.on_cpu = gain.device.type == "cpu"
+        # NOTE: the form is chosen here, once: a call is a few small kernels, and its own Python counts
+        self._norm = self._form(gain.device.type == "cpu", gain.dim() == 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x if x.dtype == torch.float32 else x.float()
-        if self.on_cpu and self.gain.dim() == 1:
-            out = torch.layer_norm(torch.cat((x32, -x32), dim=-1), (2 * self.d,), self.doubled, None,
-                                   self.eps)[..., : self.d]
-        elif self.on_cpu:  # per-head gains: LayerNorm's weight is 1-D, so the gain follows
-            out = torch.layer_norm(torch.cat((x32, -x32), dim=-1), (2 * self.d,), None, None,
-                                   self.eps)[..., : self.d] * self.gain
-        elif self.gain.dim() == 1:
-            out = F.rms_norm(x32, (self.d,), self.gain, self.eps)
-        else:
-            out = F.rms_norm(x32, (self.d,), None, self.eps) * self.gain
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        if x.dtype is torch.float32:
+            return self._norm(x)
+        return self._norm(x.float()).to(x.dtype)
+
+    def _form(self, on_cpu: bool, one_gain: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The float32 norm: on a CPU LayerNorm over [x, -x] (NOTE above), else F.rms_norm."""
+        d, doubled, gain, eps = self.d, (2 * self.d,), self.gain, self.eps
+        if on_cpu and one_gain:
+            weight = torch.cat((gain, gain), dim=-1)  # the LayerNorm form's weight: the gain on both halves
+            return lambda x: torch.layer_norm(torch.cat((x, x.neg()), dim=-1), doubled, weight, None, eps)[..., :d]
+        if on_cpu:  # per-head gains: LayerNorm's weight is 1-D, so the gain follows
+            return lambda x: torch.layer_norm(torch.cat((x, x.neg()), dim=-1), doubled, None, None, eps)[..., :d] * gain
+        if one_gain:
+            return lambda x: F.rms_norm(x, (d,), gain, eps)
+        return lambda x: F.rms_norm(x, (d,), None, eps) * gain
 
 
 class RopeTable:

@@ -42,9 +42,9 @@ def test_decodes_share_one_group_and_each_prefill_chunk_has_its_own() -> None:
     assert [(g.batch, g.queries) for g in meta.groups] == [(3, 1), (1, 5), (1, 4)]  # no decode padded
     flat = torch.cat([g.token_index for g in meta.groups if g.token_index is not None]).sort().values
     assert flat.tolist() == list(range(1 + 5 + 1 + 4 + 1))  # every new token is a query exactly once
-    assert meta.slots.shape == (2, 12) and meta.max_position == 9
+    assert len(meta.slots) == 2 and meta.slots[0].shape == (12,) and meta.max_position == 9
     sliding = meta.groups[0].reads[1]
-    assert sliding.pages.shape[0] == 1 and sliding.rows <= 3 * BLOCK  # the window's blocks, not all of them
+    assert len(sliding.pages) == 1 and sliding.rows <= 3 * BLOCK  # the window's blocks, not all of them
 
 
 def test_grouped_attention_equals_each_sequence_alone() -> None:
@@ -75,14 +75,31 @@ def test_grouped_attention_equals_each_sequence_alone() -> None:
             offset += s.num_new
 
 
+def test_a_lone_decode_equals_the_dense_reference_at_every_position() -> None:
+    """One sequence decoding (its own lean metadata path): across block edges and far past the window."""
+    gen = torch.Generator().manual_seed(1)
+    for start in range(0, 3 * BLOCK + 2 * WINDOW):
+        kv, manager = _cache()
+        step = _step(manager, start, 1, None)
+        keys = torch.randn(2, start + 1, KV_HEADS, DIM, generator=gen)  # (layers, positions, kv, d)
+        values = torch.randn(2, start + 1, KV_HEADS, DIM, generator=gen)
+        _write_past(kv, manager, step, keys, values)
+        q = torch.randn(1, HEADS, DIM, generator=gen)
+        meta = build_metadata([step], manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
+        assert meta.max_position == start and [len(s) for s in meta.slots] == [1, 1]
+        for layer, kind in enumerate(PATTERN.layer_kinds):
+            out = paged_attention(q, keys[layer, start:], values[layer, start:], kv, meta, layer, PATTERN)
+            assert_close_ulps(out, _reference(q, keys[layer], values[layer], step, kind), ulps=32)
+
+
 def test_a_sliding_layer_reads_only_its_window_far_into_a_sequence() -> None:
     _, manager = _cache()
     step = _step(manager, 40, 1, None)
     meta = build_metadata([step], manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
     full, sliding = meta.groups[0].reads
-    assert full.keys == (0, 41) and full.pages.shape[1] == 11  # every block of a full layer
+    assert full.keys == (0, 41) and full.pages[0].shape[0] == 11  # every block of a full layer
     lo, hi = sliding.keys  # a window of 5 keys inside at most 2 blocks, no mask
-    assert hi - lo == WINDOW and sliding.pages.shape[1] <= 2 and sliding.mask is None
+    assert hi - lo == WINDOW and sliding.pages[0].shape[0] <= 2 and sliding.mask is None
 
 
 def _cache() -> tuple[KVCache, KVBlockManager]:
