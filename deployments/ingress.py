@@ -268,11 +268,13 @@ class Ingress:
         chunks = ChunkBuilder(request_id, self._model_id(), n=n, include_usage=include_usage)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
         try:
-            for event in chunks.events(first):
-                yield event
+            # NOTE: a message's events (a last delta, usage, [DONE]) go as one body part: each part is an
+            # item streamed from this replica to Serve's proxy, with its own cost in both
+            if events := chunks.events(first):
+                yield "".join(events)
             while not chunks.finished and (message := await self._next(outputs, deadline)) is not None:
-                for event in chunks.events(message):
-                    yield event
+                if events := chunks.events(message):
+                    yield "".join(events)
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             status = failure_status(exc)

@@ -98,7 +98,9 @@ class DecoderConfig(_Bounded):
     measure_matmul_forms: bool = True
     # A request's outputs are sent at most this often (ms), the first at once; what comes between is merged:
     # each send is a message through the stages to the client, so this bounds messages per second per stream.
-    stream_interval_ms: float = at_least(0, 20.0)
+    # NOTE: 50 ms, 20 updates a second, reads as smooth text; at 20 ms a lone stream's tokens cost clearly more
+    # (the interval sweep in docs/benchmarks.md)
+    stream_interval_ms: float = at_least(0, 50.0)
     # ... and all streams of a replica together send about this many messages a second (messages/s; 0 = no
     # budget): under load each stream's interval stretches to streams / this, up to stream_interval_max_ms (ms).
     # NOTE: a message costs CPU in every process it crosses, beside the step's (docs/benchmarks.md has figures)
