@@ -1,12 +1,13 @@
 """Process-wide settings of a replica that runs a model step loop (Encoder, Decoder).
 
-Owns: torch's intra-op thread count and the interpreter's GIL switch interval in such a replica.
-Does not own the replica's environment variables (those reach the process through the stage's
-`env`, see args.py), nor anything of the model.
+Owns: torch's intra-op thread count and the interpreter's GIL switch interval in such a replica, and
+where the engine's own log records go there. Does not own the replica's environment variables (those
+reach the process through the stage's `env`, see args.py), nor anything of the model.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -22,3 +23,21 @@ SWITCH_INTERVAL_S = 0.0005
 def configure_step_process(stage: StageArgs) -> None:
     torch.set_num_threads(stage.threads())
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    route_engine_logs()
+
+
+def route_engine_logs() -> None:
+    """mmserve's records from INFO up (the thread counts and matmul forms it measured at start-up) into this
+    replica's Serve log, through the handlers Serve gives its documented `ray.serve` logger.
+
+    NOTE: otherwise they reach no handler: Python drops a record below WARNING that only the root logger
+    could take, and a replica's root logger has none.
+    """
+    engine, serve_logger = logging.getLogger("mmserve"), logging.getLogger("ray.serve")
+    if not serve_logger.handlers:
+        return
+    engine.setLevel(logging.INFO)
+    for handler in serve_logger.handlers:
+        if handler not in engine.handlers:
+            engine.addHandler(handler)
+    engine.propagate = False  # NOTE: each record once, in Serve's format
