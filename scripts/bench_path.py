@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = probes(engine, client, args.reps, floor)
     long = messages("Write a long story.", None)
     streams = [(in_process(engine, long, STREAM_TOKENS), served(client, long, STREAM_TOKENS))
-               for _ in range(max(args.reps // 2, 3))]
+               for _ in range(max(args.reps, 3))]
     results = summarize(floor.summary(), runs, streams)
     report(results)
     write_results(results, args.out, "path")
@@ -117,10 +117,14 @@ def summarize(floor: dict[str, float], runs: dict[str, list[tuple[Timed, Timed, 
         kinds[kind] = {"in_process_ttft_ms": ours, "served_ttft_ms": theirs, "overhead_ms": theirs - ours,
                        "serve_floor_ms": hops, "above_floor_ms": theirs - ours - hops, "phases_ms": phases,
                        "in_process_preprocess_ms": m(r[2] for r in rows)}
-    per_in = m(s[0].per_token_ms for s in streams if s[0].per_token_ms is not None)
-    per_out = m(s[1].per_token_ms for s in streams if s[1].per_token_ms is not None)
+    pairs = [(a.per_token_ms, b.per_token_ms) for a, b in streams
+             if a.per_token_ms is not None and b.per_token_ms is not None]
+    # NOTE: the overhead is the median of each pair's difference (the two streams ran back to back, so the
+    # machine's drift falls on both), not the difference of the two medians (kept beside it)
     return {"serve_floor_ms": floor, "ttft": kinds,
-            "per_token_ms": {"in_process": per_in, "served": per_out, "overhead": per_out - per_in}}
+            "per_token_ms": {"in_process": m(p[0] for p in pairs), "served": m(p[1] for p in pairs),
+                             "overhead": m(b - a for a, b in pairs),
+                             "medians_difference": m(p[1] for p in pairs) - m(p[0] for p in pairs)}}
 
 
 def report(r: dict[str, Any]) -> None:
@@ -142,7 +146,8 @@ def report(r: dict[str, Any]) -> None:
     pt = r["per_token_ms"]
     ok = "PASS" if pt["overhead"] <= TARGETS["per token"] else "FAIL"
     print(f"per streamed token: in-process {pt['in_process']:.3f} ms, served {pt['served']:.3f}, overhead "
-          f"{pt['overhead']:.3f} (<= {TARGETS['per token']}: {ok})")
+          f"{pt['overhead']:.3f} (median of the paired differences; of the medians {pt['medians_difference']:.3f}) "
+          f"(<= {TARGETS['per token']}: {ok})")
 
 
 if __name__ == "__main__":
