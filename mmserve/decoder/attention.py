@@ -193,14 +193,15 @@ def paged_attention(
     layer: int,
     pattern: AttentionPattern,
 ) -> torch.Tensor:
-    """Write this step's K/V of `layer` into the cache, attend over what each group reads; (T, heads, head_dim)."""
+    """Write this step's K/V of `layer` into the cache, attend over what each group reads; (T, heads * head_dim),
+    each token's heads side by side (the output projection's input)."""
     slots = meta.slots[layer]
     kv.key_rows.index_copy_(0, slots, k)
     kv.value_rows.index_copy_(0, slots, v)
     kind, rank = meta.kind_of[layer], meta.rank_of[layer]
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:
         return _attend(q, kv, meta.groups[0], meta.groups[0].reads[kind], rank, pattern)
-    out = torch.empty_like(q)
+    out = q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))  # (T, heads * head_dim)
     for group in meta.groups:
         assert group.token_index is not None
         rows = q.index_select(0, group.token_index)
@@ -210,7 +211,7 @@ def paged_attention(
 
 def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead, rank: int,
             pattern: AttentionPattern) -> torch.Tensor:
-    """(B * Q, heads, head_dim) queries of one group -> their outputs, same shape and order."""
+    """(B * Q, heads, head_dim) queries of one group -> their outputs, (B * Q, heads * head_dim), same order."""
     b, n = group.batch, group.queries
     heads, kv_heads, d = q.shape[1], kv.keys.shape[2], q.shape[2]
     pages = read.pages[rank]
@@ -231,8 +232,8 @@ def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead,
             values = values.repeat_interleave(heads // kv_heads, dim=1)
         out = _softcapped_attention(queries, keys, values, read.mask, read.causal, pattern.scaling, pattern.softcap)
     if n == 1:
-        return out.reshape(b, heads, d)
-    return out[0].transpose(0, 1)  # (Q, heads, d)
+        return out.reshape(b, heads * d)
+    return out[0].transpose(0, 1).reshape(n, heads * d)
 
 
 def _attended(gathered: torch.Tensor, b: int, rows: int, lo: int, hi: int) -> torch.Tensor:

@@ -61,6 +61,8 @@ class Sampler:
             logits = logits.masked_fill(dead[:, None], 0.0)  # NOTE: so that the draws below stay defined
         tokens = logits.argmax(dim=-1)  # (n,)
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return tokens if dead is None else tokens.masked_fill(dead, -1)
         u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row
         vocab = logits.shape[-1]
         full = [j for j, i in enumerate(rows) if not _truncates(params[i], vocab)]

@@ -73,6 +73,8 @@ class Gemma3PagedText:
         self._q_k = (self.heads, self.kv_heads)  # q and k's heads in the normed, rotated qk
         eps = cfg.rms_norm_eps
         self.embed_tokens = text_model.embed_tokens  # scales by sqrt(hidden) itself
+        self._embedding = self.embed_tokens.weight.detach()  # (vocab, hidden)
+        self._embed_scale = self.embed_tokens.embed_scale.to(self._embedding.dtype)  # () as its forward casts it
         self.lm_head = lm_head.weight.detach()  # (vocab, hidden), tied to the embeddings
         self.final_norm = RMSNorm(_gain(text_model.norm), eps)
         self.layers = [_layer_weights(layer, kind, self.heads, self.kv_heads, eps)
@@ -101,8 +103,9 @@ class Gemma3PagedText:
                        for w in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) token ids -> (T, hidden), scaled by sqrt(hidden) inside the embedding module."""
-        return self.embed_tokens(input_ids)
+        """(T,) token ids -> (T, hidden), scaled by sqrt(hidden) as the embedding module does."""
+        # NOTE: its forward's two kernels without nn.Module's call machinery (a step's fixed cost)
+        return F.embedding(input_ids, self._embedding) * self._embed_scale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden) final hidden states -> (n, vocab) float32 logits."""
@@ -125,7 +128,7 @@ class Gemma3PagedText:
         qk, v = mm(w.input_norm(h), w.qkv).split_with_sizes(self._qk_v, dim=-1)
         qk = w.qk_norm(qk.view(t, heads + kv_heads, d))
         q, k = self.rope[w.kind].rotate(qk, *rope).split_with_sizes(self._q_k, dim=1)  # (T, heads | kv_heads, d)
-        out = paged_attention(q, k, v.view(t, kv_heads, d), kv, meta, index, self.pattern)  # (T, heads, d)
-        h = h + w.post_attention_norm(mm(out.reshape(t, heads * d), w.o))
+        out = paged_attention(q, k, v.view(t, kv_heads, d), kv, meta, index, self.pattern)  # (T, heads * d)
+        h = h + w.post_attention_norm(mm(out, w.o))
         gate, up = mm(w.pre_feedforward_norm(h), w.gate_up).chunk(2, dim=-1)
         return h + w.post_feedforward_norm(mm(F.gelu(gate, approximate="tanh") * up, w.down))
