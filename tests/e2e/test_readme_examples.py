@@ -38,12 +38,19 @@ def test_the_readme_curl_example_answers_200_with_content(e2e_server: Server) ->
     assert done.returncode == 0, done.stderr
     body, status = done.stdout.rsplit("\n", 1)
     assert status == "200", body
-    answer = json.loads(body)
-    assert answer["choices"][0]["message"]["content"]
+    choice = json.loads(body)["choices"][0]
+    # NOTE: sampled from random weights, an answer may end its turn at once: then, and only then, empty
+    assert choice["message"]["content"] or choice["finish_reason"] == "stop", choice
 
 
 def test_the_readme_openai_client_example_prints_an_answer(e2e_server: Server) -> None:
     script = _at(e2e_server, _block("python", "from openai import OpenAI"))
+    # the README's code as written, then (to stderr) what tells an empty answer from a lost one
+    script += "\nimport sys\nprint(reply.choices[0].finish_reason, reply.usage.completion_tokens, file=sys.stderr)\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip()
+    reason, tokens = done.stderr.split()[-2:]
+    content = done.stdout.removesuffix("\n")  # what the README's print showed
+    assert int(tokens) >= 1 and content != "None"
+    # NOTE: sampled from random weights, an answer may end its turn at once: then, and only then, empty
+    assert content or reason == "stop", (content, reason)
