@@ -102,7 +102,7 @@ def _lone_decode(s: SeqStep, kinds: tuple[LayerKind, ...], block_size: int, devi
     reads = []
     for kind, table, layers in zip(kinds, s.tables, layers_of, strict=True):
         slots[layers, 0] = table.pages[block] * block_size + within
-        first_key = max(position - kind.window + 1, 0) if kind.window is not None else 0
+        first_key = _first_key(position, kind.window)
         lo = first_key // block_size
         pages = torch.from_numpy(np.ascontiguousarray(table.pages[lo : block + 1].T)).to(device)  # (layers, blocks)
         keys = (first_key - lo * block_size, position + 1 - lo * block_size)
@@ -133,7 +133,7 @@ def _group(steps: list[SeqStep], offsets: np.ndarray, kinds: tuple[LayerKind, ..
 def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, pattern: AttentionPattern,
           device: torch.device) -> KindRead:
     window = kind.window
-    first_key = [max(s.start - window + 1, 0) if window is not None else 0 for s in steps]  # (B,) positions
+    first_key = [_first_key(s.start, window) for s in steps]  # (B,) positions
     lo = [f // block_size for f in first_key]  # first block each sequence reads
     hi = [-(-(s.start + s.num_new) // block_size) for s in steps]
     blocks = max(h - b for b, h in zip(lo, hi, strict=True))
@@ -157,6 +157,11 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
     if s.num_new == 1 or (not images and window is None and s.start == 0):
         return KindRead(flat, rows, (a, b), None, causal=s.num_new > 1)
     return KindRead(flat, rows, (a, b), _chunk_mask(s, first_key[0], window, images, device), False)
+
+
+def _first_key(start: int, window: int | None) -> int:
+    """The first position a query at `start` sees on a layer with `window` (None: the whole context)."""
+    return max(start - window + 1, 0) if window is not None else 0
 
 
 def _chunk_mask(s: SeqStep, first_key: int, window: int | None, images: bool,

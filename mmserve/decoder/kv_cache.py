@@ -39,7 +39,7 @@ class KVCache:
         workspace, valid until the next `gather`."""
         n = pages.shape[0]
         views = self._views.get(n)
-        if views is None:  # NOTE: kept, as slicing them anew costs a step more than the copy on small models
+        if views is None:  # NOTE: kept: on a small model, slicing them anew each layer cost more than the copy
             if n > self._workspace.shape[1]:
                 grown = max(n, 2 * self._workspace.shape[1])
                 self._workspace = self.keys.new_empty((2, grown, *self.keys.shape[1:]))
