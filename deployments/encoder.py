@@ -36,6 +36,7 @@ class Encoder:
         stages.release_unused()
         self.stage = self.service.stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.ongoing = 0  # `encode` calls in flight here (introspection)
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -43,10 +44,13 @@ class Encoder:
         """One (num_embeds, hidden) numpy array per feature; this replica holds nothing for it after."""
         self.reporter.ensure_started()
         self.resolver.bind()  # NOTE: the step thread resolves pixels through the store's handle
+        self.ongoing += 1
         try:
             embeddings = await self.service.encode(request_id, features)
         except InvalidRequestError as exc:
             return RequestFailed(request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
+        finally:
+            self.ongoing -= 1
         arrays, dtype = to_wire(embeddings)
         return EncoderOutput(request_id, arrays, dtype=dtype)
 
@@ -65,7 +69,8 @@ class Encoder:
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered, where, the ids of the requests that
-        hold encoder-cache references here, this replica's vision forward passes and cache lookups."""
+        hold encoder-cache references here, the `encode` calls in flight, this replica's vision forward passes
+        and cache lookups."""
         # NOTE: the books belong to the step thread; a copy taken while it mutates them may need a retry.
         for _ in range(100):
             try:
@@ -77,7 +82,8 @@ class Encoder:
             raise RuntimeError("the encoder-cache books kept changing; try again")
         stats = self.stage.stats()
         return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
-                "referenced_requests": referenced, "forward_passes": self.stage.runner.forward_passes,
+                "referenced_requests": referenced, "ongoing": self.ongoing,
+                "forward_passes": self.stage.runner.forward_passes,
                 "cache_queries": stats.queries, "cache_hits": stats.hits,
                 "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
                 "stage_env": {k: os.environ.get(k) for k in DEFAULT_STAGE_ENV}}

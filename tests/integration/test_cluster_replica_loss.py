@@ -96,8 +96,12 @@ def _load(app: AppInfo, stop: threading.Event, out: list[Outcome], counter: iter
 # kills a replica caught working, with a burst of heavy requests in flight, not one that happens to idle)
 BUSY: dict[str, Callable[[dict[str, Any]], bool]] = {
     "Preprocess": lambda info: info["ongoing"] > 0,
-    "Encoder": lambda info: bool(info["referenced_requests"]),
+    "Encoder": lambda info: info["ongoing"] > 0 or bool(info["referenced_requests"]),
 }
+# NOTE: the burst meets Preprocess first, which may have just lost a replica (the round before) and be
+# working through the retried requests of the burst that caught it: on a slow 2-core runner a burst took
+# over 30 s to reach the Encoder.
+CATCH_TIMEOUT_S = 90.0
 
 
 def _heavy(app: AppInfo, n: int) -> Outcome:
@@ -125,7 +129,7 @@ def _busy_victim(app: AppInfo, deployment: str, out: list[Outcome], counter: ite
         info = app.handle(deployment).replica_info.remote().result(timeout_s=10)
         return info["replica_id"] if BUSY[deployment](info) else None
 
-    replica_id = wait_until(caught, timeout=30, interval=0.01, what=f"a {deployment} replica at work")
+    replica_id = wait_until(caught, timeout=CATCH_TIMEOUT_S, interval=0.01, what=f"a {deployment} replica at work")
     return next(a for a in replica_actors(app.name, deployment) if replica_suffix(a["name"]) == replica_id)
 
 
