@@ -5,8 +5,11 @@ decode step of transformers' `generate` (at 1 thread and at all threads for batc
 counts) and of mmserve's Decoder (threads as it measured at start-up); the KV pages one sequence holds
 against every layer keeping every block; how many 8k-token sequences a fixed pool runs at once; and
 the tiny model's decode step, i.e. the engine's fixed cost per step. Ratios are taken in this run.
+Every cell is measured once per round (`--rounds`, both systems each time) and each system's figure is
+its fastest round's median: a slow minute of the machine (our VMs have them) then falls on one round of
+one cell, not on the cell's figure.
 
-  python scripts/bench_step.py                                   # ~15 min on 2 cores
+  python scripts/bench_step.py                                   # ~8 min on 2 cores
   python scripts/bench_step.py --contexts 300 --batches 1 --new-tokens 16   # a quick look
 Results: bench-results/step-<timestamp>.json and the table printed at the end.
 """
@@ -25,6 +28,7 @@ from bench_lib.checkpoint import bench_checkpoint
 from bench_lib.grammar_cost import GrammarCost, grammar_cost
 from bench_lib.report import write_results
 from bench_lib.step import (
+    StepTime,
     all_full,
     engine_decoder,
     hf_step_ms,
@@ -48,6 +52,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--contexts", default="300,2000,8000", help="prompt tokens before decoding")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=24, help="decode steps timed per cell")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="passes over every cell; each side's figure is its fastest round's median")
     ap.add_argument("--out", default="bench-results")
     return ap.parse_args(argv)
 
@@ -65,19 +71,26 @@ def main(argv: list[str] | None = None) -> None:
     ours = engine_decoder(ckpt, max_num_seqs=max(batches), num_blocks=4096)
     spec, block = ours.spec, ours.scheduler.block_size
     cells = []
-    for batch in batches:
-        for context in contexts:
-            ids = prompts(batch, context, vocab)
-            counts = [1, all_threads] if batch == 1 else [all_threads]
-            theirs = min((hf_step_ms(hf, ids, args.new_tokens, n) for n in counts), key=lambda s: s.ms)
-            mine, pages = our_step_ms(ours, ids, args.new_tokens)
-            cell = {"batch": batch, "context": context, "transformers": asdict(theirs), "mmserve": asdict(mine),
-                    "ratio": mine.ms / theirs.ms, "pages_per_sequence": max(pages),
-                    "uniform_pages": uniform_pages(context, spec.num_layers, block)}
-            cells.append(cell)
-            print(f"batch {batch} context {context}: mmserve {mine.ms:.2f} ms ({mine.threads} threads), "
-                  f"transformers {theirs.ms:.2f} ms ({theirs.threads}) -> {cell['ratio']:.2f}x; KV pages "
-                  f"{cell['pages_per_sequence']} vs {cell['uniform_pages']}", flush=True)
+    best: dict[tuple[int, int], tuple[StepTime, StepTime, list[int]]] = {}
+    for round_ in range(args.rounds):  # NOTE: every cell once per round, so a slow minute hits one round
+        for batch in batches:
+            for context in contexts:
+                ids = prompts(batch, context, vocab)
+                counts = [1, all_threads] if batch == 1 else [all_threads]
+                theirs = min((hf_step_ms(hf, ids, args.new_tokens, n) for n in counts), key=lambda s: s.ms)
+                mine, pages = our_step_ms(ours, ids, args.new_tokens)
+                print(f"round {round_ + 1}, batch {batch} context {context}: mmserve {mine.ms:.2f} ms "
+                      f"({mine.threads} threads), transformers {theirs.ms:.2f} ms ({theirs.threads})", flush=True)
+                kept = best.get((batch, context))
+                best[(batch, context)] = (min(theirs, kept[0], key=lambda s: s.ms) if kept else theirs,
+                                          min(mine, kept[1], key=lambda s: s.ms) if kept else mine, pages)
+    for (batch, context), (theirs, mine, pages) in best.items():
+        cell = {"batch": batch, "context": context, "transformers": asdict(theirs), "mmserve": asdict(mine),
+                "ratio": mine.ms / theirs.ms, "pages_per_sequence": max(pages),
+                "uniform_pages": uniform_pages(context, spec.num_layers, block)}
+        cells.append(cell)
+        print(f"batch {batch} context {context}: mmserve {mine.ms:.2f} ms, transformers {theirs.ms:.2f} ms -> "
+              f"{cell['ratio']:.2f}x; KV pages {cell['pages_per_sequence']} vs {cell['uniform_pages']}")
     grammar = grammar_of(ours, ckpt, prompts(8, 300, vocab)) if max(batches) >= 8 else None
     tiny = engine_decoder(default_tiny_checkpoint(), max_num_seqs=1, num_blocks=2048)
     tiny_step, _ = our_step_ms(tiny, prompts(1, 300, tiny.spec.vocab_size), 200)

@@ -14,8 +14,9 @@ import llguidance
 import torch
 
 from mmserve.decoder.grammar import Grammars, GrammarViolationError, NoTokenAllowedError, contained
+from mmserve.decoder.sampler import RowMasks
 
-Pending = Future[tuple[list[str], torch.Tensor]]  # (request ids in plan order, their (n, vocab) bool mask)
+Pending = Future[tuple[list[str], RowMasks | None]]  # (request ids in plan order, what their grammars forbid)
 
 
 class GrammarStep:
@@ -48,15 +49,18 @@ class GrammarStep:
         return done
 
     @staticmethod
-    def finish(pending: Pending | None, ids: list[str]) -> torch.Tensor | None:
-        """(n, vocab) bool: what each row of the step's logits (request `ids`) may not sample; None if free."""
+    def finish(pending: Pending | None, ids: list[str]) -> RowMasks | None:
+        """What the grammars of the step's logits rows (request `ids`) forbid; None if no row has one."""
         if pending is None:
             return None
-        planned, forbid = pending.result()
-        if planned == ids:
-            return forbid
-        where = {rid: j for j, rid in enumerate(planned)}  # some failed in the forward: the others' rows
-        return forbid[[where[rid] for rid in ids]]
+        planned, masks = pending.result()
+        if masks is None or planned == ids:
+            return masks
+        where = {rid: j for j, rid in enumerate(ids)}  # some failed in the forward: the others' rows
+        kept = [(k, where[planned[r]]) for k, r in enumerate(masks.rows) if planned[r] in where]
+        if not kept:
+            return None
+        return RowMasks(tuple(row for _, row in kept), masks.forbid[[k for k, _ in kept]])
 
     @staticmethod
     def advance(ids: list[str], tokens: list[int],

@@ -10,12 +10,22 @@ so a seeded row gets the same token whether it is batched with other rows or alo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mmserve.decoder.penalties import penalized
 from mmserve.messages import SamplingParams
 
 CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort only if its nucleus is wider
+
+
+@dataclass(frozen=True)
+class RowMasks:
+    """The tokens that some rows of a batch may not sample (their grammars', `grammar.Grammars.forbidden`)."""
+
+    rows: tuple[int, ...]  # the masked rows' indices in the batch's logits (g of them)
+    forbid: torch.Tensor  # (g, vocab) bool: True where row rows[j] may not sample the token
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -39,11 +49,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                outputs: list[list[int]] | None = None, prompts: list[list[int]] | None = None,
-               forbidden: torch.Tensor | None = None) -> torch.Tensor:
+               forbidden: RowMasks | None = None) -> torch.Tensor:
         """(n, vocab) logits, one params and generator per row (and, for penalties, each row's output and
-        prompt token ids; for structured output, an (n, vocab) bool of the tokens each row's grammar
-        forbids, `grammar.Grammars.forbidden`) -> (n,) int64 token ids; -1 for a row whose masks left it no
-        token at all (possible only under a grammar)."""
+        prompt token ids; for structured output, the tokens some rows' grammars forbid) -> (n,) int64 token
+        ids; -1 for a row whose masks left it no token at all (possible only under a grammar)."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators")
         logits = logits.float()  # (n, V); NOTE: filter in float32 whatever the model dtype
@@ -54,15 +63,13 @@ class Sampler:
         if len(self._never):  # NOTE: out of place, the caller's logits stay as the model made them
             self._never = self._never.to(logits.device)
             logits = logits.index_fill(1, self._never, float("-inf"))
+        tokens = logits.argmax(dim=-1)  # (n,)
         dead = None
         if forbidden is not None:
-            logits = logits.masked_fill(forbidden, float("-inf"))
-            dead = (logits == float("-inf")).all(dim=-1)  # (n,): no token left
-            logits = logits.masked_fill(dead[:, None], 0.0)  # NOTE: so that the draws below stay defined
-        tokens = logits.argmax(dim=-1)  # (n,)
+            logits, dead = self._masked(logits, tokens, params, forbidden)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
-            return tokens if dead is None else tokens.masked_fill(dead, -1)
+            return tokens if dead is None else tokens.index_fill_(0, dead, -1)
         u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row
         vocab = logits.shape[-1]
         full = [j for j, i in enumerate(rows) if not _truncates(params[i], vocab)]
@@ -72,7 +79,27 @@ class Sampler:
                 index = torch.tensor([rows[j] for j in group], device=logits.device)  # (g,)
                 scaled = logits[index] / _temperatures([params[rows[j]] for j in group], logits.device)
                 tokens[index] = draw(scaled, [params[rows[j]] for j in group], u[group])
-        return tokens if dead is None else tokens.masked_fill(dead, -1)
+        return tokens if dead is None else tokens.index_fill_(0, dead, -1)
+
+    @staticmethod
+    def _masked(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
+                masks: RowMasks) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply `masks` -> (logits for the draws, (d,) rows left no token); `tokens` gets the masked rows'
+        greedy picks.
+
+        NOTE: only the masked rows are touched (a 262k vocabulary makes each pass over a row cost), and the
+        logits are copied with them only when one of them draws: a greedy row needs only its masked max.
+        """
+        rows = torch.tensor(masks.rows, device=logits.device)  # (g,)
+        sub = logits.index_select(0, rows).masked_fill_(masks.forbid, float("-inf"))  # (g, V)
+        best, picks = sub.max(dim=-1)  # (g,) each: NOTE: the first of tied maxima, as argmax
+        tokens.index_copy_(0, rows, picks)
+        left_none = best == float("-inf")  # (g,)
+        dead = rows[left_none]  # (d,)
+        if all(params[i].greedy for i in masks.rows):
+            return logits, dead
+        sub.masked_fill_(left_none[:, None], 0.0)  # NOTE: so that the draws stay defined
+        return logits.index_copy(0, rows, sub), dead
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor,

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from mmserve.decoder.constraint import InvalidGrammarError, check
 from mmserve.decoder.grammar import Grammars, _forbidden_on, forbidden
 from mmserve.decoder.grammar_step import GrammarStep
-from mmserve.decoder.sampler import Sampler
+from mmserve.decoder.sampler import RowMasks, Sampler
 from mmserve.messages import SamplingParams, StructuredOutput
 
 
@@ -24,34 +24,49 @@ def bits_allowing(allowed: list[set[int]], vocab: int) -> torch.Tensor:
     return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)  # bit 31 is the sign bit
 
 
-def test_forbidden_unpacks_each_constrained_row_and_leaves_the_others_free() -> None:
+def test_forbidden_unpacks_each_row_to_exactly_its_disallowed_tokens() -> None:
     vocab = 70  # not a multiple of 32: the last word's spare bits must not matter
-    allowed = [{0, 31, 32, 69}, {5}]
-    out = forbidden(bits_allowing(allowed, vocab), [1, 3], 4, vocab, torch.device("cpu"))
-    assert out.shape == (4, vocab) and not out[[0, 2]].any()
-    for row, tokens in zip((1, 3), allowed, strict=True):
+    allowed = [{0, 31, 32, 69}, {5}, set(range(vocab))]
+    out = forbidden(bits_allowing(allowed, vocab), vocab, torch.device("cpu"))
+    assert out.shape == (3, vocab) and out.dtype == torch.bool
+    for row, tokens in enumerate(allowed):
         assert {t for t in range(vocab) if not out[row, t]} == tokens
 
 
 def test_the_device_unpacking_agrees_with_the_hosts() -> None:
     vocab = 100
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32)
-    on_host = forbidden(bitmask, [0, 2, 4], 5, vocab, torch.device("cpu"))
-    assert torch.equal(_forbidden_on(torch.device("cpu"), bitmask, [0, 2, 4], 5, vocab), on_host)
+    on_host = forbidden(bitmask, vocab, torch.device("cpu"))
+    assert torch.equal(_forbidden_on(torch.device("cpu"), bitmask, vocab), on_host)
 
 
 def test_the_sampler_picks_only_allowed_tokens_greedy_or_sampled() -> None:
     vocab = 40
-    logits = torch.randn(3, vocab)
-    allowed = [{7, 9}, {39}]
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]
-    generators = [None, torch.Generator().manual_seed(1), None]
-    forbid = forbidden(bits_allowing(allowed, vocab), [0, 1], 3, vocab, torch.device("cpu"))
+    logits = torch.randn(4, vocab)
+    allowed = [{7, 9}, {39}, {2, 3}]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    generators = [None, torch.Generator().manual_seed(1), None, None]
+    masks = RowMasks((0, 1, 3), forbidden(bits_allowing([allowed[0], allowed[1], allowed[2]], vocab), vocab,
+                                          torch.device("cpu")))
     for _ in range(20):
-        tokens = Sampler().sample(logits, params, generators, forbidden=forbid)
+        tokens = Sampler().sample(logits, params, generators, forbidden=masks)
         assert tokens[0].item() == max((7, 9), key=lambda t: logits[0, t].item())
         assert tokens[1].item() == 39 and tokens[2].item() == logits[2].argmax().item()
+        assert tokens[3].item() == max((2, 3), key=lambda t: logits[3, t].item())
     assert not torch.isinf(logits).any()  # the caller's logits are left as they were
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_whose_mask_leaves_nothing_gets_minus_one_and_its_neighbours_are_untouched(temperature: float) -> None:
+    vocab = 40
+    logits = torch.randn(3, vocab)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=temperature, seed=2),
+              SamplingParams(temperature=0.0)]
+    generators = [None, torch.Generator().manual_seed(2), None]
+    masks = RowMasks((1, 2), forbidden(bits_allowing([set(), {11}], vocab), vocab, torch.device("cpu")))
+    tokens = Sampler().sample(logits, params, generators, forbidden=masks).tolist()
+    assert tokens == [logits[0].argmax().item(), -1, 11]
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +128,10 @@ def test_a_steps_masks_are_the_same_beside_the_forward_or_before_it(grammars, be
     pending = step.start(rows, beside=beside)
     assert (step._thread is not None) == beside  # before the forward: no thread is started at all
     whole, some = GrammarStep.finish(pending, ["a", "b", "c"]), GrammarStep.finish(pending, ["c", "a"])
-    assert whole is not None and torch.equal(whole, expected)
-    assert some is not None and torch.equal(some, expected[[2, 0]])  # "b" failed in the forward
+    assert expected is not None and expected.rows == (0, 2)  # "b" has no grammar
+    assert whole is not None and whole.rows == (0, 2) and torch.equal(whole.forbid, expected.forbid)
+    assert some is not None and some.rows == (1, 0) and torch.equal(some.forbid, expected.forbid)  # "b" failed
+    assert GrammarStep.finish(pending, ["b"]) is None  # the grammar rows failed in the forward
     assert step.start([("b", None)], beside=beside) is None  # no grammar: no work
 
 
