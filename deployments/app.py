@@ -1,7 +1,8 @@
 """The application builder: `serve run deployments.app:build_app [model=DIR] [stage.option=value ...]`.
 
-Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, with the shared
-ProcessorCacheStore and the MetricsHub) and applying each stage's placement from the arguments.
+Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, Preprocess's early encodes to
+the Encoder, with the shared ProcessorCacheStore and the MetricsHub) and applying each stage's placement
+from the arguments.
 Does not own argument names or defaults (args.py) nor any stage's logic.
 """
 
@@ -36,10 +37,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     hub = _deployment(MetricsHub).bind()
     store = _deployment(ProcessorCacheStore).bind(app_args.engine.processor_cache.capacity_bytes, hub,
                                                   app_args.metrics_push_interval_s)
-    preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options()).bind(
-        app_args, store, hub)
     encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options(), **_router(
         app_args.encoder.router("deployments.routers:EncoderAffinityRouter"))).bind(app_args, store, hub)
+    preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options()).bind(
+        app_args, store, hub, encoder)
     # NOTE: the decoder's index of routed prompt blocks holds about what its KV pool caches
     decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options(), **_router(
         app_args.decoder.router("deployments.routers:DecoderAffinityRouter",

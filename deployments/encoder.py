@@ -37,6 +37,7 @@ class Encoder:
         self.stage = self.service.stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.ongoing = 0  # `encode` calls in flight here (introspection)
+        self.early_encodes = 0  # early encodes started here (introspection)
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -54,6 +55,14 @@ class Encoder:
         arrays, dtype = to_wire(embeddings)
         return EncoderOutput(request_id, arrays, dtype=dtype)
 
+    async def encode_early(self, request_id: str, features: list[MultiModalFeatureSpec]) -> bool:
+        """Start encoding a request's items into this replica's cache before its `encode` call comes (the
+        same routing key sends that call here); answers at once: whether anything was started."""
+        self.resolver.bind()
+        started = self.service.encode_early(request_id, features)
+        self.early_encodes += started
+        return started
+
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose step thread died is replaced."""
         self.service.check_health()
@@ -69,8 +78,8 @@ class Encoder:
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered, where, the ids of the requests that
-        hold encoder-cache references here, the `encode` calls in flight, this replica's vision forward passes
-        and cache lookups."""
+        hold encoder-cache references here, the `encode` calls in flight, the early encodes started, this
+        replica's vision forward passes and cache lookups."""
         # NOTE: the books belong to the step thread; a copy taken while it mutates them may need a retry.
         for _ in range(100):
             try:
@@ -83,6 +92,7 @@ class Encoder:
         stats = self.stage.stats()
         return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "referenced_requests": referenced, "ongoing": self.ongoing,
+                "early_encodes": self.early_encodes,
                 "forward_passes": self.stage.runner.forward_passes,
                 "cache_queries": stats.queries, "cache_hits": stats.hits,
                 "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),

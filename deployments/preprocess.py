@@ -1,9 +1,11 @@
 """Preprocess deployment (CPU, autoscaled): ChatRequest -> PreprocessedRequest through mmserve's
-Preprocessor, with the cluster-wide ProcessorCache. Owns nothing but the translation."""
+Preprocessor, with the cluster-wide ProcessorCache. Owns nothing but the translation, and handing a
+request's newly processed images to the Encoder early (`preprocess.early_encode`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import ray
@@ -11,16 +13,19 @@ from ray import serve
 
 from deployments.args import AppArgs
 from deployments.cache_store import SharedProcessorCache
+from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
 from mmserve.stages import StageFactory
 
+log = logging.getLogger("ray.serve")
+
 
 @serve.deployment
 class Preprocess:
-    def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any):
+    def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any, encoder: Any):
         cache = app_args.engine.processor_cache  # NOTE: the cache off (0 bytes) keeps nothing here either
         self.cache = SharedProcessorCache(cache_store, min(cache.replica_capacity_bytes, cache.capacity_bytes))
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
@@ -31,6 +36,8 @@ class Preprocess:
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
         self.ongoing = 0  # requests being processed here now
+        self.encoder = hold(encoder) if app_args.early_encode() else None
+        self._early: set[asyncio.Task] = set()  # early-encode calls not answered yet (held: see asyncio)
 
     async def process(self, request: ChatRequest) -> PreprocessedRequest | RequestFailed:
         self.reporter.ensure_started()
@@ -38,11 +45,23 @@ class Preprocess:
         self.ongoing += 1
         try:
             # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
-            return await asyncio.to_thread(self.preprocessor.process, request)
+            pre = await asyncio.to_thread(self.preprocessor.process, request)
+            self._encode_early(pre)
+            return pre
         except InvalidRequestError as exc:
             return RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
         finally:
             self.ongoing -= 1
+
+    def _encode_early(self, pre: PreprocessedRequest) -> None:
+        """Send the Encoder the request's items if some are new here (a processor-cache miss: it has not
+        seen them either); sent before this call answers, not awaited."""
+        if self.encoder is None or pre.processor_cache_hits >= len(pre.features):
+            return
+        sent = self.encoder.encode_early.remote(f"{pre.request_id}/early", pre.features)
+        task = asyncio.ensure_future(_settle(sent))
+        self._early.add(task)
+        task.add_done_callback(self._early.discard)
 
     async def served_model(self) -> ServedModel:
         """The model's name and context length, for the ingress (which reads no checkpoint itself)."""
@@ -59,3 +78,11 @@ class Preprocess:
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "image_processor_calls": self.preprocessor.image_processor_calls, "ongoing": self.ongoing,
                 "own_cache_hits": self.cache.own_stats().hits}
+
+
+async def _settle(sent: Any) -> None:
+    """Await an early encode's answer: its failure is logged, never raised (the request encodes anyway)."""
+    try:
+        await sent
+    except Exception as exc:
+        log.info("an early encode was not sent: %r", exc)

@@ -5,7 +5,7 @@ hashes) and ranking the candidate replicas: the one that should hold the request
 then two random ones (Serve probes a rank and takes its least loaded replica that accepts: power of two
 choices), unless that replica is busier than the least loaded by more than `load_margin` requests.
 Does not own the policy's arithmetic (`mmserve.runtime.affinity`) nor the caches. A router runs in each
-caller's process (the Decoder's replicas call the Encoder; the Ingress calls the Decoder).
+caller's process (the Decoder's and Preprocess's replicas call the Encoder; the Ingress calls the Decoder).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from mmserve.runtime import affinity
 from mmserve.runtime.affinity import Decision, PrefixIndex, overloaded, owner
 
 PENDING_BOUND = 4096  # requests being routed whose hashes are kept until routed (requests)
-ROUTED_METHODS = {"Encoder": "encode", "Decoder": "generate"}  # calls that carry a routing key
+# calls that carry a routing key (an early encode goes where its request's encode will)
+ROUTED_METHODS = {"Encoder": ("encode", "encode_early"), "Decoder": ("generate",)}
 
 
 class _AffinityRouter(RequestRouter):
@@ -37,7 +38,7 @@ class _AffinityRouter(RequestRouter):
         if pending_request is None:
             return fallback
         pending_request.routing_context.should_backoff = True  # NOTE: when every rank is full, Serve waits
-        if pending_request.metadata.call_method != ROUTED_METHODS[self.deployment]:
+        if pending_request.metadata.call_method not in ROUTED_METHODS[self.deployment]:
             return fallback
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {name: self.replica_queue_len_cache.get(r.replica_id) for name, r in by_name.items()}

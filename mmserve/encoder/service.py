@@ -1,18 +1,22 @@
 """The encoder stage behind an async API: many concurrent callers, one stepping thread.
 
 Owns: turning `encode(request)` calls into queued stage actions, batching arrivals within a short
-window, and handing back each request's embeddings. Does not own: caching or encoding (EncoderStage)
+window, handing back each request's embeddings, and early encodes (`encode_early`: items encoded into the
+cache ahead of the request that will ask for them). Does not own: caching or encoding (EncoderStage)
 nor transport (the in-process Engine calls it directly; the Ray Encoder deployment via a handle).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from mmserve.encoder.stage import EncoderStage, Resolver, inline_pixels
 from mmserve.messages import MultiModalFeatureSpec
 from mmserve.runtime.step_loop import StepLoop
+
+log = logging.getLogger(__name__)
 
 
 class EncoderService:
@@ -21,8 +25,9 @@ class EncoderService:
         self.resolve = resolve
         self.loop = StepLoop(stage.step, stage.has_pending, stage.abort_all, batch_wait_s=batch_wait_s,
                              name="mmserve-encoder")
+        self._early: set[asyncio.Task] = set()  # early encodes under way (held: the loop keeps weak references)
 
-    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> list[Any]:
+    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec], early: bool = False) -> list[Any]:
         """Embeddings of each feature, in order: (num_embeds, hidden) tensors. Raises if refused.
 
         The request holds its encoder-cache entries until they are handed back here, not after.
@@ -30,7 +35,7 @@ class EncoderService:
         if not features:
             return []
         self.loop.open(request_id)
-        self.loop.submit(request_id, lambda: self.stage.add_request(request_id, features, self.resolve))
+        self.loop.submit(request_id, lambda: self.stage.add_request(request_id, features, self.resolve, early))
         try:
             async for out in self.loop.outputs(request_id):
                 return list(out.embeddings)
@@ -38,6 +43,26 @@ class EncoderService:
             self.abort(request_id)
             raise
         raise RuntimeError(f"encoder stage ended request {request_id} without embeddings")
+
+    def encode_early(self, request_id: str, features: list[MultiModalFeatureSpec]) -> bool:
+        """Start encoding `features` into the cache for a request still on its way here (its own `encode`
+        call then finds them); returns at once, False when nothing was started.
+
+        NOTE: only on an idle stage. Then the items are encoded while the request travels on, which is
+        what an early start buys; a busy stage would only queue them twice, and under load nothing is
+        gained by starting sooner. Failures are logged, not raised: the request's own call reports its own.
+        """
+        if not features or self.loop.busy():
+            return False
+        task = asyncio.ensure_future(self.encode(request_id, features, early=True))
+        self._early.add(task)
+        task.add_done_callback(self._early_done)
+        return True
+
+    def _early_done(self, task: asyncio.Task) -> None:
+        self._early.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("an early encode failed (its request will encode on its own): %r", task.exception())
 
     def abort(self, request_id: str) -> None:
         """Drop a request still waiting for its embeddings (idempotent)."""

@@ -80,6 +80,7 @@ class _Pending:
     request_id: str
     features: list[MultiModalFeatureSpec]
     resolve: Resolver
+    early: bool = False  # an early encode (`add_request`): its lookups are not counted
     next_index: int = 0  # features before it are booked (hit or allocated) for this request
 
     @property
@@ -95,6 +96,7 @@ class EncoderStage:
         self.cache = EncoderCache()
         self._pending: dict[str, _Pending] = {}  # FIFO: insertion order is arrival order
         self._live: set[str] = set()  # pending: added and not yet handed out or aborted
+        self._early: set[str] = set()  # entries an early encode made that no request has found yet
         self._queries = 0
         self._hits = 0
 
@@ -113,9 +115,15 @@ class EncoderStage:
     # ---- requests in and out ----
 
     def add_request(
-        self, request_id: str, features: list[MultiModalFeatureSpec], resolve: Resolver = inline_pixels
+        self, request_id: str, features: list[MultiModalFeatureSpec], resolve: Resolver = inline_pixels,
+        early: bool = False,
     ) -> None:
-        """Queue a request; CapacityError if its items can never fit (nothing is queued then)."""
+        """Queue a request; CapacityError if its items can never fit (nothing is queued then).
+
+        `early`: the items are encoded ahead of the request that will ask for them (it is still on its way
+        to the decoder). NOTE: the stats count such work when that request finds it, as the miss it was for
+        the request: its lookups are not counted, and the request's first hit on an entry it made is not a hit.
+        """
         if request_id in self._live:
             raise ValueError(f"request {request_id} is already in the encoder stage")
         sizes: dict[str, int] = {}
@@ -123,7 +131,7 @@ class EncoderStage:
             if sizes.setdefault(spec.identifier, spec.num_embeds) != spec.num_embeds:
                 raise ValueError(f"item {spec.identifier} appears with different num_embeds in one request")
         self.manager.validate_request(sizes)
-        self._pending[request_id] = _Pending(request_id, list(features), resolve)
+        self._pending[request_id] = _Pending(request_id, list(features), resolve, early)
         self._live.add(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -150,7 +158,7 @@ class EncoderStage:
         an item or the vision forward fails; the other requests stay queued, the books consistent.
         """
         misses = self._schedule()
-        self.cache.drop(self.manager.take_freed())
+        self._drop_freed()
         if misses:
             self._encode(misses)
         return self._collect_done()
@@ -169,19 +177,36 @@ class EncoderStage:
         for req in self._pending.values():
             while not req.done:
                 spec = req.features[req.next_index]
-                if self.manager.check_and_update_cache(req.request_id, spec.identifier):
-                    self._hits += 1
-                elif (not misses or crops + _num_tiles(spec) <= self.runner.max_batch_items) and \
-                        self.manager.can_allocate(spec.num_embeds, budget):
+                hit = self.manager.check_and_update_cache(req.request_id, spec.identifier)
+                if not hit:
+                    if (misses and crops + _num_tiles(spec) > self.runner.max_batch_items) or \
+                            not self.manager.can_allocate(spec.num_embeds, budget):
+                        return misses
                     self.manager.allocate(req.request_id, spec.identifier, spec.num_embeds)
                     budget -= spec.num_embeds
                     crops += _num_tiles(spec)
                     misses.append((req, spec))
-                else:
-                    return misses
-                self._queries += 1
+                self._count(req, spec.identifier, hit)
                 req.next_index += 1
         return misses
+
+    def _count(self, req: _Pending, identifier: str, hit: bool) -> None:
+        """The stats of one lookup (see `add_request` on early encodes)."""
+        if req.early:
+            if not hit:
+                self._early.add(identifier)
+            return
+        self._queries += 1
+        if identifier in self._early:
+            self._early.discard(identifier)  # made for this request: its miss, run ahead
+        elif hit:
+            self._hits += 1
+
+    def _drop_freed(self) -> None:
+        """Drop the tensors of the entries the manager has just freed."""
+        freed = self.manager.take_freed()
+        self._early.difference_update(freed)
+        self.cache.drop(freed)
 
     def _encode(self, misses: list[tuple[_Pending, MultiModalFeatureSpec]]) -> None:
         """Encode the step's misses into the cache; raise EncoderStepError naming only the requests whose
@@ -244,7 +269,7 @@ class EncoderStage:
         failed = [rid for rid in self._pending if rid in involved]  # arrival order
         failed += sorted(involved.difference(failed))  # none expected: all are still queued
         self.manager.discard(new_hashes)
-        self.cache.drop(self.manager.take_freed())
+        self._drop_freed()
         for request_id in failed:
             self.abort(request_id)
         return failed

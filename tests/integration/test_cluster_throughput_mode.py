@@ -4,7 +4,8 @@ A second app on the session's Serve instance, deployed from a process with
 `RAY_SERVE_USE_GRPC_BY_DEFAULT=1` (what `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, Ray's high-throughput mode,
 sets; a handle takes its transport default from the process that deploys the app, as `serve run` under
 the variable does), every stage's replicas in that mode too, `dtype: bfloat16` as in
-`deployments/serve_config.yaml`, and the processor cache off (nothing kept on purpose).
+`deployments/serve_config.yaml`, the processor cache off (nothing kept on purpose), and early encodes on
+(their default where the encoder runs on a GPU).
 
 - In that mode handles send calls by value over gRPC, and Ray pins every ObjectRef serialized into such
   a message for the sender's life. Our messages carry refs to each image's pixels, so every image request
@@ -12,6 +13,8 @@ the variable does), every stage's replicas in that mode too, `dtype: bfloat16` a
   burst of unique images the object store goes back to what it held before.
 - bfloat16 embeddings cross from encoder to decoder as their int16 bits (`mmserve/embeddings_wire.py`):
   the answer is the in-process bfloat16 engine's, token for token.
+- Early encodes: Preprocess hands each request's new image to the Encoder before it answers; the
+  Decoder's own encode then finds it cached. The image is encoded once and counted as the request's miss.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def grpc_app(ray_cluster: ClusterInfo, tiny_ckpt_224: Path) -> Iterator[AppInfo]
         "model": str(tiny_ckpt_224),
         "processor_cache.capacity_bytes": 0,
         "dtype": "bfloat16",
-        "ingress": stage, "decoder": stage, "encoder": stage, "preprocess": {**stage, "autoscaling": None},
+        "ingress": stage, "decoder": stage, "encoder": stage,
+        "preprocess": {**stage, "autoscaling": None, "early_encode": True},
     }
     started = time.perf_counter()
     ray.get(_deploy_in_grpc_mode.remote(args), timeout=120)
@@ -106,3 +110,31 @@ def test_bfloat16_image_answer_matches_the_in_process_engine(grpc_app: AppInfo, 
     expected = engine_answer(bf16_engine, body)
     assert len(expected.token_ids) == 12 and expected.text
     assert_same(answer, expected)
+
+
+ENCODER_KEYS = ("early_encodes", "forward_passes", "cache_queries", "cache_hits")
+
+
+def encoder_counts(app: AppInfo) -> dict[str, int]:
+    info = app.handle("Encoder").replica_info.remote().result(timeout_s=60)
+    return {key: info[key] for key in ENCODER_KEYS}
+
+
+def answered_moves(app: AppInfo, engine: Engine, body: dict[str, Any]) -> dict[str, int]:
+    """Send `body` (its answer must be the engine's): how much each of the Encoder's counts moved."""
+    before = encoder_counts(app)
+    status, answer = post_json(app.cluster.base_url + "/grpc", "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert_same(answer, engine_answer(engine, body))
+    return {k: v - before[k] for k, v in encoder_counts(app).items()}
+
+
+def test_an_early_encode_is_what_the_request_finds_and_counts_as_its_miss(grpc_app: AppInfo, bf16_engine: Engine):
+    body = chat_body(data_url(seed=740), text="Describe it.", max_tokens=8, ignore_eos=True)
+    assert answered_moves(grpc_app, bf16_engine, body) == \
+        {"early_encodes": 1, "forward_passes": 1, "cache_queries": 1, "cache_hits": 0}
+    # The same image again: the processor cache is off here, so Preprocess sends it early once more; the
+    # encoder finds it cached for both calls, and only the request's own lookup counts (a hit).
+    again = chat_body(data_url(seed=740), text="And its colours?", max_tokens=8, ignore_eos=True)
+    assert answered_moves(grpc_app, bf16_engine, again) == \
+        {"early_encodes": 1, "forward_passes": 0, "cache_queries": 1, "cache_hits": 1}

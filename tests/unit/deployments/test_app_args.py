@@ -96,3 +96,16 @@ def test_a_bad_value_is_refused_with_its_path() -> None:
         parse_args({"media.max_image_bytes": "lots"})
     with pytest.raises(ValueError, match="must be >= 1"):  # the engine checks its own bounds too
         dataclasses.replace(EngineConfig().decoder, num_blocks=0)
+
+
+@pytest.mark.parametrize(("args", "early"), [
+    ({}, False),  # the encoder on the CPU: its forward would share the cores with the request's trip
+    ({"encoder.num_gpus": "1"}, True),
+    ({"device": "cuda"}, True),
+    ({"encoder.num_gpus": "1", "encoder.routing": "default"}, False),  # two calls could meet two replicas
+    ({"preprocess.early_encode": "true"}, True),
+    ({"encoder.num_gpus": "1", "preprocess.early_encode": "false"}, False),
+])
+def test_early_encodes_where_the_encoder_computes_apart_and_both_calls_meet_one_replica(
+        args: dict[str, str], early: bool) -> None:
+    assert parse_args(args).early_encode() is early

@@ -64,6 +64,9 @@ def test_an_encode_goes_first_to_the_owner_of_its_rows_unless_it_is_too_busy() -
     other = asyncio.run(router(EncoderAffinityRouter, {}).choose_replicas(cands, request("metrics")))
     assert len(other) == 1  # a call without a routing key: no decision counted
     assert DECISIONS.counts() == after
+    early = asyncio.run(router(EncoderAffinityRouter, {"a": 1, "b": 1, "c": 1}, load_margin=2)
+                        .choose_replicas(cands, request("encode_early", "req-1/early", features, rid="i3")))
+    assert names(early)[0] == [expected]  # an early encode goes where its request's encode will
 
 
 def test_a_decode_follows_its_prompts_blocks_to_where_they_were_sent() -> None:

@@ -108,6 +108,26 @@ def test_same_image_again_is_a_hit_without_forward_or_resolve() -> None:
     assert stage.manager.refcount("h") == 0 and "h" in stage.cache  # handed out: held by nobody, still cached
 
 
+@pytest.mark.parametrize("together", [False, True])
+def test_an_early_encode_serves_its_request_and_counts_as_that_requests_miss(together: bool) -> None:
+    stage, store = _stage(), Store()
+    store.items.update(k=_item(1), j=_item(2))
+    stage.add_request("r1/early", [_spec("h", "k")], store.resolve, early=True)
+    if not together:  # the request arrives after the early encode's step, or while it is still queued
+        assert [r.request_id for r in stage.step()] == ["r1/early"]
+    stage.add_request("r1", [_spec("h", "k"), _spec("g", "j")], store.resolve)
+    done = {r.request_id: r for r in stage.step()}
+    assert set(done) == ({"r1"} if not together else {"r1/early", "r1"})
+    stats = stage.stats()
+    assert sorted(store.calls) == ["j", "k"] and stats.images_encoded == 2  # "h" encoded once
+    assert stats.queries == 2 and stats.hits == 0  # both were misses for r1, one of them run ahead
+    stage.add_request("r2", [_spec("h", "k")], store.resolve)
+    (again,) = stage.step()
+    assert stage.stats().queries == 3 and stage.stats().hits == 1  # found again: a hit like any other
+    assert torch.equal(again.embeddings[0], done["r1"].embeddings[0])
+    assert not stage.has_pending() and stage.manager.refcount("h") == 0
+
+
 def test_duplicates_within_a_step_and_a_request_encode_once() -> None:
     stage, store = _stage(), Store()
     store.items.update(k=_item(1), j=_item(2))

@@ -1,0 +1,61 @@
+"""EncoderService's early encodes: started only on an idle stage, found by the request's own call."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from mmserve.encoder.service import EncoderService
+from tests.unit.encoder.test_encoder_stage import FakeVision, Store, _item, _spec, _stage
+
+
+def test_an_early_encode_on_an_idle_stage_is_what_the_requests_own_call_gets() -> None:
+    async def run() -> None:
+        store = Store()
+        store.items["k"] = _item(1)
+        service = EncoderService(_stage(), resolve=store.resolve)
+        try:
+            assert service.encode_early("r1/early", [_spec("h", "k")])
+            while service.stage.stats().forward_passes == 0:  # the early encode runs on its own
+                await asyncio.sleep(0.005)
+            (embedding,) = await service.encode("r1", [_spec("h", "k")])
+            stats = service.stage.stats()
+            assert stats.forward_passes == 1 and store.calls == ["k"]
+            assert stats.queries == 1 and stats.hits == 0  # the request's miss, run ahead of it
+            (alone,) = await EncoderService(_stage()).encode("solo", [_spec("h", _item(1))])
+            assert torch.equal(embedding, alone)
+        finally:
+            service.stop()
+
+    asyncio.run(run())
+
+
+def test_a_busy_stage_starts_no_early_encode() -> None:
+    inside, release = threading.Event(), threading.Event()
+    vision = FakeVision()
+
+    def slow(pixels: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        release.wait(10)
+        return vision(pixels)
+
+    async def run() -> None:
+        store = Store()
+        store.items.update(k=_item(1), j=_item(2))
+        service = EncoderService(_stage(slow), resolve=store.resolve)
+        try:
+            first = asyncio.ensure_future(service.encode("r1", [_spec("h", "k")]))
+            while not inside.is_set():
+                await asyncio.sleep(0.005)
+            assert not service.encode_early("r2/early", [_spec("g", "j")])
+            release.set()
+            await first
+            assert service.stage.stats().forward_passes == 1 and store.calls == ["k"]  # nothing else ran
+            assert not service.encode_early("r3/early", [])  # no items: nothing to start
+        finally:
+            release.set()
+            service.stop()
+
+    asyncio.run(run())
