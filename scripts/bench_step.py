@@ -9,7 +9,7 @@ Every cell is measured once per round (`--rounds`, both systems each time) and e
 its fastest round's median: a slow minute of the machine (our VMs have them) then falls on one round of
 one cell, not on the cell's figure.
 
-  python scripts/bench_step.py                                   # ~8 min on 2 cores
+  python scripts/bench_step.py                                   # ~7 min on 2 cores
   python scripts/bench_step.py --contexts 300 --batches 1 --new-tokens 16   # a quick look
 Results: bench-results/step-<timestamp>.json and the table printed at the end.
 """
@@ -20,6 +20,7 @@ import argparse
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -71,19 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ours = engine_decoder(ckpt, max_num_seqs=max(batches), num_blocks=4096)
     spec, block = ours.spec, ours.scheduler.block_size
     cells = []
-    best: dict[tuple[int, int], tuple[StepTime, StepTime, list[int]]] = {}
-    for round_ in range(args.rounds):  # NOTE: every cell once per round, so a slow minute hits one round
-        for batch in batches:
-            for context in contexts:
-                ids = prompts(batch, context, vocab)
-                counts = [1, all_threads] if batch == 1 else [all_threads]
-                theirs = min((hf_step_ms(hf, ids, args.new_tokens, n) for n in counts), key=lambda s: s.ms)
-                mine, pages = our_step_ms(ours, ids, args.new_tokens)
-                print(f"round {round_ + 1}, batch {batch} context {context}: mmserve {mine.ms:.2f} ms "
-                      f"({mine.threads} threads), transformers {theirs.ms:.2f} ms ({theirs.threads})", flush=True)
-                kept = best.get((batch, context))
-                best[(batch, context)] = (min(theirs, kept[0], key=lambda s: s.ms) if kept else theirs,
-                                          min(mine, kept[1], key=lambda s: s.ms) if kept else mine, pages)
+    best = fastest_rounds(hf, ours, batches, contexts, args.new_tokens, args.rounds, all_threads)
     for (batch, context), (theirs, mine, pages) in best.items():
         cell = {"batch": batch, "context": context, "transformers": asdict(theirs), "mmserve": asdict(mine),
                 "ratio": mine.ms / theirs.ms, "pages_per_sequence": max(pages),
@@ -103,6 +92,29 @@ def main(argv: list[str] | None = None) -> None:
                "grammar": None if grammar is None else asdict(grammar)}
     report(results)
     write_results(results, args.out, "step")
+
+
+def fastest_rounds(hf: Any, ours: Decoder, batches: list[int], contexts: list[int], new_tokens: int,
+                   rounds: int, threads: int) -> dict[tuple[int, int], tuple[StepTime, StepTime, list[int]]]:
+    """(batch, context) -> (transformers' step at 1 or `threads` threads, ours, our pages per sequence), each
+    system's fastest round.
+
+    NOTE: every cell once per round, so that a slow minute of the machine falls on one round of one cell."""
+    vocab = ours.spec.vocab_size
+    best: dict[tuple[int, int], tuple[StepTime, StepTime, list[int]]] = {}
+    for round_ in range(rounds):
+        for batch in batches:
+            for context in contexts:
+                ids = prompts(batch, context, vocab)
+                counts = [1, threads] if batch == 1 else [threads]
+                theirs = min((hf_step_ms(hf, ids, new_tokens, n) for n in counts), key=lambda s: s.ms)
+                mine, pages = our_step_ms(ours, ids, new_tokens)
+                print(f"round {round_ + 1}, batch {batch} context {context}: mmserve {mine.ms:.2f} ms "
+                      f"({mine.threads} threads), transformers {theirs.ms:.2f} ms ({theirs.threads})", flush=True)
+                kept_theirs, kept_mine, _ = best.get((batch, context), (theirs, mine, pages))
+                best[(batch, context)] = (min(theirs, kept_theirs, key=lambda s: s.ms),
+                                          min(mine, kept_mine, key=lambda s: s.ms), pages)
+    return best
 
 
 def grammar_of(ours: Decoder, ckpt: Path, ids: torch.Tensor) -> GrammarCost:
