@@ -76,7 +76,7 @@ class Decoder:
                 part.stop()
 
     def metrics(self) -> MetricsSnapshot:
-        return merge([decoder_snapshot(self.engine.stats()), affinity.DECISIONS.snapshot()])  # and its router's
+        return merge([decoder_snapshot(self.service.stats()), affinity.DECISIONS.snapshot()])  # and its router's
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered and the torch threads its steps use

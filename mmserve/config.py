@@ -111,6 +111,10 @@ class DecoderConfig(_Bounded):
     # in at most the decoder's max_ongoing_requests, so the bound that bites is the smaller of this and
     # max_ongoing_requests - max_num_seqs (past that, Serve's own max_queued_requests answers 503).
     max_waiting_requests: int = at_least(1, 128)
+    # Embeddings of recently used images the decoder keeps (bytes, on the device they arrived on; 0 = none):
+    # a repeated image whose last rows share a block with new text needs them again, and finds them here
+    # instead of asking the Encoder (mmserve/decoder/embedding_cache.py)
+    embedding_cache_bytes: int = at_least(0, 128 * MiB)
 
 
 @dataclass(frozen=True)

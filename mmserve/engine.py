@@ -97,7 +97,7 @@ class Engine:
             image_processor_calls=self.preprocessor.image_processor_calls,
             processor_cache=self.processor_cache.stats(),
             encoder=self.encoder.stats(),
-            decoder=self.decoder.stats(),
+            decoder=self.decoder_service.stats(),
         )
 
     def shutdown(self) -> None:

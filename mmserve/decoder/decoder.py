@@ -18,6 +18,7 @@ import torch
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.detokenizer import IncrementalDetokenizer
+from mmserve.decoder.embedding_cache import EmbeddingCacheStats
 from mmserve.decoder.grammar import Grammars
 from mmserve.decoder.grammar_step import GrammarStep
 from mmserve.decoder.kv_cache import KVCache
@@ -60,6 +61,7 @@ class DecoderStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (tokens)
     prefix_hits: int = 0  # of those, found cached (tokens)
     allocated_blocks: int = 0  # KV pages taken from the pool since start, a shared page once (pages)
+    embedding_cache: EmbeddingCacheStats | None = None  # the service's cache of embeddings; None = not read
 
 
 class Decoder:

@@ -1,13 +1,13 @@
 """The decoder behind an async API: one request's life from embeddings to its last token.
 
 Owns: the request lifecycle around the Decoder — hash the prompt's blocks and ask the prefix cache
-how much of it is cached, get embeddings only for the items not wholly inside that prefix (from an
-in-process encoder or a remote one), fetch later the ones a request turns out to need after all (the
-cache let the blocks go before admission, or a preemption), queue the request, stream its outputs,
-and abort it in the decoder if the consumer leaves early. Nothing is held at the encoder once its
-embeddings are here (the encoder stage's contract), so nothing is released at the end. Does not
-own: scheduling or the model (Decoder) nor transport (the Engine and the Ray Decoder deployment both
-use this).
+how much of it is cached, get embeddings only for the items not wholly inside that prefix (from its
+own small cache of recent embeddings, else from an in-process encoder or a remote one), fetch later
+the ones a request turns out to need after all (the cache let the blocks go before admission, or a
+preemption), queue the request, stream its outputs, and abort it in the decoder if the consumer
+leaves early. Nothing is held at the encoder once its embeddings are here (the encoder stage's
+contract), so nothing is released at the end. Does not own: scheduling or the model (Decoder) nor
+transport (the Engine and the Ray Decoder deployment both use this).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mmserve.decoder.decoder import Decoder
+from mmserve.decoder.decoder import Decoder, DecoderStats
+from mmserve.decoder.embedding_cache import EmbeddingCache
 from mmserve.decoder.stream_pacing import StreamPacing
 from mmserve.errors import OverloadedError
 from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, merge_outputs
@@ -39,8 +40,10 @@ class _Live:
 
 
 class DecoderService:
-    def __init__(self, decoder: Decoder, *, pacing: StreamPacing | None = None, max_waiting: int | None = None):
+    def __init__(self, decoder: Decoder, *, pacing: StreamPacing | None = None, max_waiting: int | None = None,
+                 embedding_cache_bytes: int = 0):
         self.decoder = decoder
+        self.embeddings = EmbeddingCache(embedding_cache_bytes)  # recent items' embeddings, by content hash
         self.max_waiting = max_waiting  # requests accepted but not running; None = unbounded
         self.pacing = pacing or StreamPacing()  # how often a request's outputs go, the first at once
         self._streams = 0  # requests streaming now: past their first output, not final_only
@@ -186,12 +189,19 @@ class DecoderService:
         return await self._encode(live, pre.request_id, needed)
 
     async def _encode(self, live: _Live, encoder_id: str, indices: list[int]) -> list[Any]:
-        embeddings: list[Any] = [None] * len(live.pre.features)
-        if indices:
+        """Embeddings of the features at `indices` (None elsewhere): this service's cache first, then one
+        encoder request for the rest, which the cache then keeps."""
+        features = live.pre.features
+        embeddings: list[Any] = [None] * len(features)
+        for i in indices:
+            embeddings[i] = self.embeddings.get(features[i].identifier)
+        missing = [i for i in indices if embeddings[i] is None]
+        if missing:
             assert live.encode is not None
-            sub = replace(live.pre, request_id=encoder_id, features=[live.pre.features[i] for i in indices])
-            for i, emb in zip(indices, await live.encode(sub), strict=True):
+            sub = replace(live.pre, request_id=encoder_id, features=[features[i] for i in missing])
+            for i, emb in zip(missing, await live.encode(sub), strict=True):
                 embeddings[i] = emb
+                self.embeddings.put(features[i].identifier, emb)
         return embeddings
 
     def _on_missing(self, request_id: str, indices: list[int]) -> None:
@@ -220,6 +230,10 @@ class DecoderService:
 
     def busy(self) -> bool:
         return self.loop.busy()
+
+    def stats(self) -> DecoderStats:
+        """The decoder's figures and this service's cache of embeddings."""
+        return replace(self.decoder.stats(), embedding_cache=self.embeddings.stats())
 
     def check_health(self) -> None:
         self.loop.check_health()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # NOTE: type-only, so the ingress can import this module without torch
     from mmserve.decoder.decoder import DecoderStats
+    from mmserve.decoder.embedding_cache import EmbeddingCacheStats
     from mmserve.encoder.stage import EncoderStats
     from mmserve.engine import EngineStats
     from mmserve.preprocess.processor_cache import ProcessorCacheStats
@@ -192,6 +193,19 @@ def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
         _counter("mmserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
                  stats.prefix_queries),
         _counter("mmserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
+        *_embedding_cache_metrics(stats.embedding_cache),
+    )
+
+
+def _embedding_cache_metrics(stats: EmbeddingCacheStats | None) -> tuple[Metric, ...]:
+    if stats is None:
+        return ()
+    return (
+        _counter("mmserve_decoder_embedding_cache_queries_total",
+                 "Items whose embeddings the decoder looked up in its own cache.", stats.queries),
+        _counter("mmserve_decoder_embedding_cache_hits_total",
+                 "Of those, found there (no call to the encoder).", stats.hits),
+        _gauge("mmserve_decoder_embedding_cache_bytes", "Bytes of embeddings the decoder keeps.", stats.bytes),
     )
 
 

@@ -239,6 +239,8 @@ CACHE_COUNTERS = (
     "mmserve_encoder_cache_queries_total",
     "mmserve_encoder_cache_hits_total",
     "mmserve_encoder_forward_passes_total",
+    "mmserve_decoder_embedding_cache_queries_total",
+    "mmserve_decoder_embedding_cache_hits_total",
 )
 
 
@@ -293,14 +295,16 @@ def test_same_image_twice_hits_the_caches(client, e2e_server, engine):
         "mmserve_image_processor_calls_total": 1,
         "mmserve_encoder_cache_queries_total": 1, "mmserve_encoder_cache_hits_total": 0,
         "mmserve_encoder_forward_passes_total": 1,
+        "mmserve_decoder_embedding_cache_queries_total": 1, "mmserve_decoder_embedding_cache_hits_total": 0,
     }, d1
-    # an image wholly inside the cached prefix is not sent to the encoder at all; else it is a hit there
+    # an image wholly inside the cached prefix needs no embeddings at all; else the decoder kept them
     asked = 0 if placeholder.offset + placeholder.length <= cached else 1
     assert d2 == {
         "mmserve_processor_cache_queries_total": 1, "mmserve_processor_cache_hits_total": 1,
         "mmserve_image_processor_calls_total": 0,
-        "mmserve_encoder_cache_queries_total": asked, "mmserve_encoder_cache_hits_total": asked,
+        "mmserve_encoder_cache_queries_total": 0, "mmserve_encoder_cache_hits_total": 0,
         "mmserve_encoder_forward_passes_total": 0,
+        "mmserve_decoder_embedding_cache_queries_total": asked, "mmserve_decoder_embedding_cache_hits_total": asked,
     }, (d2, cached, placeholder)
 
 
@@ -451,6 +455,7 @@ REQUIRED_FAMILIES = {
     "mmserve_processor_cache_hits": "counter",
     "mmserve_encoder_cache_queries": "counter",
     "mmserve_encoder_cache_hits": "counter",
+    "mmserve_decoder_embedding_cache_hits": "counter",
     "mmserve_time_to_first_token_seconds": "histogram",
     "mmserve_encoder_batch_size": "histogram",
     "mmserve_decoder_running_requests": "gauge",

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmserve.config import EngineConfig
+from mmserve.config import DecoderConfig, EngineConfig
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
 from mmserve.runtime.affinity import owner
@@ -142,7 +142,8 @@ def deploy_app(cluster: ClusterInfo, model: Path, routing: str) -> AppInfo:
         "preprocess": {"num_replicas": 1, "autoscaling": None, "resources": {"preprocess_node": 1}},
         "encoder": {"num_replicas": 2, "resources": {"encoder_node": 0.01}, "routing": routing,
                     "routing_load_margin": MARGIN},
-        "decoder": {"num_replicas": 2, "resources": {"decoder_node": 0.01}, "routing": routing},
+        "decoder": {"num_replicas": 2, "resources": {"decoder_node": 0.01}, "routing": routing,
+                    "embedding_cache_bytes": 0},  # NOTE: every repeat the prefix does not cover asks an Encoder
     }
     started = time.perf_counter()
     deploy(build_app(args), name=APP, route_prefix=ROUTE)
@@ -179,7 +180,8 @@ def run(app: AppInfo) -> dict[str, float]:
 def reference(model: Path) -> tuple[dict[str, float], dict[str, tuple[bytes, int]]]:
     """The same workloads through the in-process Engine: one replica of every stage; and each hot image's
     routing key (content hash, embedding rows) as Preprocess makes it."""
-    with Engine(EngineConfig(model=str(model))) as engine:
+    config = EngineConfig(model=str(model), decoder=DecoderConfig(embedding_cache_bytes=0))  # as deploy_app's
+    with Engine(config) as engine:
         keys = {}
         for image in [*HOT, *(data_url(seed) for seed in SPOT_SEEDS)]:
             [f] = engine.preprocess(ChatRequest("k", image_message(0, image), SamplingParams())).features

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmserve.config import EngineConfig, MediaConfig
+from mmserve.config import DecoderConfig, EngineConfig, MediaConfig
 from mmserve.decoder.sampler import Sampler
 from mmserve.engine import Engine
 from mmserve.errors import (
@@ -54,9 +54,29 @@ def test_repeated_image_skips_processor_and_encoder(engine):
     engine.generate([chat("c2", IMAGE, text="And now?")])
     second = engine.stats()
     assert second.image_processor_calls == first.image_processor_calls  # ProcessorCache hit
-    assert second.encoder.forward_passes == first.encoder.forward_passes  # encoder cache hit
+    assert second.encoder.forward_passes == first.encoder.forward_passes
     assert second.processor_cache.hits == first.processor_cache.hits + 1
-    assert second.encoder.hits == first.encoder.hits + 1
+    # the image's last rows share a block with the new text, so they are computed again, from the embeddings
+    # the decoder kept: the encoder is not asked
+    assert second.encoder.queries == first.encoder.queries
+    kept, before_kept = second.decoder.embedding_cache, first.decoder.embedding_cache
+    assert kept is not None and before_kept is not None
+    assert (kept.queries, kept.hits) == (before_kept.queries + 1, before_kept.hits + 1)
+
+
+def test_without_the_decoders_embedding_cache_a_repeat_is_an_encoder_hit(engine, tiny_ckpt_224):
+    with_cache = engine.generate([chat("k1", IMAGE), chat("k2", IMAGE, text="And now?")])
+    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
+                          decoder=DecoderConfig(embedding_cache_bytes=0, measure_matmul_forms=False))
+    with Engine(config) as engine:
+        [a] = engine.generate([chat("c1", IMAGE)])
+        first = engine.stats()
+        [b] = engine.generate([chat("c2", IMAGE, text="And now?")])
+        second = engine.stats()
+    assert (second.encoder.queries, second.encoder.hits) == (first.encoder.queries + 1, first.encoder.hits + 1)
+    assert second.encoder.forward_passes == first.encoder.forward_passes
+    assert second.decoder.embedding_cache is not None and second.decoder.embedding_cache.entries == 0
+    assert [a.text, b.text] == [c.text for c in with_cache]  # the kept embeddings are the encoder's
 
 
 def test_other_pan_and_scan_setting_misses(engine):
@@ -188,12 +208,17 @@ def test_embeddings_skipped_for_a_prefix_the_cache_then_lost_are_fetched(engine)
     claimed = engine.decoder.prefix_hit_tokens
     engine.decoder.prefix_hit_tokens = lambda hashes, n: n  # "all cached"
     try:
-        before = engine.stats().encoder.queries
+        before = engine.stats()
         [late] = engine.generate([chat("late", image)])
     finally:
         engine.decoder.prefix_hit_tokens = claimed
     assert late.token_ids == expected.token_ids and late.num_cached_tokens == 0
-    assert engine.stats().encoder.queries == before + 1  # asked once, late, by the step
+    after = engine.stats()
+    # asked once, late, by the step; answered by the decoder's own cache (the first request left them there)
+    kept, before_kept = after.decoder.embedding_cache, before.decoder.embedding_cache
+    assert kept is not None and before_kept is not None
+    assert (kept.queries, kept.hits) == (before_kept.queries + 1, before_kept.hits + 1)
+    assert after.encoder.queries == before.encoder.queries
 
 
 async def collect(eng: Engine, request: ChatRequest) -> list[Any]:
