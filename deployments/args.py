@@ -51,6 +51,14 @@ class Autoscaling(_Strict):
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
                      "MALLOC_TRIM_THRESHOLD_": str(2 * MMAP_THRESHOLD_BYTES)}
+# NOTE: Ray sends a call's argument inline, in the call's own message, up to 100 KiB, and through the
+# object store past that: a put by the caller and a fetch by the callee through their raylet, which cost
+# a 330 KB argument ~3 ms more than inline (docs/benchmarks.md). A request body carrying an image as a
+# data URL is such an argument, sent once from the Ingress to Preprocess and read once there. Ray reads
+# this limit in the calling process, so the Ingress raises it for its own calls only; bigger bodies (up to
+# ingress.max_body_bytes) still go through the object store, whose fixed cost is small beside their copies.
+INGRESS_INLINE_BYTES = 1 << 20
+INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
 
 
 class StageArgs(_Strict):
@@ -120,6 +128,7 @@ class IngressArgs(StageArgs):
     # NOTE: the ingress only awaits other stages: it holds many requests at once. Past its queue Serve's
     # proxy answers 503 itself.
     max_ongoing_requests: int = Field(1024, ge=1)
+    env: dict[str, str] = Field(default_factory=lambda: dict(INGRESS_ENV))  # replica environment
     max_body_bytes: int = Field(64 << 20, ge=1)  # bytes of one request body (inline images included); more: 413
     # Seconds a request may take from arrival to its last token; then it ends with a 504 (or an error
     # event in a stream) and is cancelled downstream (its KV blocks freed, an encode under way dropped).
