@@ -48,7 +48,8 @@ class KindRead:
     pages: tuple[torch.Tensor, ...]  # per layer of the kind, (B * blocks,) page ids; padding repeats a held page
     rows: int  # gathered key rows per sequence: blocks * block_size
     keys: tuple[int, int]  # [a, b): the gathered rows attended to (B > 1: all rows, the mask decides)
-    mask: torch.Tensor | None  # (B, 1, Q, b - a) bool, True = may attend; None = all of [a, b)
+    mask: torch.Tensor | None  # (B, 1, Q, b - a) additive, in the attention's dtype: 0 = may attend, -inf not;
+    # None = all of [a, b). NOTE: additive, made once per step: SDPA turns a bool mask into this on every call
     causal: bool  # True: SDPA's own causal mask (a lone chunk from position 0 over rows [0, end))
 
 
@@ -70,8 +71,10 @@ class AttentionMetadata:
 
 
 def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_size: int,
-                   pattern: AttentionPattern, device: torch.device) -> AttentionMetadata:
-    """Everything attention needs for one step, built once on the host and moved in a few copies."""
+                   pattern: AttentionPattern, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
+    """Everything attention needs for one step, built once on the host and moved in a few copies; masks in
+    `dtype`, the attention's."""
     if len(steps) == 1 and steps[0].num_new == 1:
         return _lone_decode(steps[0], kinds, block_size, device)
     kind_of, rank_of, layers_of = _layer_map(kinds)
@@ -83,7 +86,7 @@ def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_siz
             slots[layers, offset : offset + s.num_new] = (table.pages[block] * block_size + within[:, None]).T
     decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
     members = ([decodes] if decodes else []) + [[i] for i, s in enumerate(steps) if s.num_new != 1]
-    groups = [_group([steps[i] for i in idx], offsets[idx], kinds, block_size, pattern, device,
+    groups = [_group([steps[i] for i in idx], offsets[idx], kinds, block_size, pattern, device, dtype,
                      whole=len(members) == 1) for idx in members]
     # NOTE: per-layer rows split off in one call here, not indexed out once per layer
     return AttentionMetadata(torch.from_numpy(slots).to(device).unbind(0), groups, kind_of, rank_of,
@@ -123,15 +126,15 @@ def _layer_map(kinds: tuple[LayerKind, ...]) -> tuple[tuple[int, ...], tuple[int
 
 
 def _group(steps: list[SeqStep], offsets: np.ndarray, kinds: tuple[LayerKind, ...], block_size: int,
-           pattern: AttentionPattern, device: torch.device, *, whole: bool) -> AttentionGroup:
+           pattern: AttentionPattern, device: torch.device, dtype: torch.dtype, *, whole: bool) -> AttentionGroup:
     q = steps[0].num_new
     index = np.concatenate([np.arange(o, o + s.num_new) for s, o in zip(steps, offsets, strict=True)])
-    reads = tuple(_read(steps, k, kind, block_size, pattern, device) for k, kind in enumerate(kinds))
+    reads = tuple(_read(steps, k, kind, block_size, pattern, device, dtype) for k, kind in enumerate(kinds))
     return AttentionGroup(None if whole else torch.from_numpy(index).to(device), len(steps), q, reads)
 
 
 def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, pattern: AttentionPattern,
-          device: torch.device) -> KindRead:
+          device: torch.device, dtype: torch.dtype) -> KindRead:
     window = kind.window
     first_key = [_first_key(s.start, window) for s in steps]  # (B,) positions
     lo = [f // block_size for f in first_key]  # first block each sequence reads
@@ -148,7 +151,8 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
         base = np.asarray(lo)[:, None] * block_size + np.arange(rows)[None]  # (B, rows) positions
         ends = np.asarray([s.start + 1 for s in steps])[:, None]
         valid = (base >= np.asarray(first_key)[:, None]) & (base < ends)
-        return KindRead(flat, rows, (0, rows), torch.from_numpy(valid[:, None, None]).to(device), False)
+        return KindRead(flat, rows, (0, rows), _additive(torch.from_numpy(valid[:, None, None]).to(device), dtype),
+                        False)
     s = steps[0]
     a, b = first_key[0] - lo[0] * block_size, s.start + s.num_new - lo[0] * block_size
     # NOTE: only the chunk's own image tokens see both ways; an image before the chunk is causal past
@@ -156,7 +160,7 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
         (s.image_runs[s.start : s.start + s.num_new] >= 0).any())
     if s.num_new == 1 or (not images and window is None and s.start == 0):
         return KindRead(flat, rows, (a, b), None, causal=s.num_new > 1)
-    return KindRead(flat, rows, (a, b), _chunk_mask(s, first_key[0], window, images, device), False)
+    return KindRead(flat, rows, (a, b), _additive(_chunk_mask(s, first_key[0], window, images, device), dtype), False)
 
 
 def _first_key(start: int, window: int | None) -> int:
@@ -178,6 +182,11 @@ def _chunk_mask(s: SeqStep, first_key: int, window: int | None, images: bool,
     if window is not None:
         allowed = allowed & (k_pos > q_pos - window)  # NOTE: as transformers: AND(window, OR(causal, image))
     return allowed[None, None]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = may attend) as SDPA adds it to the scores: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _runs_at(image_runs: np.ndarray, start: int, end: int) -> np.ndarray:
@@ -253,7 +262,8 @@ def _softcapped_attention(q, k, v, mask, causal: bool, scaling: float, softcap: 
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # (..., Q, keys)
     scores = torch.tanh(scores / softcap) * softcap
     if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril(),
+                                    float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores + mask  # additive: 0 or -inf
     return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)

@@ -65,7 +65,8 @@ class ModelRunner:
         picked = torch.tensor([e for _, e in sample], device=self.device) if len(sample) < len(ids) else None
         embeds = self.model.embed(torch.from_numpy(ids).to(self.device))  # (T, hidden)
         self._merge_images(embeds, scheduled, steps)
-        meta = build_metadata(steps, self.kinds, self.kv.block_size, self.spec.attention, self.device)
+        meta = build_metadata(steps, self.kinds, self.kv.block_size, self.spec.attention, self.device,
+                              self.kv.keys.dtype)
         hidden = self.model.forward(embeds, torch.from_numpy(positions).to(self.device), meta, self.kv)  # (T, hidden)
         if not sample:
             return StepLogits([], hidden.new_zeros((0, self.spec.vocab_size)))

@@ -45,6 +45,15 @@ def test_decodes_share_one_group_and_each_prefill_chunk_has_its_own() -> None:
     assert len(meta.slots) == 2 and meta.slots[0].shape == (12,) and meta.max_position == 9
     sliding = meta.groups[0].reads[1]
     assert len(sliding.pages) == 1 and sliding.rows <= 3 * BLOCK  # the window's blocks, not all of them
+    # masks are made once per step as SDPA adds them, in the attention's dtype: 0 may attend, -inf not
+    half = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"), torch.bfloat16)
+    for group in half.groups:
+        for read in group.reads:
+            if read.mask is not None:
+                assert read.mask.dtype == torch.bfloat16
+                assert set(read.mask.unique().tolist()) <= {0.0, float("-inf")} and (read.mask == 0).any()
+    decodes = half.groups[0].reads[0].mask  # (3, 1, 1, rows): each decode sees positions 0..its own
+    assert decodes is not None and ((decodes == 0).sum(dim=-1).flatten().tolist() == [7, 4, 10])
 
 
 def test_grouped_attention_equals_each_sequence_alone() -> None:
