@@ -44,12 +44,16 @@ def test_greedy_choices_agree(engine):
 
 
 def test_the_prompt_is_computed_and_allocated_once(engine):
+    def fetched(stats) -> int:  # image embeddings taken from the encoder or the Decoder's embedding cache
+        cache = stats.decoder.embedding_cache
+        return stats.encoder.queries + (cache.hits if cache is not None else 0)
+
     def run(request: ChatRequest) -> tuple[int, int, list[int]]:
         before = engine.stats()
         done = engine.generate([request])
         after = engine.stats()
         return (after.decoder.allocated_blocks - before.decoder.allocated_blocks,
-                after.encoder.queries - before.encoder.queries, [c.num_cached_tokens for c in done])
+                fetched(after) - fetched(before), [c.num_cached_tokens for c in done])
 
     kwargs: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
     cold, cold_encodes, [cold_cached] = run(chat("one", "s5", **kwargs))
@@ -58,7 +62,7 @@ def test_the_prompt_is_computed_and_allocated_once(engine):
     many, many_encodes, cached = run(chat("four", "s6", n=4, **kwargs))  # another salt: nothing shared before
     assert cached == [0, warm_cached, warm_cached, warm_cached]  # choices 1-3 find the prompt's full blocks
     assert many == cold + 3 * warm  # the prompt's blocks once, then each choice its own tail
-    assert many_encodes == cold_encodes == 1  # the image asked of the encoder once: the others need none
+    assert many_encodes == cold_encodes == 1  # the image's embeddings fetched once: the other choices need none
 
 
 def test_closing_the_stream_early_aborts_every_choice(engine):
