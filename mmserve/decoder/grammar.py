@@ -53,6 +53,7 @@ class Grammars:
         self._hf, self._vocab, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._background: llguidance.LLExecutor | None = None  # one worker, for masks made off the step thread
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()  # pristine, LRU
         self._cached, self._lock = cached, threading.Lock()
         self.words = (vocab_size + 31) // 32  # int32 words per row of a bitmask
@@ -75,21 +76,27 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return pristine.deep_copy()
 
-    def bitmask(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+    def bitmask(self, matchers: list[llguidance.LLMatcher], *, background: bool = False) -> torch.Tensor:
         """(g, words) int32 allowed-token bits of each matcher's next token.
 
         NOTE: computed on the calling thread below PARALLEL_ROWS rows (as vLLM does): llguidance's thread
         pool spins for work after each call, and on a CPU host those spinning threads take the cores
         from the forward's own threads; a large batch of constrained rows is worth the pool.
+        `background`: on a pool of one worker, which unlike a matcher's own call lets go of the GIL, so
+        that a caller off the step thread computes while the step thread's Python goes on.
         """
         mask = torch.empty((len(matchers), self.words), dtype=torch.int32)
         row_bytes = self.words * 4
-        if len(matchers) >= PARALLEL_ROWS:
-            if self._executor is None:
+        if background or len(matchers) >= PARALLEL_ROWS:
+            if background and self._background is None:
+                self._background = llguidance.LLExecutor(num_threads=1)
+            if not background and self._executor is None:
                 self._executor = llguidance.LLExecutor()
+            executor = self._background if background else self._executor
+            assert executor is not None
             try:
-                self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
-                                                       row_bytes, len(matchers))
+                executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
+                                                 row_bytes, len(matchers))
             except BaseException as exc:
                 if not contained(exc):
                     raise
@@ -114,12 +121,13 @@ class Grammars:
                 mask[i] = 0
         return mask
 
-    def forbidden(self, matchers: list[llguidance.LLMatcher | None], device: torch.device) -> RowMasks | None:
+    def forbidden(self, matchers: list[llguidance.LLMatcher | None], device: torch.device, *,
+                  background: bool = False) -> RowMasks | None:
         """What each row's matcher forbids next, for the rows that have one (None: no row has)."""
         present = [(i, m) for i, m in enumerate(matchers) if m is not None]
         if not present:
             return None
-        bitmask = self.bitmask([m for _, m in present])
+        bitmask = self.bitmask([m for _, m in present], background=background)
         return RowMasks(tuple(i for i, _ in present), forbidden(bitmask, self._vocab, device))
 
     def _vocabulary(self) -> llguidance.LLTokenizer:

@@ -1,7 +1,9 @@
-"""Structured output inside a decoder step: masks computed with the forward, matchers advanced after sampling.
+"""Structured output inside a decoder step: masks computed ahead, matchers advanced after sampling.
 
-Owns: the grammar thread, starting the step's masks before the forward (beside it, on that thread, where a
-core is free) and collecting them for the rows the forward returned, and feeding each matcher its sampled
+Owns: the grammar thread; the next step's masks, started on it as soon as a step has advanced its
+matchers (so they are computed while the step thread's Python finishes that step and prepares the next);
+starting the step's masks before the forward where none are ready (beside it, on that thread, where a
+core is free); collecting them for the rows the forward returned; and feeding each matcher its sampled
 token. Does not own the matchers (one per request, in the decoder's request state), compiling grammars or
 unpacking masks (grammar.py), nor sampling.
 """
@@ -23,6 +25,7 @@ class GrammarStep:
     def __init__(self, grammars: Grammars, device: torch.device) -> None:
         self.grammars, self.device = grammars, device
         self._thread: ThreadPoolExecutor | None = None  # started by the first constrained step
+        self._ahead: tuple[list[str], Pending] | None = None  # masks started after the last step's advance
 
     def start(self, rows: list[tuple[str, llguidance.LLMatcher | None]], beside: bool) -> Pending | None:
         """Start computing what the matchers of the step's sampling rows (request id, matcher or None) forbid.
@@ -34,19 +37,41 @@ class GrammarStep:
         kernel then waits for it at its barrier (docs/benchmarks.md). None (and no work) when no row has a
         grammar.
         """
+        ahead, self._ahead = self._ahead, None
         if all(m is None for _, m in rows):
             return None
         ids, matchers = [rid for rid, _ in rows], [m for _, m in rows]
+        if ahead is not None:
+            if {rid for rid, m in rows if m is not None} <= set(ahead[0]):
+                return ahead[1]  # NOTE: `finish` maps its rows onto this step's
+            ahead[1].exception()  # NOTE: wait for it: a matcher borrowed by a running mask cannot be read
         if beside:
-            if self._thread is None:
-                self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmserve-grammar")
-            return self._thread.submit(lambda: (ids, self.grammars.forbidden(matchers, self.device)))
+            return self._worker().submit(lambda: (ids, self.grammars.forbidden(matchers, self.device)))
         done: Pending = Future()
         try:
             done.set_result((ids, self.grammars.forbidden(matchers, self.device)))
         except Exception as exc:  # NOTE: raised by finish(), as from the thread
             done.set_exception(exc)
         return done
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmserve-grammar")
+        return self._thread
+
+    def _start_ahead(self, rows: list[tuple[str, llguidance.LLMatcher]]) -> None:
+        """Start the masks of `rows`, whose matchers have just advanced, for the next step.
+
+        NOTE: on llguidance's one-worker pool, which lets go of the GIL: computed while the step thread's
+        Python emits this step's outputs and schedules the next, when the forward's threads are idle. A
+        matcher changes only in `advance`, after `finish` has waited for these.
+        """
+        if not rows:
+            return
+        ids = [rid for rid, _ in rows]
+        matchers: list[llguidance.LLMatcher | None] = [m for _, m in rows]
+        self._ahead = (ids, self._worker().submit(
+            lambda: (ids, self.grammars.forbidden(matchers, self.device, background=True))))
 
     @staticmethod
     def finish(pending: Pending | None, ids: list[str]) -> RowMasks | None:
@@ -62,13 +87,14 @@ class GrammarStep:
             return None
         return RowMasks(tuple(row for _, row in kept), masks.forbid[[k for k, _ in kept]])
 
-    @staticmethod
-    def advance(ids: list[str], tokens: list[int],
+    def advance(self, ids: list[str], tokens: list[int],
                 matchers: list[llguidance.LLMatcher | None]) -> tuple[set[str], dict[str, Exception]]:
         """Feed each constrained row its sampled token -> (requests whose grammar allows nothing more, and
-        the requests that cannot go on: their masks left no token (-1), or their matcher failed)."""
+        the requests that cannot go on: their masks left no token (-1), or their matcher failed); then start
+        the next step's masks of the others."""
         ended: set[str] = set()
         broken: dict[str, Exception] = {}
+        going: list[tuple[str, llguidance.LLMatcher]] = []
         for rid, token, matcher in zip(ids, tokens, matchers, strict=True):
             if matcher is None:
                 continue
@@ -77,6 +103,9 @@ class GrammarStep:
                 broken[rid] = error
             elif matcher.is_stopped():
                 ended.add(rid)
+            else:
+                going.append((rid, matcher))
+        self._start_ahead(going)
         return ended, broken
 
 

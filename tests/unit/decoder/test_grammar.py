@@ -135,6 +135,43 @@ def test_a_steps_masks_are_the_same_beside_the_forward_or_before_it(grammars, be
     assert step.start([("b", None)], beside=beside) is None  # no grammar: no work
 
 
+def test_the_next_steps_masks_start_when_the_matchers_advance(grammars) -> None:
+    book, _ = grammars
+    digits = StructuredOutput("regex", "[0-9]+")
+    a, c = book.matcher(digits), book.matcher(StructuredOutput("regex", "[0-9]+x"))
+    step = GrammarStep(book, torch.device("cpu"))
+    one = book._vocabulary().tokenize_str("1")[0]
+    assert step.advance(["a", "b", "c"], [one, 5, one], [a, None, c]) == (set(), {})
+    ahead = step._ahead
+    assert ahead is not None and ahead[0] == ["a", "c"]  # started for the next step, the free row left out
+    # the next step's rows in another order, a free row among them: the masks made ahead, mapped onto them
+    rows = [("c", c), ("x", None), ("a", a)]
+    ahead[1].exception()  # a matcher whose mask is being made cannot be read meanwhile
+    expected = book.forbidden([m for _, m in rows], torch.device("cpu"))
+    pending = step.start(rows, beside=False)
+    assert pending is ahead[1] and step._ahead is None  # used once
+    got = GrammarStep.finish(pending, [rid for rid, _ in rows])
+    assert got is not None and expected is not None
+    def by_row(m: RowMasks) -> list[tuple[int, list[bool]]]:
+        return sorted(zip(m.rows, m.forbid.tolist(), strict=True))
+
+    assert by_row(got) == by_row(expected)
+    # a constrained row they do not cover (a request that just joined): the step's masks are made afresh
+    step.advance(["a"], [one], [a])
+    ahead = step._ahead
+    fresh = step.start([("a", a), ("n", book.matcher(digits))], beside=False)
+    assert ahead is not None and fresh is not ahead[1]
+    made = GrammarStep.finish(fresh, ["a", "n"])  # after the ahead masks let go of "a"'s matcher
+    assert made is not None and made.rows == (0, 1) and not bool(made.forbid.all(dim=1).any())
+
+
+def test_background_masks_equal_the_matchers_own(grammars) -> None:
+    book, _ = grammars
+    matchers = [book.matcher(StructuredOutput("regex", "[0-9]+")),
+                book.matcher(StructuredOutput("choice", json.dumps(["yes", "no"])))]
+    assert torch.equal(book.bitmask(matchers, background=True), book.bitmask(matchers))
+
+
 @pytest.mark.parametrize("beside", [True, False])
 def test_a_mask_that_raises_surfaces_when_the_step_collects_it(grammars, beside: bool, monkeypatch) -> None:
     book, _ = grammars
