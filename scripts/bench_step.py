@@ -163,8 +163,8 @@ def report(results: dict) -> None:
               f"steps alternated: {slowed:.3f}x (<= 1.02) {verdict(slowed <= 1.02)} (placebo, both free: "
               f"{g['placebo']:.3f}x); of it the step waits {g['critical_us']:.0f} µs for grammar "
               f"work and the sampler takes {g['sample_masked_us']:.0f} µs against {g['sample_free_us']:.0f} "
-              f"({g['share']:.1%} of the step); the masks take {g['masks_us']:.0f} µs "
-              f"{'beside the forward' if g['beside'] else 'before the forward (its threads fill the cores)'}")
+              f"({g['share']:.1%} of the step); the masks take {g['masks_us']:.0f} µs of wall time, made "
+              f"ahead after each step's advance (else {'beside the forward' if g['beside'] else 'before it'})")
 
 if __name__ == "__main__":
     main()

@@ -82,18 +82,14 @@ class Grammars:
         NOTE: computed on the calling thread below PARALLEL_ROWS rows (as vLLM does): llguidance's thread
         pool spins for work after each call, and on a CPU host those spinning threads take the cores
         from the forward's own threads; a large batch of constrained rows is worth the pool.
-        `background`: on a pool of one worker, which unlike a matcher's own call lets go of the GIL, so
-        that a caller off the step thread computes while the step thread's Python goes on.
+        `background` (a caller off the step thread): below PARALLEL_ROWS on a pool of one worker, which
+        unlike a matcher's own call lets go of the GIL, so the step thread's Python goes on meanwhile; its
+        one spinning thread is the price, paid while the forward's threads are idle or near their end.
         """
         mask = torch.empty((len(matchers), self.words), dtype=torch.int32)
         row_bytes = self.words * 4
         if background or len(matchers) >= PARALLEL_ROWS:
-            if background and self._background is None:
-                self._background = llguidance.LLExecutor(num_threads=1)
-            if not background and self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            executor = self._background if background else self._executor
-            assert executor is not None
+            executor = self._pool(one_worker=len(matchers) < PARALLEL_ROWS)
             try:
                 executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
                                                  row_bytes, len(matchers))
@@ -120,6 +116,16 @@ class Grammars:
             if matcher.is_error():
                 mask[i] = 0
         return mask
+
+    def _pool(self, one_worker: bool) -> llguidance.LLExecutor:
+        """llguidance's pool of one worker, or of its default size; made on first use."""
+        if one_worker:
+            if self._background is None:
+                self._background = llguidance.LLExecutor(num_threads=1)
+            return self._background
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
     def forbidden(self, matchers: list[llguidance.LLMatcher | None], device: torch.device, *,
                   background: bool = False) -> RowMasks | None:

@@ -10,6 +10,7 @@ unpacking masks (grammar.py), nor sampling.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -18,6 +19,8 @@ import torch
 from mmserve.decoder.grammar import Grammars, GrammarViolationError, NoTokenAllowedError, contained
 from mmserve.decoder.sampler import RowMasks
 
+log = logging.getLogger(__name__)
+
 Pending = Future[tuple[list[str], RowMasks | None]]  # (request ids in plan order, what their grammars forbid)
 
 
@@ -25,7 +28,8 @@ class GrammarStep:
     def __init__(self, grammars: Grammars, device: torch.device) -> None:
         self.grammars, self.device = grammars, device
         self._thread: ThreadPoolExecutor | None = None  # started by the first constrained step
-        self._ahead: tuple[list[str], Pending] | None = None  # masks started after the last step's advance
+        # masks started after the last step's advance: the matchers they read, by request id, and the work
+        self._ahead: tuple[dict[str, llguidance.LLMatcher], Pending] | None = None
 
     def start(self, rows: list[tuple[str, llguidance.LLMatcher | None]], beside: bool) -> Pending | None:
         """Start computing what the matchers of the step's sampling rows (request id, matcher or None) forbid.
@@ -38,13 +42,13 @@ class GrammarStep:
         grammar.
         """
         ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if self._covers(ahead, rows):
+                return ahead[1]  # NOTE: `finish` maps its rows onto this step's
+            ahead[1].exception()  # NOTE: wait for it: a matcher borrowed by a running mask cannot be read
         if all(m is None for _, m in rows):
             return None
         ids, matchers = [rid for rid, _ in rows], [m for _, m in rows]
-        if ahead is not None:
-            if {rid for rid, m in rows if m is not None} <= set(ahead[0]):
-                return ahead[1]  # NOTE: `finish` maps its rows onto this step's
-            ahead[1].exception()  # NOTE: wait for it: a matcher borrowed by a running mask cannot be read
         if beside:
             return self._worker().submit(lambda: (ids, self.grammars.forbidden(matchers, self.device)))
         done: Pending = Future()
@@ -54,6 +58,19 @@ class GrammarStep:
             done.set_exception(exc)
         return done
 
+    @staticmethod
+    def _covers(ahead: tuple[dict[str, llguidance.LLMatcher], Pending],
+                rows: list[tuple[str, llguidance.LLMatcher | None]]) -> bool:
+        """Whether the masks made ahead hold every constrained row's, made from the same matcher, and
+        did not fail (a failure is computed again, by the step's own path)."""
+        made, pending = ahead
+        if any(m is not None and made.get(rid) is not m for rid, m in rows) or all(m is None for _, m in rows):
+            return False
+        if pending.done() and pending.exception() is not None:
+            log.warning("structured output: masks made ahead failed (%r); made again", pending.exception())
+            return False
+        return True
+
     def _worker(self) -> ThreadPoolExecutor:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmserve-grammar")
@@ -62,15 +79,17 @@ class GrammarStep:
     def _start_ahead(self, rows: list[tuple[str, llguidance.LLMatcher]]) -> None:
         """Start the masks of `rows`, whose matchers have just advanced, for the next step.
 
-        NOTE: on llguidance's one-worker pool, which lets go of the GIL: computed while the step thread's
-        Python emits this step's outputs and schedules the next, when the forward's threads are idle. A
-        matcher changes only in `advance`, after `finish` has waited for these.
+        NOTE: off the step thread, on llguidance's pool, which lets go of the GIL: computed while the step
+        thread's Python emits this step's outputs and schedules the next, when the forward's threads are
+        idle; the next step takes them as they stand, so on full cores their tail may overlap its forward
+        (a net gain as measured: docs/benchmarks.md). No other code reads these matchers meanwhile: the
+        next `start` waits for this work unless it returns it, and `finish` waits for it before `advance`.
         """
         if not rows:
             return
         ids = [rid for rid, _ in rows]
         matchers: list[llguidance.LLMatcher | None] = [m for _, m in rows]
-        self._ahead = (ids, self._worker().submit(
+        self._ahead = (dict(rows), self._worker().submit(
             lambda: (ids, self.grammars.forbidden(matchers, self.device, background=True))))
 
     @staticmethod

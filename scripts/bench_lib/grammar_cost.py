@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,9 +44,10 @@ class GrammarCost:
     critical_us: float  # per mixed step, grammar work the step waits for: starting the masks (computing and
     # unpacking them all when not beside), their tail, advancing the matchers (µs)
     share: float  # critical_us plus the sampler's masking over the step: what the grammar rows add to it
-    masks_us: float  # per mixed step, llguidance computing the masks: before the forward where its threads
-    # fill the cores, else on the grammar thread beside it (µs)
-    beside: bool  # whether the masks were computed beside the forward
+    masks_us: float  # per mixed step, llguidance computing the masks, wall time: on the grammar thread after
+    # the last step's advance (made ahead), else before the forward where its threads fill the cores or
+    # beside it (µs)
+    beside: bool  # whether masks not made ahead are computed beside the forward
     sample_free_us: float  # Sampler.sample over the batch's logits, no mask (µs)
     sample_masked_us: float  # the same with the constrained rows masked (µs)
 
@@ -108,7 +110,7 @@ class _Timer:
 @contextlib.contextmanager
 def _timing(owner: Any, *names: str) -> Iterator[_Timer]:
     """Time calls of `owner`'s methods `names` (instance-level wrappers, removed on exit)."""
-    timer = _Timer()
+    timer, lock = _Timer(), threading.Lock()
 
     def timed(fn: Any, first: bool) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -116,8 +118,9 @@ def _timing(owner: Any, *names: str) -> Iterator[_Timer]:
             try:
                 return fn(*args, **kwargs)
             finally:
-                timer.total += time.perf_counter() - started
-                timer.calls += first
+                with lock:  # NOTE: the masks made ahead are timed on the grammar thread
+                    timer.total += time.perf_counter() - started
+                    timer.calls += first
         return call
 
     for i, name in enumerate(names):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,12 @@ def test_repeated_image_skips_processor_and_encoder(engine):
 
 
 def test_without_the_decoders_embedding_cache_a_repeat_is_an_encoder_hit(engine, tiny_ckpt_224):
-    with_cache = engine.generate([chat("k1", IMAGE), chat("k2", IMAGE, text="And now?")])
+    # a salt of their own: nothing of theirs is in the prefix cache, whatever ran before on this engine
+    [k1] = engine.generate([replace(chat("k1", IMAGE), cache_salt="k")])
+    hits = engine.stats().decoder.embedding_cache
+    [k2] = engine.generate([replace(chat("k2", IMAGE, text="And now?"), cache_salt="k")])
+    after = engine.stats().decoder.embedding_cache
+    assert hits is not None and after is not None and after.hits == hits.hits + 1  # k2's image from the cache
     config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
                           decoder=DecoderConfig(embedding_cache_bytes=0, measure_matmul_forms=False))
     with Engine(config) as engine:
@@ -76,7 +82,7 @@ def test_without_the_decoders_embedding_cache_a_repeat_is_an_encoder_hit(engine,
     assert (second.encoder.queries, second.encoder.hits) == (first.encoder.queries + 1, first.encoder.hits + 1)
     assert second.encoder.forward_passes == first.encoder.forward_passes
     assert second.decoder.embedding_cache is not None and second.decoder.embedding_cache.entries == 0
-    assert [a.text, b.text] == [c.text for c in with_cache]  # the kept embeddings are the encoder's
+    assert [a.text, b.text] == [k1.text, k2.text]  # the kept embeddings are the encoder's
 
 
 def test_other_pan_and_scan_setting_misses(engine):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -143,7 +144,7 @@ def test_the_next_steps_masks_start_when_the_matchers_advance(grammars) -> None:
     one = book._vocabulary().tokenize_str("1")[0]
     assert step.advance(["a", "b", "c"], [one, 5, one], [a, None, c]) == (set(), {})
     ahead = step._ahead
-    assert ahead is not None and ahead[0] == ["a", "c"]  # started for the next step, the free row left out
+    assert ahead is not None and ahead[0] == {"a": a, "c": c}  # started for the next step, the free row left out
     # the next step's rows in another order, a free row among them: the masks made ahead, mapped onto them
     rows = [("c", c), ("x", None), ("a", a)]
     ahead[1].exception()  # a matcher whose mask is being made cannot be read meanwhile
@@ -163,6 +164,43 @@ def test_the_next_steps_masks_start_when_the_matchers_advance(grammars) -> None:
     assert ahead is not None and fresh is not ahead[1]
     made = GrammarStep.finish(fresh, ["a", "n"])  # after the ahead masks let go of "a"'s matcher
     assert made is not None and made.rows == (0, 1) and not bool(made.forbid.all(dim=1).any())
+
+
+def test_masks_made_ahead_are_waited_for_or_made_again_when_they_cannot_serve(grammars, monkeypatch) -> None:
+    book, _ = grammars
+    digits = StructuredOutput("regex", "[0-9]+")
+    step = GrammarStep(book, torch.device("cpu"))
+    one = book._vocabulary().tokenize_str("1")[0]
+    own = book.forbidden
+
+    def slow(matchers, device, *, background=False):  # the work ahead still running when the step starts
+        if background:
+            time.sleep(0.2)
+        return own(matchers, device, background=background)
+
+    monkeypatch.setattr(book, "forbidden", slow)
+    a = book.matcher(digits)
+    step.advance(["a"], [one], [a])
+    ahead = step._ahead
+    assert ahead is not None and step.start([("x", None)], beside=False) is None  # no grammar row this step
+    assert ahead[1].done()  # waited for: "a"'s matcher is free for the next step's own masks
+    # the same request id, a new matcher (a request that ended and came again): not the masks made ahead
+    step.advance(["a"], [one], [a])
+    ahead = step._ahead
+    again = book.matcher(digits)
+    assert ahead is not None and step.start([("a", again)], beside=False) is not ahead[1]
+
+    def failing(matchers, device, *, background=False):
+        if background:
+            raise RuntimeError("ahead failed")
+        return own(matchers, device)
+
+    monkeypatch.setattr(book, "forbidden", failing)
+    step.advance(["a"], [one], [a])
+    ahead = step._ahead
+    assert ahead is not None and isinstance(ahead[1].exception(), RuntimeError)
+    made = GrammarStep.finish(step.start([("a", a)], beside=False), ["a"])  # made again on the step's path
+    assert made is not None and made.rows == (0,) and not bool(made.forbid.all(dim=1).any())
 
 
 def test_background_masks_equal_the_matchers_own(grammars) -> None:
