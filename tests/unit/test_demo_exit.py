@@ -28,7 +28,8 @@ def test_an_engine_never_shut_down_still_exits_0(tiny_ckpt_224: Path) -> None:
         from mmserve.engine import Engine
         from mmserve.messages import ChatRequest, SamplingParams
         engine = Engine.from_model_dir({str(tiny_ckpt_224)!r})
-        [out] = engine.generate([ChatRequest("r", [{{"role": "user", "content": "Hi"}}], SamplingParams(max_tokens=3))])
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        [out] = engine.generate([ChatRequest("r", [{{"role": "user", "content": "Hi"}}], params)])
         print("tokens", len(out.token_ids))
         assert engine.decoder_service.loop._thread.is_alive()  # left running: the exit hook must stop it
     """)
