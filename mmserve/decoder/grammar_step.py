@@ -39,7 +39,8 @@ class GrammarStep:
         masks are ready when the logits are, and the step waits only for what is left. Otherwise here and
         now: a third thread on cores the forward's threads fill preempts one of them, and every parallel
         kernel then waits for it at its barrier (docs/benchmarks.md). None (and no work) when no row has a
-        grammar.
+        grammar. The masks made ahead by the last `advance` are returned instead when they cover the step's
+        grammar rows (`_covers`); otherwise they are waited for first.
         """
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
