@@ -6,12 +6,16 @@ Does not own: computing the logits (the model runner), nor stop conditions (the 
 Filtering is vectorised over the batch (one `topk`, masks built from per-row parameter tensors). The
 draw is inverse-CDF sampling with one uniform number per row taken from that row's own CPU generator,
 so a seeded row gets the same token whether it is batched with other rows or alone, on any device.
+On a CPU the greedy picks and the grammar masks go through numpy (`argmax`, `masked_on_cpu`): its argmax
+is vectorised where torch's CPU kernel is not, and its calls cost a few µs where torch's dispatch costs
+tens; `masked_by_torch` is the same on any other device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mmserve.decoder.penalties import penalized
@@ -63,13 +67,13 @@ class Sampler:
         if len(self._never):  # NOTE: out of place, the caller's logits stay as the model made them
             self._never = self._never.to(logits.device)
             logits = logits.index_fill(1, self._never, float("-inf"))
-        tokens = logits.argmax(dim=-1)  # (n,)
+        tokens = argmax(logits)  # (n,)
         dead = None
         if forbidden is not None:
             logits, dead = self._masked(logits, tokens, params, forbidden)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
-            return tokens if dead is None else tokens.index_fill_(0, dead, -1)
+            return _dead_as_minus_one(tokens, dead)
         u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row
         vocab = logits.shape[-1]
         full = [j for j, i in enumerate(rows) if not _truncates(params[i], vocab)]
@@ -79,7 +83,7 @@ class Sampler:
                 index = torch.tensor([rows[j] for j in group], device=logits.device)  # (g,)
                 scaled = logits[index] / _temperatures([params[rows[j]] for j in group], logits.device)
                 tokens[index] = draw(scaled, [params[rows[j]] for j in group], u[group])
-        return tokens if dead is None else tokens.index_fill_(0, dead, -1)
+        return _dead_as_minus_one(tokens, dead)
 
     @staticmethod
     def _masked(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
@@ -90,16 +94,51 @@ class Sampler:
         NOTE: only the masked rows are touched (a 262k vocabulary makes each pass over a row cost), and the
         logits are copied with them only when one of them draws: a greedy row needs only its masked max.
         """
-        rows = torch.tensor(masks.rows, device=logits.device)  # (g,)
-        sub = logits.index_select(0, rows).masked_fill_(masks.forbid, float("-inf"))  # (g, V)
-        best, picks = sub.max(dim=-1)  # (g,) each: NOTE: the first of tied maxima, as argmax
-        tokens.index_copy_(0, rows, picks)
-        left_none = best == float("-inf")  # (g,)
-        dead = rows[left_none]  # (d,)
-        if all(params[i].greedy for i in masks.rows):
-            return logits, dead
-        sub.masked_fill_(left_none[:, None], 0.0)  # NOTE: so that the draws stay defined
-        return logits.index_copy(0, rows, sub), dead
+        greedy = all(params[i].greedy for i in masks.rows)
+        if logits.device.type == "cpu":
+            return masked_on_cpu(logits, tokens, masks, greedy)
+        return masked_by_torch(logits, tokens, masks, greedy)
+
+
+def masked_by_torch(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
+                    greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Sampler._masked` in torch kernels, for logits on any device."""
+    rows = torch.tensor(masks.rows, device=logits.device)  # (g,)
+    sub = logits.index_select(0, rows).masked_fill_(masks.forbid, float("-inf"))  # (g, V)
+    best, picks = sub.max(dim=-1)  # (g,) each: NOTE: the first of tied maxima, as argmax
+    tokens.index_copy_(0, rows, picks)
+    left_none = best == float("-inf")  # (g,)
+    dead = rows[left_none]  # (d,)
+    if greedy:
+        return logits, dead
+    sub.masked_fill_(left_none[:, None], 0.0)  # NOTE: so that the draws stay defined
+    return logits.index_copy(0, rows, sub), dead
+
+
+def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
+                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Sampler._masked` for CPU tensors, in numpy: the same results in a few µs of calls where torch's
+    dispatch takes tens (a step's sampler runs once per token). `tokens` must be writable in place."""
+    rows = np.asarray(masks.rows, dtype=np.int64)  # (g,)
+    sub = np.where(masks.forbid.numpy(), np.float32(-np.inf), logits.numpy()[rows])  # (g, V) float32
+    picks = sub.argmax(axis=-1).astype(np.int64, copy=False)  # (g,): the first of tied maxima, as torch's
+    tokens.numpy()[rows] = picks
+    left_none = sub[np.arange(len(rows)), picks] == -np.inf  # (g,)
+    dead = torch.from_numpy(rows[left_none])  # (d,)
+    if greedy:
+        return logits, dead
+    sub[left_none] = 0.0  # NOTE: so that the draws stay defined
+    drawn = logits.clone()  # (n, V): the caller's logits stay as they were
+    drawn.numpy()[rows] = sub
+    return drawn, dead
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(n, V) -> (n,) int64: each row's first maximum. NOTE: on a CPU through numpy, whose vectorised argmax
+    is many times faster than torch's CPU kernel over a large vocabulary (docs/benchmarks.md)."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -166,6 +205,11 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     pos = torch.searchsorted(cdf, target, right=True)  # (g, 1): first position whose cdf exceeds target
     last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())  # (g, 1): where the cdf first reaches its total
     return torch.minimum(pos, last).squeeze(-1)
+
+
+def _dead_as_minus_one(tokens: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
+    """(n,) tokens with the rows in `dead` (d,) set to -1, in place."""
+    return tokens if dead is None or not len(dead) else tokens.index_fill_(0, dead, -1)
 
 
 def _top_k(p: SamplingParams, vocab: int) -> int:

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.decoder.sampler import CANDIDATES, Sampler, log_softmax, make_generator, truncated_probs
+from mmserve.decoder.sampler import (
+    CANDIDATES,
+    RowMasks,
+    Sampler,
+    argmax,
+    log_softmax,
+    make_generator,
+    masked_by_torch,
+    masked_on_cpu,
+    truncated_probs,
+)
 from mmserve.messages import SamplingParams
 from tests.numerics import assert_close_ulps
 
@@ -145,3 +155,32 @@ def test_never_sampled_tokens_are_never_picked_and_the_logits_stay() -> None:
         out = sampler.sample(x, [hot] * 4, [make_generator(seed * 4 + i) for i in range(4)])
         assert not set(out.tolist()) & set(banned)
     assert torch.equal(x, before)  # the caller's logits are left as the model made them
+
+
+def tied(n: int) -> torch.Tensor:
+    """(n, V) logits rounded to a few values, so that most rows tie for their maximum."""
+    return logits(n, seed=3).round().clamp(-2, 2)
+
+
+def test_argmax_takes_each_rows_first_maximum_as_torch_does() -> None:
+    x = tied(16)
+    assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x).dtype == torch.int64
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_masks_in_numpy_give_what_torchs_kernels_give(greedy: bool) -> None:
+    x = tied(6)
+    forbid = torch.rand(4, VOCAB, generator=torch.Generator().manual_seed(1)) < 0.7  # (4, V)
+    forbid[2] = True  # batch row 3: its grammar leaves it no token
+    masks = RowMasks((0, 2, 3, 5), forbid)
+    results = []
+    for way in (masked_on_cpu, masked_by_torch):
+        tokens = argmax(x)
+        drawn, dead = way(x, tokens, masks, greedy)
+        results.append((tokens, drawn, dead))
+    (t_np, d_np, dead_np), (t_torch, d_torch, dead_torch) = results
+    assert torch.equal(t_np, t_torch) and torch.equal(dead_np, dead_torch) and dead_np.tolist() == [3]
+    assert torch.equal(d_np, d_torch)
+    allowed = ~forbid[[0, 1, 3]]
+    assert all(bool(allowed[j, t_np[i]]) for j, i in enumerate((0, 2, 5)))  # picks obey their masks
+    assert torch.equal(x, tied(6)) and (d_np is x) == greedy  # the caller's logits stay; copied only to draw
