@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import DecoderStats, LogitsObserver
-from mmserve.encoder.stage import EncoderStats
+from mmserve.encoder.outputs import EncoderStats
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestOutput, TokenLogprob, merge_outputs
 from mmserve.preprocess.processor_cache import ProcessorCache, ProcessorCacheStats
 from mmserve.stages import StageFactory

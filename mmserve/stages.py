@@ -17,9 +17,10 @@ from mmserve.decoder.decoder import Decoder, LogitsObserver
 from mmserve.decoder.prefix_cache import BlockHasher
 from mmserve.decoder.service import DecoderService
 from mmserve.decoder.stream_pacing import StreamPacing
+from mmserve.encoder.outputs import Resolver, inline_pixels
 from mmserve.encoder.runner import batch_wait_s
 from mmserve.encoder.service import EncoderService
-from mmserve.encoder.stage import EncoderStage, Resolver, inline_pixels
+from mmserve.encoder.stage import EncoderStage
 from mmserve.models.base import ModelFamily, ModelSpec
 from mmserve.models.registry import checkpoint_dir, load_family
 from mmserve.preprocess.preprocessor import Preprocessor

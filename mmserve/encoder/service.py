@@ -12,7 +12,8 @@ import asyncio
 import logging
 from typing import Any
 
-from mmserve.encoder.stage import EncoderStage, Resolver, inline_pixels
+from mmserve.encoder.outputs import Resolver, inline_pixels
+from mmserve.encoder.stage import EncoderStage
 from mmserve.messages import MultiModalFeatureSpec
 from mmserve.runtime.step_loop import StepLoop
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # NOTE: type-only, so the ingress can import this module without torch
     from mmserve.decoder.decoder import DecoderStats
     from mmserve.decoder.embedding_cache import EmbeddingCacheStats
-    from mmserve.encoder.stage import EncoderStats
+    from mmserve.encoder.outputs import EncoderStats
     from mmserve.engine import EngineStats
     from mmserve.preprocess.processor_cache import ProcessorCacheStats
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from mmserve.config import EncoderConfig
+from mmserve.encoder.outputs import EncoderStepError
 from mmserve.encoder.runner import EncoderRunner
-from mmserve.encoder.stage import EncoderStage, EncoderStepError
+from mmserve.encoder.stage import EncoderStage
 from mmserve.errors import CapacityError
 from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, ProcessedItem
 from mmserve.models.pixels import PixelNormalization

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from mmserve.decoder.decoder import DecoderStats
-from mmserve.encoder.stage import EncoderStats
+from mmserve.encoder.outputs import EncoderStats
 from mmserve.engine import EngineStats
 from mmserve.preprocess.processor_cache import ProcessorCacheStats
 from mmserve.runtime.metrics import (

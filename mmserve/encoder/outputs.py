@@ -1,0 +1,60 @@
+"""What the encoder stage hands out and reports: a request's embeddings, the stage's stats, a step's failure,
+and how an item's pixels are found (`Resolver`).
+
+Owns these types only. Does not own the stage that makes them (stage.py) nor how they travel between
+deployments (messages.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mmserve.messages import MultiModalFeatureSpec, ProcessedItem
+
+Resolver = Callable[[MultiModalFeatureSpec], ProcessedItem]  # an item's pixels (ray.get in the Ray app)
+
+
+def inline_pixels(spec: MultiModalFeatureSpec) -> ProcessedItem:
+    """The resolver of the in-process engine: the spec carries the item itself."""
+    return spec.data
+
+
+@dataclass(frozen=True)
+class EncodedRequest:
+    request_id: str
+    embeddings: list[torch.Tensor]  # per feature, in feature order: (num_embeds, hidden)
+
+    @property
+    def finished(self) -> bool:
+        """Always True: this is the only output a request gets from the encoder stage."""
+        return True
+
+
+@dataclass(frozen=True)
+class EncoderStats:
+    queries: int  # item lookups decided (hits + encoded misses)
+    hits: int  # lookups served by the encoder cache
+    forward_passes: int  # vision forwards run
+    items_encoded: int  # items (images) encoded
+    images_encoded: int  # crops encoded
+    cached_tokens: int  # embedding rows booked in the cache, referenced or not
+    peak_cached_tokens: int  # the most rows ever booked at once
+    capacity_tokens: int  # embedding rows the cache may hold
+    num_cached: int  # entries in the cache
+    num_pending: int  # requests still waiting for embeddings
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # crops per forward -> forwards
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class EncoderStepError(RuntimeError):
+    """An encoder step failed (resolve or vision forward); the requests named were dropped."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"encoder step failed for requests {request_ids}: {cause!r}")
+        self.request_ids = request_ids
