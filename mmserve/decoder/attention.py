@@ -71,8 +71,7 @@ class AttentionMetadata:
 
 
 def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_size: int,
-                   pattern: AttentionPattern, device: torch.device,
-                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
+                   pattern: AttentionPattern, device: torch.device, dtype: torch.dtype) -> AttentionMetadata:
     """Everything attention needs for one step, built once on the host and moved in a few copies; masks in
     `dtype`, the attention's."""
     if len(steps) == 1 and steps[0].num_new == 1:

@@ -38,7 +38,7 @@ SEQS = [(6, 1, None), (0, 5, [(1, 4)]), (12, 1, None), (5, 4, [(1, 4)])]
 def test_decodes_share_one_group_and_each_prefill_chunk_has_its_own() -> None:
     _, manager = _cache()
     steps = [_step(manager, start, n, None) for start, n in [(6, 1), (0, 5), (3, 1), (2, 4), (9, 1)]]
-    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
+    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"), torch.float32)
     assert [(g.batch, g.queries) for g in meta.groups] == [(3, 1), (1, 5), (1, 4)]  # no decode padded
     flat = torch.cat([g.token_index for g in meta.groups if g.token_index is not None]).sort().values
     assert flat.tolist() == list(range(1 + 5 + 1 + 4 + 1))  # every new token is a query exactly once
@@ -69,7 +69,7 @@ def test_grouped_attention_equals_each_sequence_alone() -> None:
         _write_past(kv, manager, steps[-1], keys, values)
     t = sum(n for _, n, _ in SEQS)
     q = torch.randn(t, HEADS, DIM, generator=gen)  # (T, heads, head_dim)
-    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
+    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"), torch.float32)
     for layer, kind in enumerate(PATTERN.layer_kinds):
         new_k = torch.cat([k[layer, s.start :] for s, (k, _) in zip(steps, history, strict=True)])
         new_v = torch.cat([v[layer, s.start :] for s, (_, v) in zip(steps, history, strict=True)])
@@ -94,7 +94,7 @@ def test_a_lone_decode_equals_the_dense_reference_at_every_position() -> None:
         values = torch.randn(2, start + 1, KV_HEADS, DIM, generator=gen)
         _write_past(kv, manager, step, keys, values)
         q = torch.randn(1, HEADS, DIM, generator=gen)
-        meta = build_metadata([step], manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
+        meta = build_metadata([step], manager.kinds, BLOCK, PATTERN, torch.device("cpu"), torch.float32)
         assert meta.max_position == start and [len(s) for s in meta.slots] == [1, 1]
         for layer, kind in enumerate(PATTERN.layer_kinds):
             out = paged_attention(q, keys[layer, start:], values[layer, start:], kv, meta, layer, PATTERN)
@@ -104,7 +104,7 @@ def test_a_lone_decode_equals_the_dense_reference_at_every_position() -> None:
 def test_a_sliding_layer_reads_only_its_window_far_into_a_sequence() -> None:
     _, manager = _cache()
     step = _step(manager, 40, 1, None)
-    meta = build_metadata([step], manager.kinds, BLOCK, PATTERN, torch.device("cpu"))
+    meta = build_metadata([step], manager.kinds, BLOCK, PATTERN, torch.device("cpu"), torch.float32)
     full, sliding = meta.groups[0].reads
     assert full.keys == (0, 41) and full.pages[0].shape[0] == 11  # every block of a full layer
     lo, hi = sliding.keys  # a window of 5 keys inside at most 2 blocks, no mask
