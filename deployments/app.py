@@ -8,12 +8,14 @@ Does not own argument names or defaults (args.py) nor any stage's logic.
 
 from __future__ import annotations
 
+import os
 from typing import Any, cast
 
+import ray
 from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
-from deployments.args import parse_args
+from deployments.args import INGRESS_INLINE_BYTES, parse_args
 from deployments.cache_store import ProcessorCacheStore
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder
@@ -32,7 +34,21 @@ def _router(config: dict[str, Any]) -> dict[str, Any]:
     return {"request_router_config": RequestRouterConfig(**config)} if config else {}
 
 
+def inline_bodies_in_a_cluster_started_here() -> None:
+    """Let a Ray cluster that this process is about to start pass request bodies of up to
+    `INGRESS_INLINE_BYTES` inline everywhere, Serve's proxy included; a value already set is kept.
+
+    NOTE: `serve run <import path>` builds the app before it starts Ray, and the local cluster it starts
+    inherits this process's environment. Serve has no per-app setting for the proxy's environment, and the
+    proxy's reply to the Ingress carries the body (a data URL's image) through the object store past Ray's
+    100 KiB default. A Ray already running is left alone (`ray start` clusters: docs/deploying.md).
+    """
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_max_direct_call_object_size", str(INGRESS_INLINE_BYTES))
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
+    inline_bodies_in_a_cluster_started_here()
     app_args = parse_args(args or {})  # NOTE: model None: each replica finds or builds the tiny checkpoint
     hub = _deployment(MetricsHub).bind()
     store = _deployment(ProcessorCacheStore).bind(app_args.engine.processor_cache.capacity_bytes, hub,
