@@ -101,11 +101,14 @@ class GrammarStep:
         planned, masks = pending.result()
         if masks is None or planned == ids:
             return masks
-        where = {rid: j for j, rid in enumerate(ids)}  # some failed in the forward: the others' rows
+        where = {rid: j for j, rid in enumerate(ids)}  # the planned rows among the step's (minus any that failed)
         kept = [(k, where[planned[r]]) for k, r in enumerate(masks.rows) if planned[r] in where]
         if not kept:
             return None
-        return RowMasks(tuple(row for _, row in kept), masks.forbid[[k for k, _ in kept]])
+        rows = tuple(row for _, row in kept)
+        if len(kept) == len(masks.rows):  # NOTE: the usual case (masks made ahead for the grammar rows only):
+            return RowMasks(rows, masks.forbid)  # the same rows in the same order, no (g, vocab) copy
+        return RowMasks(rows, masks.forbid[[k for k, _ in kept]])
 
     def advance(self, ids: list[str], tokens: list[int],
                 matchers: list[llguidance.LLMatcher | None]) -> tuple[set[str], dict[str, Exception]]:

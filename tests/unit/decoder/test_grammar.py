@@ -132,6 +132,8 @@ def test_a_steps_masks_are_the_same_beside_the_forward_or_before_it(grammars, be
     assert expected is not None and expected.rows == (0, 2)  # "b" has no grammar
     assert whole is not None and whole.rows == (0, 2) and torch.equal(whole.forbid, expected.forbid)
     assert some is not None and some.rows == (1, 0) and torch.equal(some.forbid, expected.forbid)  # "b" failed
+    one = GrammarStep.finish(pending, ["c"])  # "a" failed too: only "c"'s mask is left
+    assert one is not None and one.rows == (0,) and torch.equal(one.forbid, expected.forbid[1:])
     assert GrammarStep.finish(pending, ["b"]) is None  # the grammar rows failed in the forward
     assert step.start([("b", None)], beside=beside) is None  # no grammar: no work
 
