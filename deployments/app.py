@@ -2,7 +2,8 @@
 
 Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, Preprocess's early encodes to
 the Encoder, with the shared ProcessorCacheStore and the MetricsHub) and applying each stage's placement
-from the arguments.
+from the arguments; and one process-wide default for a Ray that `serve run` starts after building the app
+(request bodies inline, `inline_bodies_in_a_cluster_started_here`).
 Does not own argument names or defaults (args.py) nor any stage's logic.
 """
 

@@ -6,9 +6,9 @@ Does not own: computing the logits (the model runner), nor stop conditions (the 
 Filtering is vectorised over the batch (one `topk`, masks built from per-row parameter tensors). The
 draw is inverse-CDF sampling with one uniform number per row taken from that row's own CPU generator,
 so a seeded row gets the same token whether it is batched with other rows or alone, on any device.
-On a CPU the greedy picks and the grammar masks go through numpy (`argmax`, `masked_on_cpu`): its argmax
-is vectorised where torch's CPU kernel is not, and its calls cost a few µs where torch's dispatch costs
-tens; `masked_by_torch` is the same on any other device.
+On a CPU the greedy picks and the grammar masks of float32 logits go through numpy (`argmax`,
+`masked_on_cpu`): numpy's argmax is vectorised where torch's CPU kernel is not, and its calls cost a few
+µs where torch's dispatch costs tens; `masked_by_torch` is the same on any other device.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Sampler:
         logits are copied with them only when one of them draws: a greedy row needs only its masked max.
         """
         greedy = all(params[i].greedy for i in masks.rows)
-        if logits.device.type == "cpu":
+        if _numpy_can(logits):
             return masked_on_cpu(logits, tokens, masks, greedy)
         return masked_by_torch(logits, tokens, masks, greedy)
 
@@ -117,10 +117,10 @@ def masked_by_torch(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
 
 def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
                   greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`Sampler._masked` for CPU tensors, in numpy: the same results in a few µs of calls where torch's
+    """`Sampler._masked` for float32 CPU logits, in numpy: the same results in a few µs of calls where torch's
     dispatch takes tens (a step's sampler runs once per token). `tokens` must be writable in place."""
     rows = np.asarray(masks.rows, dtype=np.int64)  # (g,)
-    sub = np.where(masks.forbid.numpy(), np.float32(-np.inf), logits.numpy()[rows])  # (g, V) float32
+    sub = np.where(masks.forbid.numpy(), np.float32(-np.inf), logits.detach().numpy()[rows])  # (g, V) float32
     picks = sub.argmax(axis=-1).astype(np.int64, copy=False)  # (g,): the first of tied maxima, as torch's
     tokens.numpy()[rows] = picks
     left_none = sub[np.arange(len(rows)), picks] == -np.inf  # (g,)
@@ -128,7 +128,7 @@ def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
     if greedy:
         return logits, dead
     sub[left_none] = 0.0  # NOTE: so that the draws stay defined
-    drawn = logits.clone()  # (n, V): the caller's logits stay as they were
+    drawn = logits.detach().clone()  # (n, V): the caller's logits stay as they were
     drawn.numpy()[rows] = sub
     return drawn, dead
 
@@ -136,9 +136,14 @@ def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """(n, V) -> (n,) int64: each row's first maximum. NOTE: on a CPU through numpy, whose vectorised argmax
     is many times faster than torch's CPU kernel over a large vocabulary (docs/benchmarks.md)."""
-    if logits.device.type == "cpu":
-        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    if _numpy_can(logits):
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
+
+
+def _numpy_can(logits: torch.Tensor) -> bool:
+    """Whether numpy can read `logits` in place: float32 on the CPU (numpy has no bfloat16)."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor,

@@ -1,7 +1,7 @@
-"""Helpers of the integration tests: HTTP on 127.0.0.1, bounded polling, and finding replicas.
+"""Helpers of the integration tests: HTTP on 127.0.0.1 and finding replicas (polling: tests/waiting.py).
 
 Owns: small, dependency-free utilities the tests share — a free port, JSON and SSE requests over
-urllib/http.client, `wait_until` (every loop here is bounded), deploying an app with a deadline,
+urllib/http.client (every loop here is bounded), deploying an app with a deadline,
 Serve's view of replica counts, replica actors and their nodes from the Ray state API, per-replica
 introspection through random routing, slowing a replica's process from outside (`throttled`), and the
 `NodeProbe` actor that calls a deployment from a given node (Serve routes a handle's requests to a
@@ -20,15 +20,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import ray
 from PIL import Image
 from ray import serve
-
-T = TypeVar("T")
-
 
 # --- images -------------------------------------------------------------------------------------
 
@@ -62,23 +59,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(check: Callable[[], T], *, timeout: float, interval: float = 0.25, what: str = "condition") -> T:
-    """Call `check` until it returns something truthy (returned) or `timeout` seconds pass (AssertionError)."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = check()
-        except Exception as exc:  # a transient error (e.g. a replica going away) counts as "not yet"
-            last = exc
-        else:
-            if last:
-                return last
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
 
 
 # --- HTTP ---------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import pytest
 
 from mmserve.messages import ChatRequest, SamplingParams
 from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
-from tests.integration.helpers import deploy, make_png, replica_states, wait_until
+from tests.integration.helpers import deploy, make_png, replica_states
+from tests.waiting import wait_until
 
 APP = "mm_auto"
 MIN_REPLICAS, MAX_REPLICAS = 1, 3

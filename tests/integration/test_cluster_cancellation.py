@@ -8,7 +8,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.integration.conftest import AppInfo
-from tests.integration.helpers import SSEStream, chat_body, data_url, info_of_every_replica, post_json, wait_until
+from tests.integration.helpers import SSEStream, chat_body, data_url, info_of_every_replica, post_json
+from tests.waiting import wait_until
 
 ENCODER_REPLICAS = 2
 

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
-from tests.integration.helpers import SSEStream, chat_body, deploy, wait_until
+from tests.integration.helpers import SSEStream, chat_body, deploy
 from tests.integration.test_cluster_cancellation import decoder_state, idle
+from tests.waiting import wait_until
 
 APP, ROUTE = "mm_tight", "/tight"
 DEADLINE_S = 6.0  # ingress.request_timeout_s of this app: the overload test's holders must outlast its burst

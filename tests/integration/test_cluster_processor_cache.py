@@ -26,9 +26,9 @@ from tests.integration.helpers import (
     replica_actors,
     replica_states,
     replica_suffix,
-    wait_until,
 )
 from tests.integration.test_cluster_serving import assert_same, engine_answer
+from tests.waiting import wait_until
 
 
 def image_request(url: str) -> ChatRequest:

@@ -20,16 +20,9 @@ from typing import Any
 import ray
 
 from tests.integration.conftest import AppInfo
-from tests.integration.helpers import (
-    SSEStream,
-    chat_body,
-    data_url,
-    replica_actors,
-    replica_states,
-    replica_suffix,
-    wait_until,
-)
+from tests.integration.helpers import SSEStream, chat_body, data_url, replica_actors, replica_states, replica_suffix
 from tests.integration.test_cluster_cancellation import idle, referenced
+from tests.waiting import wait_until
 
 CLIENTS = 4
 CLIENT_TIMEOUT_S = 60.0  # a request still open this long is a hang

@@ -30,8 +30,9 @@ import ray
 from deployments.args import DEFAULT_STAGE_ENV
 from mmserve.engine import Engine
 from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
-from tests.integration.helpers import chat_body, data_url, post_json, wait_running, wait_until
+from tests.integration.helpers import chat_body, data_url, post_json, wait_running
 from tests.integration.test_cluster_serving import assert_same, engine_answer
+from tests.waiting import wait_until
 
 APP = "mm_grpc"
 GRPC_MODE = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}  # what RAY_SERVE_THROUGHPUT_OPTIMIZED=1 sets for handles
