@@ -102,13 +102,12 @@ class GrammarStep:
         if masks is None or planned == ids:
             return masks
         where = {rid: j for j, rid in enumerate(ids)}  # the planned rows among the step's (minus any that failed)
-        kept = [(k, where[planned[r]]) for k, r in enumerate(masks.rows) if planned[r] in where]
+        kept = [k for k, r in enumerate(masks.rows) if planned[r] in where]  # masks whose row is still here
         if not kept:
             return None
-        rows = tuple(row for _, row in kept)
-        if len(kept) == len(masks.rows):  # NOTE: the usual case (masks made ahead for the grammar rows only):
-            return RowMasks(rows, masks.forbid)  # the same rows in the same order, no (g, vocab) copy
-        return RowMasks(rows, masks.forbid[[k for k, _ in kept]])
+        rows = tuple(where[planned[masks.rows[k]]] for k in kept)
+        # NOTE: all kept is the usual case (masks made ahead for the grammar rows only): no (g, vocab) copy
+        return RowMasks(rows, masks.forbid if len(kept) == len(masks.rows) else masks.forbid[kept])
 
     def advance(self, ids: list[str], tokens: list[int],
                 matchers: list[llguidance.LLMatcher | None]) -> tuple[set[str], dict[str, Exception]]:
