@@ -115,6 +115,10 @@ class DecoderConfig(_Bounded):
     # a repeated image whose last rows share a block with new text needs them again, and finds them here
     # instead of asking the Encoder (mmserve/decoder/embedding_cache.py)
     embedding_cache_bytes: int = at_least(0, 128 * MiB)
+    # A decode step's gathered pages, kept per layer until the next step, which then copies only the pages that
+    # changed (mmserve/decoder/kept_gather.py): gathers of at least this many bytes are kept (0 = all) ...
+    keep_gathers_from_bytes: int = at_least(0, 1 * MiB)
+    kept_gathers_bytes: int = at_least(0, 256 * MiB)  # ... within this much memory in all (bytes; 0 = none)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmserve.decoder.kept_gather import KeptGathers, Refresh
 from mmserve.decoder.kv_blocks import KindTable, LayerKind
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.models.base import AttentionPattern
@@ -51,6 +52,8 @@ class KindRead:
     mask: torch.Tensor | None  # (B, 1, Q, b - a) additive, in the attention's dtype: 0 = may attend, -inf not;
     # None = all of [a, b). NOTE: additive, made once per step: SDPA turns a bool mask into this on every call
     causal: bool  # True: SDPA's own causal mask (a lone chunk from position 0 over rows [0, end))
+    kept: tuple[Refresh | None, ...] | None = None  # per layer of the kind, its kept gather (decodes only);
+    # None = gather `pages` whole
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,12 @@ class AttentionMetadata:
 
 
 def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_size: int,
-                   pattern: AttentionPattern, device: torch.device, dtype: torch.dtype) -> AttentionMetadata:
+                   pattern: AttentionPattern, device: torch.device, dtype: torch.dtype,
+                   kept: KeptGathers | None = None) -> AttentionMetadata:
     """Everything attention needs for one step, built once on the host and moved in a few copies; masks in
-    `dtype`, the attention's."""
+    `dtype`, the attention's. With `kept`, the decode group's gathers are kept from step to step."""
     if len(steps) == 1 and steps[0].num_new == 1:
-        return _lone_decode(steps[0], kinds, block_size, device)
+        return _lone_decode(steps[0], kinds, block_size, device, kept)
     kind_of, rank_of, layers_of = _layer_map(kinds)
     offsets = np.concatenate(([0], np.cumsum([s.num_new for s in steps])))  # (B + 1,)
     slots = np.empty((len(kind_of), int(offsets[-1])), dtype=np.int64)
@@ -83,16 +87,19 @@ def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_siz
         block, within = np.divmod(np.arange(s.start, s.start + s.num_new), block_size)
         for layers, table in zip(layers_of, s.tables, strict=True):
             slots[layers, offset : offset + s.num_new] = (table.pages[block] * block_size + within[:, None]).T
+    if kept is not None:
+        kept.wrote(slots // block_size)
     decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
     members = ([decodes] if decodes else []) + [[i] for i, s in enumerate(steps) if s.num_new != 1]
     groups = [_group([steps[i] for i in idx], offsets[idx], kinds, block_size, pattern, device, dtype,
-                     whole=len(members) == 1) for idx in members]
+                     whole=len(members) == 1, kept=kept) for idx in members]
     # NOTE: per-layer rows split off in one call here, not indexed out once per layer
     return AttentionMetadata(torch.from_numpy(slots).to(device).unbind(0), groups, kind_of, rank_of,
                              max(s.start + s.num_new for s in steps) - 1)
 
 
-def _lone_decode(s: SeqStep, kinds: tuple[LayerKind, ...], block_size: int, device: torch.device) -> AttentionMetadata:
+def _lone_decode(s: SeqStep, kinds: tuple[LayerKind, ...], block_size: int, device: torch.device,
+                 kept: KeptGathers | None) -> AttentionMetadata:
     """`build_metadata` of a step that is one sequence's decode (one client's every step), in fewer calls.
 
     NOTE: the general path's lists, padding and concatenations cost more than its arithmetic here.
@@ -100,15 +107,20 @@ def _lone_decode(s: SeqStep, kinds: tuple[LayerKind, ...], block_size: int, devi
     kind_of, rank_of, layers_of = _layer_map(kinds)
     position = s.start
     block, within = divmod(position, block_size)
-    slots = np.empty((len(kind_of), 1), dtype=np.int64)
+    written = np.empty(len(kind_of), dtype=np.int64)  # (layers,) the page each layer's new K/V goes to
+    for table, layers in zip(s.tables, layers_of, strict=True):
+        written[layers] = table.pages[block]
+    if kept is not None:
+        kept.wrote(written)
     reads = []
-    for kind, table, layers in zip(kinds, s.tables, layers_of, strict=True):
-        slots[layers, 0] = table.pages[block] * block_size + within
+    for kind, table in zip(kinds, s.tables, strict=True):
         first_key = _first_key(position, kind.window)
         lo = first_key // block_size
-        pages = torch.from_numpy(np.ascontiguousarray(table.pages[lo : block + 1].T)).to(device)  # (layers, blocks)
+        held = np.ascontiguousarray(table.pages[lo : block + 1].T)  # (layers, blocks)
         keys = (first_key - lo * block_size, position + 1 - lo * block_size)
-        reads.append(KindRead(pages.unbind(0), (block + 1 - lo) * block_size, keys, None, False))
+        reads.append(KindRead(torch.from_numpy(held).to(device).unbind(0), (block + 1 - lo) * block_size, keys, None,
+                              False, _plans(kept, kind, held)))
+    slots = written[:, None] * block_size + within  # (layers, 1)
     group = AttentionGroup(None, 1, 1, tuple(reads))
     return AttentionMetadata(torch.from_numpy(slots).to(device).unbind(0), [group], kind_of, rank_of, position)
 
@@ -124,16 +136,26 @@ def _layer_map(kinds: tuple[LayerKind, ...]) -> tuple[tuple[int, ...], tuple[int
     return tuple(kind_of), tuple(rank_of), tuple(np.asarray(k.layers) for k in kinds)
 
 
+def _plans(kept: KeptGathers | None, kind: LayerKind, pages: np.ndarray) -> tuple[Refresh | None, ...] | None:
+    """Each layer of `kind`'s kept gather of its row of `pages` ((layers, n) ids), or None (gathered whole)."""
+    if kept is None:
+        return None
+    plans = tuple(kept.plan(layer, row) for layer, row in zip(kind.layers, pages, strict=True))
+    return None if all(p is None for p in plans) else plans
+
+
 def _group(steps: list[SeqStep], offsets: np.ndarray, kinds: tuple[LayerKind, ...], block_size: int,
-           pattern: AttentionPattern, device: torch.device, dtype: torch.dtype, *, whole: bool) -> AttentionGroup:
+           pattern: AttentionPattern, device: torch.device, dtype: torch.dtype, *, whole: bool,
+           kept: KeptGathers | None) -> AttentionGroup:
     q = steps[0].num_new
     index = np.concatenate([np.arange(o, o + s.num_new) for s, o in zip(steps, offsets, strict=True)])
-    reads = tuple(_read(steps, k, kind, block_size, pattern, device, dtype) for k, kind in enumerate(kinds))
+    reads = tuple(_read(steps, k, kind, block_size, pattern, device, dtype, kept if q == 1 else None)
+                  for k, kind in enumerate(kinds))
     return AttentionGroup(None if whole else torch.from_numpy(index).to(device), len(steps), q, reads)
 
 
 def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, pattern: AttentionPattern,
-          device: torch.device, dtype: torch.dtype) -> KindRead:
+          device: torch.device, dtype: torch.dtype, kept: KeptGathers | None) -> KindRead:
     window = kind.window
     first_key = [_first_key(s.start, window) for s in steps]  # (B,) positions
     lo = [f // block_size for f in first_key]  # first block each sequence reads
@@ -143,7 +165,9 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
     for i, s in enumerate(steps):
         held = s.tables[k].pages[lo[i] : hi[i]].T  # (layers, n)
         pages[:, i, : held.shape[1]] = held
-        pages[:, i, held.shape[1] :] = held[:, -1:]  # padding: any page the sequence holds; masked
+        # padding: any page the sequence holds, masked. NOTE: its first, which no later step writes, so that
+        # a kept gather does not copy the padding again at every step
+        pages[:, i, held.shape[1] :] = held[:, :1]
     rows = blocks * block_size
     flat = torch.from_numpy(pages.reshape(len(kind.layers), -1)).to(device).unbind(0)
     if len(steps) > 1:  # decodes: a mask per sequence over its rows
@@ -151,14 +175,16 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
         ends = np.asarray([s.start + 1 for s in steps])[:, None]
         valid = (base >= np.asarray(first_key)[:, None]) & (base < ends)
         return KindRead(flat, rows, (0, rows), _additive(torch.from_numpy(valid[:, None, None]).to(device), dtype),
-                        False)
+                        False, _plans(kept, kind, pages.reshape(len(kind.layers), -1)))
     s = steps[0]
     a, b = first_key[0] - lo[0] * block_size, s.start + s.num_new - lo[0] * block_size
     # NOTE: only the chunk's own image tokens see both ways; an image before the chunk is causal past
     images = pattern.bidirectional_images and s.image_runs is not None and bool(
         (s.image_runs[s.start : s.start + s.num_new] >= 0).any())
-    if s.num_new == 1 or (not images and window is None and s.start == 0):
-        return KindRead(flat, rows, (a, b), None, causal=s.num_new > 1)
+    if s.num_new == 1:  # a decode alone in its group
+        return KindRead(flat, rows, (a, b), None, False, _plans(kept, kind, pages.reshape(len(kind.layers), -1)))
+    if not images and window is None and s.start == 0:
+        return KindRead(flat, rows, (a, b), None, causal=True)
     return KindRead(flat, rows, (a, b), _additive(_chunk_mask(s, first_key[0], window, images, device), dtype), False)
 
 
@@ -227,9 +253,10 @@ def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead,
     """(B * Q, heads, head_dim) queries of one group -> their outputs, (B * Q, heads * head_dim), same order."""
     b, n = group.batch, group.queries
     heads, kv_heads, d = q.shape[1], kv.keys.shape[2], q.shape[2]
-    pages = read.pages[rank]
     lo, hi = read.keys
-    gathered_keys, gathered_values = kv.gather(pages)  # each (B * blocks, block_size, kv_heads, d)
+    refresh = read.kept[rank] if read.kept is not None else None
+    # each (B * blocks, block_size, kv_heads, d)
+    gathered_keys, gathered_values = kv.gather(read.pages[rank]) if refresh is None else refresh.apply(kv)
     keys = _attended(gathered_keys, b, read.rows, lo, hi)  # (B, kv_heads, hi - lo, d)
     values = _attended(gathered_values, b, read.rows, lo, hi)
     gqa = n > 1 and kv_heads != heads

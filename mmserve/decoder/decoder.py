@@ -21,6 +21,7 @@ from mmserve.decoder.detokenizer import IncrementalDetokenizer
 from mmserve.decoder.embedding_cache import EmbeddingCacheStats
 from mmserve.decoder.grammar import Grammars
 from mmserve.decoder.grammar_step import GrammarStep
+from mmserve.decoder.kept_gather import KeptGathers
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.model_runner import ModelRunner, StepLogits, step_size
 from mmserve.decoder.prefix_cache import BlockHasher
@@ -84,8 +85,9 @@ class Decoder:
         self.scheduler = Scheduler(config, self.pool, spec.attention, max_model_len=spec.max_model_len,
                                    eos_token_ids=spec.eos_token_ids, hasher=self.hasher)
         self.on_missing: MissingEmbeddings | None = None  # set by whoever can fetch embeddings (the service)
-        self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
-                                  threads=StepThreads(device, config))
+        self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device, threads=StepThreads(
+            device, config), kept=KeptGathers(self.kv, budget_bytes=config.kept_gathers_bytes,
+                                              from_bytes=config.keep_gathers_from_bytes))
         self.sampler = Sampler(spec.never_sampled, spec.eos_token_ids)
         self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.grammar_step = GrammarStep(self.grammars, device)
@@ -119,12 +121,8 @@ class Decoder:
         if structured is not None and matcher is None:
             matcher = self.grammars.matcher(structured)  # before any KV is held
         self.scheduler.add(seq)
-        self._states[seq.request_id] = _OutputState(
-            seq=seq,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, stop=request.sampling.stop),
-            generator=make_generator(request.sampling.seed),
-            matcher=matcher,
-        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, stop=request.sampling.stop)
+        self._states[seq.request_id] = _OutputState(seq, detokenizer, make_generator(request.sampling.seed), matcher)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already finished."""

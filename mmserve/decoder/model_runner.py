@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mmserve.decoder.attention import SeqStep, build_metadata
+from mmserve.decoder.kept_gather import KeptGathers
 from mmserve.decoder.kv_blocks import LayerKind
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.sequence import Sequence
@@ -36,10 +37,11 @@ def step_size(scheduled: list[tuple[Sequence, int]]) -> tuple[int, int]:
 
 class ModelRunner:
     def __init__(self, model: TextDecoder, spec: ModelSpec, kv: KVCache, kinds: tuple[LayerKind, ...], *,
-                 device: torch.device, threads: StepThreads):
+                 device: torch.device, threads: StepThreads, kept: KeptGathers | None = None):
         self.model, self.spec, self.kv, self.kinds = model, spec, kv, kinds
         self.device = device
         self.threads = threads
+        self.kept = kept  # the decode group's gathers kept from step to step; None = gathered whole each step
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
@@ -48,7 +50,12 @@ class ModelRunner:
         count = self.threads.apply(num_new, attended)
         self.model.matmul.use(count)
         started = time.perf_counter()
-        out = self._forward(scheduled)
+        try:
+            out = self._forward(scheduled)
+        except BaseException:
+            if self.kept is not None:
+                self.kept.forget()  # NOTE: some layers' refreshes may not have run
+            raise
         self.threads.observe(num_new, time.perf_counter() - started, count, attended)
         return out
 
@@ -66,7 +73,7 @@ class ModelRunner:
         embeds = self.model.embed(torch.from_numpy(ids).to(self.device))  # (T, hidden)
         self._merge_images(embeds, scheduled, steps)
         meta = build_metadata(steps, self.kinds, self.kv.block_size, self.spec.attention, self.device,
-                              self.kv.keys.dtype)
+                              self.kv.keys.dtype, self.kept)
         hidden = self.model.forward(embeds, torch.from_numpy(positions).to(self.device), meta, self.kv)  # (T, hidden)
         if not sample:
             return StepLogits([], hidden.new_zeros((0, self.spec.vocab_size)))

@@ -145,6 +145,21 @@ def test_concurrent_batch_matches_each_alone(oracle):
     assert stats.free_blocks == stats.total_blocks
 
 
+@pytest.mark.parametrize("budget", [1 << 30, 40 * 1024])
+def test_kept_gathers_match(oracle, budget):
+    """Every decode group's gathers kept from step to step (mmserve/decoder/kept_gather.py), with room for all
+    layers or for some only; all cases batched, so that sequences join and leave the decode group, with prefill
+    chunks beside it, as in test_chunked_prefill_matches."""
+    model_dir, refs = oracle
+    engine, rec = make_engine(model_dir, keep_gathers_from_bytes=0, kept_gathers_bytes=budget,
+                              max_num_batched_tokens=300)
+    outs = engine.generate([build_request(case)[0] for case in CASES])
+    for case, out in zip(CASES, outs, strict=True):
+        assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
+    kept = engine.decoder.runner.kept
+    assert kept is not None and 0 < kept.nbytes <= budget
+
+
 def test_chunked_prefill_matches(oracle):
     """A small step budget splits prompts into chunks (never inside an image) with the same result."""
     model_dir, refs = oracle
