@@ -1,21 +1,24 @@
 """What structured-output rows cost the rest of their batch, measured on the decoder step in one process.
 
 Owns: whole decode steps of a batch with some rows under a JSON schema against the same batch with none,
-taken on two identical Decoders whose steps alternate (A B B A ...) so that the machine's drift, which on
-our VMs moves whole runs by several percent, falls on both alike; a placebo pair (both batches free) in
-the same run that shows the method's own floor; and, inside the same steps, the grammar work the step
-waits for and the masks' work beside the forward. Does not own printing or the other step measures
-(`step.py`).
+taken on two Decoders of the same checkpoint and settings whose steps alternate (A B B A ...) so that the
+machine's drift, which on our VMs moves whole runs by several percent, falls on both alike, and taken
+twice with the roles swapped (A constrained, then B): two Decoder instances differ by ~1% in speed on
+their own (the placebo showed it), and the geometric mean of the two ratios cancels that difference; a
+placebo (both batches free, both orders) in the same run that shows the method's own floor; and, inside
+the same steps, the grammar work the step waits for and the masks' work beside the forward. Does not own
+printing or the other step measures (`step.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +39,12 @@ LONG_JSON = StructuredOutput("json", json.dumps({
 @dataclass(frozen=True)
 class GrammarCost:
     constrained: int  # rows with a grammar in the batch (rows)
-    steps: int  # paired steps timed per comparison (steps)
+    steps: int  # paired steps timed, both role assignments together (steps)
     mixed_ms: float  # median decode step of the batch with `constrained` rows under LONG_JSON (ms)
-    free_ms: float  # median step of the same batch with no constraint, on the twin Decoder (ms)
-    slowed: float  # median over adjacent pairs of mixed / free step: the target's ratio
+    free_ms: float  # median step of the same batch with no constraint, on the other Decoder (ms)
+    slowed: float  # geometric mean, over both role assignments, of the median over adjacent pairs of
+    # mixed / free step: the target's ratio
+    slowed_by_role: tuple[float, float]  # that median with the first Decoder constrained, then the second
     placebo: float  # the same ratio with both batches free: the method's floor, ideally 1.0
     critical_us: float  # per mixed step, grammar work the step waits for: starting the masks (computing and
     # unpacking them all when not beside), their tail, advancing the matchers (µs)
@@ -53,23 +58,43 @@ class GrammarCost:
 
 
 def grammar_cost(decoder: Decoder, twin: Decoder, ids: torch.Tensor, steps: int = 240) -> GrammarCost:
-    """Half of the batch `ids` under LONG_JSON on `decoder` against all of it free on `twin` (the same
-    checkpoint, config and thread counts), step by step; then the same pair with both free."""
+    """Half of the batch `ids` under LONG_JSON on one Decoder against all of it free on the other (the same
+    checkpoint, config and thread counts), step by step, once each way round; then the same with both free."""
     constrained = ids.shape[0] // 2
-    with _timing(decoder.grammar_step, "finish", "advance", "start") as on_path, \
-            _timing(decoder.grammars, "bitmask") as masks:
-        pairs = paired(decoder, twin, ids, steps, constrained)
-    placebo = paired(decoder, twin, ids, steps, 0)
+    on_path, masks = _Timer(), _Timer()
+    by_role = (timed_pairs(decoder, twin, ids, steps, constrained, on_path, masks),
+               timed_pairs(twin, decoder, ids, steps, constrained, on_path, masks))
+    placebo = (paired(decoder, twin, ids, steps, 0), paired(twin, decoder, ids, steps, 0))
     sample_free, sample_masked = sampler_us(decoder, ids.shape[0], constrained)
+    pairs = [pair for role in by_role for pair in role]
     mixed_ms = statistics.median(a for a, _ in pairs) * 1e3
     masks_us = masks.total / on_path.calls * 1e6  # NOTE: on_path counts `finish`: one call per step
     beside = decoder.runner.threads.leaves_a_core(ids.shape[0], sum(s.num_tokens for s in decoder.scheduler.running))
     critical_us = on_path.total / on_path.calls * 1e6
+    ratios = tuple(statistics.median(a / b for a, b in role) for role in by_role)
     return GrammarCost(
         constrained, len(pairs), mixed_ms, statistics.median(b for _, b in pairs) * 1e3,
-        statistics.median(a / b for a, b in pairs), statistics.median(a / b for a, b in placebo), critical_us,
+        _geomean(ratios), (ratios[0], ratios[1]),
+        _geomean([statistics.median(a / b for a, b in role) for role in placebo]), critical_us,
         (critical_us + max(0.0, sample_masked - sample_free)) / 1e3 / mixed_ms, masks_us, beside,
         sample_free, sample_masked)
+
+
+def timed_pairs(a: Decoder, b: Decoder, ids: torch.Tensor, steps: int, constrained: int, on_path: _Timer,
+                masks: _Timer) -> list[tuple[float, float]]:
+    """`paired`, adding `a`'s grammar work on the step's path and its masks' to the two timers."""
+    with _timing(a.grammar_step, "finish", "advance", "start") as path, _timing(a.grammars, "bitmask") as made:
+        pairs = paired(a, b, ids, steps, constrained)
+    for total, part in ((on_path, path), (masks, made)):
+        total.total += part.total
+        total.calls += part.calls
+    return pairs
+
+
+def _geomean(ratios: Sequence[float]) -> float:
+    """NOTE: a speed difference between the two Decoders multiplies one role's ratio and divides the other's."""
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
 
 def paired(a: Decoder, b: Decoder, ids: torch.Tensor, steps: int, constrained: int) -> list[tuple[float, float]]:
     """`steps` decode steps on each of `a` (the first `constrained` rows under LONG_JSON) and `b` (all free),
