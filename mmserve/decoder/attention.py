@@ -119,7 +119,7 @@ def _lone_decode(s: SeqStep, kinds: tuple[LayerKind, ...], block_size: int, devi
         held = np.ascontiguousarray(table.pages[lo : block + 1].T)  # (layers, blocks)
         keys = (first_key - lo * block_size, position + 1 - lo * block_size)
         reads.append(KindRead(torch.from_numpy(held).to(device).unbind(0), (block + 1 - lo) * block_size, keys, None,
-                              False, _plans(kept, kind, held)))
+                              False, kept.plan(kind.layers, held, None, device) if kept is not None else None))
     slots = written[:, None] * block_size + within  # (layers, 1)
     group = AttentionGroup(None, 1, 1, tuple(reads))
     return AttentionMetadata(torch.from_numpy(slots).to(device).unbind(0), [group], kind_of, rank_of, position)
@@ -134,14 +134,6 @@ def _layer_map(kinds: tuple[LayerKind, ...]) -> tuple[tuple[int, ...], tuple[int
         for rank, layer in enumerate(kind.layers):
             kind_of[layer], rank_of[layer] = k, rank
     return tuple(kind_of), tuple(rank_of), tuple(np.asarray(k.layers) for k in kinds)
-
-
-def _plans(kept: KeptGathers | None, kind: LayerKind, pages: np.ndarray) -> tuple[Refresh | None, ...] | None:
-    """Each layer of `kind`'s kept gather of its row of `pages` ((layers, n) ids), or None (gathered whole)."""
-    if kept is None:
-        return None
-    plans = tuple(kept.plan(layer, row) for layer, row in zip(kind.layers, pages, strict=True))
-    return None if all(p is None for p in plans) else plans
 
 
 def _group(steps: list[SeqStep], offsets: np.ndarray, kinds: tuple[LayerKind, ...], block_size: int,
@@ -165,24 +157,26 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
     for i, s in enumerate(steps):
         held = s.tables[k].pages[lo[i] : hi[i]].T  # (layers, n)
         pages[:, i, : held.shape[1]] = held
-        # padding: any page the sequence holds, masked. NOTE: its first, which no later step writes, so that
-        # a kept gather does not copy the padding again at every step
-        pages[:, i, held.shape[1] :] = held[:, :1]
+        pages[:, i, held.shape[1] :] = held[:, -1:]  # padding: any page the sequence holds; masked
     rows = blocks * block_size
     flat = torch.from_numpy(pages.reshape(len(kind.layers), -1)).to(device).unbind(0)
     if len(steps) > 1:  # decodes: a mask per sequence over its rows
         base = np.asarray(lo)[:, None] * block_size + np.arange(rows)[None]  # (B, rows) positions
         ends = np.asarray([s.start + 1 for s in steps])[:, None]
         valid = (base >= np.asarray(first_key)[:, None]) & (base < ends)
+        read = np.arange(blocks)[None, :] < (np.asarray(hi) - np.asarray(lo))[:, None]  # (B, blocks): not padding
+        plans = None if kept is None else kept.plan(kind.layers, pages.reshape(len(kind.layers), -1), read.ravel(),
+                                                    device)
         return KindRead(flat, rows, (0, rows), _additive(torch.from_numpy(valid[:, None, None]).to(device), dtype),
-                        False, _plans(kept, kind, pages.reshape(len(kind.layers), -1)))
+                        False, plans)
     s = steps[0]
     a, b = first_key[0] - lo[0] * block_size, s.start + s.num_new - lo[0] * block_size
     # NOTE: only the chunk's own image tokens see both ways; an image before the chunk is causal past
     images = pattern.bidirectional_images and s.image_runs is not None and bool(
         (s.image_runs[s.start : s.start + s.num_new] >= 0).any())
     if s.num_new == 1:  # a decode alone in its group
-        return KindRead(flat, rows, (a, b), None, False, _plans(kept, kind, pages.reshape(len(kind.layers), -1)))
+        plans = None if kept is None else kept.plan(kind.layers, pages.reshape(len(kind.layers), -1), None, device)
+        return KindRead(flat, rows, (a, b), None, False, plans)
     if not images and window is None and s.start == 0:
         return KindRead(flat, rows, (a, b), None, causal=True)
     return KindRead(flat, rows, (a, b), _additive(_chunk_mask(s, first_key[0], window, images, device), dtype), False)

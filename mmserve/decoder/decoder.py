@@ -85,9 +85,9 @@ class Decoder:
         self.scheduler = Scheduler(config, self.pool, spec.attention, max_model_len=spec.max_model_len,
                                    eos_token_ids=spec.eos_token_ids, hasher=self.hasher)
         self.on_missing: MissingEmbeddings | None = None  # set by whoever can fetch embeddings (the service)
-        self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device, threads=StepThreads(
-            device, config), kept=KeptGathers(self.kv, budget_bytes=config.kept_gathers_bytes,
-                                              from_bytes=config.keep_gathers_from_bytes))
+        kept = KeptGathers(self.kv, budget_bytes=config.kept_gathers_bytes, from_bytes=config.kept_gathers_min_bytes)
+        self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
+                                  threads=StepThreads(device, config), kept=kept if config.kept_gathers_bytes else None)
         self.sampler = Sampler(spec.never_sampled, spec.eos_token_ids)
         self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.grammar_step = GrammarStep(self.grammars, device)
@@ -122,7 +122,8 @@ class Decoder:
             matcher = self.grammars.matcher(structured)  # before any KV is held
         self.scheduler.add(seq)
         detokenizer = IncrementalDetokenizer(self.tokenizer, stop=request.sampling.stop)
-        self._states[seq.request_id] = _OutputState(seq, detokenizer, make_generator(request.sampling.seed), matcher)
+        self._states[seq.request_id] = _OutputState(seq=seq, detokenizer=detokenizer,
+                                                    generator=make_generator(request.sampling.seed), matcher=matcher)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already finished."""

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from mmserve.config import DecoderConfig, EngineConfig
+from mmserve.decoder import attention
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
 from mmserve.preprocess.image_runs import image_token_runs
@@ -151,13 +152,36 @@ def test_kept_gathers_match(oracle, budget):
     layers or for some only; all cases batched, so that sequences join and leave the decode group, with prefill
     chunks beside it, as in test_chunked_prefill_matches."""
     model_dir, refs = oracle
-    engine, rec = make_engine(model_dir, keep_gathers_from_bytes=0, kept_gathers_bytes=budget,
+    engine, rec = make_engine(model_dir, kept_gathers_min_bytes=0, kept_gathers_bytes=budget,
                               max_num_batched_tokens=300)
     outs = engine.generate([build_request(case)[0] for case in CASES])
     for case, out in zip(CASES, outs, strict=True):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
     kept = engine.decoder.runner.kept
     assert kept is not None and 0 < kept.nbytes <= budget
+    assert kept.copied < kept.positions // 2  # most positions were kept, not copied again
+
+
+def test_kept_gathers_after_failed_forwards_match(oracle, monkeypatch):
+    """Every 5th batched decode forward raises after two layers have refreshed their kept gathers and before
+    the others do; the Decoder runs each sequence again alone (`Decoder._execute`), the kept layouts are
+    forgotten, and every case still matches."""
+    model_dir, refs = oracle
+    engine, rec = make_engine(model_dir, kept_gathers_min_bytes=0)
+    real, seen = attention._attend, {"layers": 0}
+
+    def failing(q, kv, group, read, rank, pattern):
+        if group.batch > 1 and group.queries == 1:
+            seen["layers"] += 1
+            if seen["layers"] % (5 * engine.spec.num_layers) == 3:  # the 3rd layer of every 5th such forward
+                raise RuntimeError("injected")
+        return real(q, kv, group, read, rank, pattern)
+
+    monkeypatch.setattr(attention, "_attend", failing)
+    outs = engine.generate([build_request(case)[0] for case in CASES])
+    assert seen["layers"] > 10 * engine.spec.num_layers
+    for case, out in zip(CASES, outs, strict=True):
+        assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
 
 
 def test_chunked_prefill_matches(oracle):
