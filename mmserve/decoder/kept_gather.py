@@ -49,6 +49,9 @@ class Refresh:
         return self.keys, self.values
 
 
+NO_PAGE = -1  # a kept position whose content is no page's as of the last refresh (padding left uncopied)
+
+
 class KeptGathers:
     """Per layer, the last decode group's gather, within `budget_bytes` of workspaces in all; gathers of at
     least `from_bytes` (keys and values together) are kept."""
@@ -112,6 +115,10 @@ class KeptGathers:
         if 2 * len(stale) > n:
             stale = np.arange(n)  # NOTE: padding too (finite pages): one copy, no index arithmetic
         kept.pages, kept.step = pages.copy(), self._step
+        if valid is not None and len(stale) < n:
+            # NOTE: a padding position left as it was holds no page as of this step: recorded as none, so that
+            # the step where it is read again (a new layout) copies it, whatever page it then holds
+            kept.pages[~valid] = NO_PAGE
         self.positions += n
         self.copied += len(stale)
         return kept, stale, pages[stale]

@@ -86,6 +86,23 @@ def test_padding_is_never_copied_and_a_longer_layout_copies_only_its_new_pages()
     assert n == 1 and torch.equal(keys, kv.keys[[3, 4, 5, 12]])
 
 
+def test_a_padding_position_read_again_with_the_page_it_was_padded_with_is_copied() -> None:
+    """A sequence's padding repeats its last page, which a later layout can hold at that very position as a real
+    page (the group reordered), after its last write: the padding was never copied, so it must be now."""
+    rng = np.random.default_rng(3)
+    kv = _cache()
+    kept = KeptGathers(kv, budget_bytes=1 << 30, from_bytes=0)
+    _write(kv, kept, np.array([7, 9]), rng)
+    _gathered(kv, kept, np.array([5, 6, 7, 8, 9, 9]), np.array([True, True, True, True, True, False]))
+    _write(kv, kept, np.array([7, 9]), rng)  # page 9 changes; position 5 (padding) is not copied
+    _gathered(kv, kept, np.array([5, 6, 7, 8, 9, 9]), np.array([True, True, True, True, True, False]))
+    _write(kv, kept, np.array([11]), rng)  # the next step writes elsewhere; page 9 now sits at position 5
+    layout = np.array([5, 6, 7, 8, 10, 9])
+    keys, values, _ = _gathered(kv, kept, layout)
+    assert torch.equal(keys, kv.keys[torch.from_numpy(layout)])
+    assert torch.equal(values, kv.values[torch.from_numpy(layout)])
+
+
 def test_after_a_failed_forward_everything_is_copied_again() -> None:
     rng = np.random.default_rng(2)
     kv = _cache()
