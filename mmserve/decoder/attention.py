@@ -159,14 +159,14 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
         pages[:, i, : held.shape[1]] = held
         pages[:, i, held.shape[1] :] = held[:, -1:]  # padding: any page the sequence holds; masked
     rows = blocks * block_size
-    flat = torch.from_numpy(pages.reshape(len(kind.layers), -1)).to(device).unbind(0)
+    per_layer = pages.reshape(len(kind.layers), -1)  # (layers, B * blocks)
+    flat = torch.from_numpy(per_layer).to(device).unbind(0)
     if len(steps) > 1:  # decodes: a mask per sequence over its rows
         base = np.asarray(lo)[:, None] * block_size + np.arange(rows)[None]  # (B, rows) positions
         ends = np.asarray([s.start + 1 for s in steps])[:, None]
         valid = (base >= np.asarray(first_key)[:, None]) & (base < ends)
         read = np.arange(blocks)[None, :] < (np.asarray(hi) - np.asarray(lo))[:, None]  # (B, blocks): not padding
-        plans = None if kept is None else kept.plan(kind.layers, pages.reshape(len(kind.layers), -1), read.ravel(),
-                                                    device)
+        plans = None if kept is None else kept.plan(kind.layers, per_layer, read.ravel(), device)
         return KindRead(flat, rows, (0, rows), _additive(torch.from_numpy(valid[:, None, None]).to(device), dtype),
                         False, plans)
     s = steps[0]
@@ -175,7 +175,7 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
     images = pattern.bidirectional_images and s.image_runs is not None and bool(
         (s.image_runs[s.start : s.start + s.num_new] >= 0).any())
     if s.num_new == 1:  # a decode alone in its group
-        plans = None if kept is None else kept.plan(kind.layers, pages.reshape(len(kind.layers), -1), None, device)
+        plans = None if kept is None else kept.plan(kind.layers, per_layer, None, device)
         return KindRead(flat, rows, (a, b), None, False, plans)
     if not images and window is None and s.start == 0:
         return KindRead(flat, rows, (a, b), None, causal=True)

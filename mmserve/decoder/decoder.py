@@ -85,9 +85,10 @@ class Decoder:
         self.scheduler = Scheduler(config, self.pool, spec.attention, max_model_len=spec.max_model_len,
                                    eos_token_ids=spec.eos_token_ids, hasher=self.hasher)
         self.on_missing: MissingEmbeddings | None = None  # set by whoever can fetch embeddings (the service)
-        kept = KeptGathers(self.kv, budget_bytes=config.kept_gathers_bytes, from_bytes=config.kept_gathers_min_bytes)
+        kept = KeptGathers(self.kv, budget_bytes=config.kept_gathers_bytes, from_bytes=config.kept_gathers_min_bytes) \
+            if config.kept_gathers_bytes else None
         self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
-                                  threads=StepThreads(device, config), kept=kept if config.kept_gathers_bytes else None)
+                                  threads=StepThreads(device, config), kept=kept)
         self.sampler = Sampler(spec.never_sampled, spec.eos_token_ids)
         self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
         self.grammar_step = GrammarStep(self.grammars, device)
