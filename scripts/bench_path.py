@@ -6,9 +6,14 @@ Prints, for a text request, a new image and the same image again: time to first 
 served, the difference, Serve's floor for the hops that path takes, and what is left above it; the
 ingress's Server-Timing phases beside their in-process work; and the cost per streamed token.
 
-  python scripts/bench_path.py                  # ~2 min on 2 cores
+  python scripts/bench_path.py                  # ~3 min on 2 cores
   python scripts/bench_path.py --reps 40
   python scripts/bench_path.py --app ingress.env='{"GOMP_SPINCOUNT": "10000"}'   # an app argument changed
+  python scripts/bench_path.py --idle-tax-rounds 0                                # without the idle-tax probe
+
+Last, the idle-tax probe times the same in-process work (a new image's first token, a stream's tokens) with
+Serve's processes running idle and with them stopped, alternated (bench_lib/idle_tax.py), and counts how
+often each of them wakes while idle: what the served path pays on a small node before any hop.
 Results: bench-results/path-<timestamp>.json and the table printed at the end.
 """
 
@@ -25,6 +30,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_lib.idle_tax import idle_tax, serve_processes, wakeups_per_s  # noqa: E402
 from bench_lib.path import (  # noqa: E402
     STREAM_TOKENS,
     Client,
@@ -86,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--idle-tax-rounds", type=int, default=6, help="rounds of the idle-tax probe (0: none)")
     ap.add_argument("--app", action="append", default=[], metavar="KEY=VALUE",
                     help="an app argument as `serve run` takes it, e.g. decoder.embedding_cache_bytes=0 (repeatable)")
     args = ap.parse_args(argv)
@@ -106,9 +113,28 @@ def main(argv: list[str] | None = None) -> None:
                for _ in range(max(args.reps, 3))]
     repeats_encode = engine.config.decoder.embedding_cache_bytes == 0
     results = {**summarize(floor.summary(), runs, streams, repeats_encode), "app_args": app_args}
+    if args.idle_tax_rounds:
+        results["idle_tax"] = measure_idle_tax(engine, args.idle_tax_rounds)
     report(results)
     write_results(results, args.out, "path")
     engine.shutdown()
+
+
+def measure_idle_tax(engine: Any, rounds: int) -> dict[str, Any]:
+    """Serve's processes' wakes per second while idle, and what they cost the in-process engine's work."""
+    procs = serve_processes()
+    seeds = iter(range(30_000, 40_000))
+    long = messages("Write a long story.", None)
+
+    def new_image() -> float:
+        return in_process(engine, messages("What is in this picture?", image_url(next(seeds))), 1).ttft_ms
+
+    def per_token() -> float:
+        return in_process(engine, long, 16).per_token_ms or float("nan")
+
+    wakes = wakeups_per_s(procs)
+    return {"processes": len(procs), "wakeups_per_s": wakes, "wakeups_per_s_total": sum(wakes.values()),
+            "new_image_ttft": idle_tax(new_image, procs, rounds), "per_token": idle_tax(per_token, procs, rounds)}
 
 
 def summarize(floor: dict[str, float], runs: dict[str, list[tuple[Timed, Timed, float]]],
@@ -159,6 +185,13 @@ def report(r: dict[str, Any]) -> None:
     print(f"per streamed token: in-process {pt['in_process']:.3f} ms, served {pt['served']:.3f}, overhead "
           f"{pt['overhead']:.3f} (median of the paired differences; of the medians {pt['medians_difference']:.3f}) "
           f"(<= {TARGETS['per token']}: {ok})")
+    tax = r.get("idle_tax")
+    if tax:
+        print(f"Serve's idle tax: its {tax['processes']} processes wake {tax['wakeups_per_s_total']:.0f} times a "
+              "second while idle; the in-process work with them running / stopped:")
+        for name in ("new_image_ttft", "per_token"):
+            t = tax[name]
+            print(f"  {name:16}{t['running_ms']:9.2f} /{t['stopped_ms']:9.2f} ms = {t['ratio']:.3f}x")
 
 
 if __name__ == "__main__":
