@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import statistics
 import sys
@@ -88,7 +89,12 @@ def probes(engine: Any, client: Client, reps: int, floor: ServeFloor) -> dict[st
     return out
 
 
+def _sigterm(*_: Any) -> None:
+    raise SystemExit("SIGTERM")  # NOTE: unwinds through the idle-tax probe's resume of Serve's processes
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _sigterm)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench-results")
@@ -130,7 +136,10 @@ def measure_idle_tax(engine: Any, rounds: int) -> dict[str, Any]:
         return in_process(engine, messages("What is in this picture?", image_url(next(seeds))), 1).ttft_ms
 
     def per_token() -> float:
-        return in_process(engine, long, 16).per_token_ms or float("nan")
+        ms = in_process(engine, long, 16).per_token_ms
+        if ms is None:
+            raise RuntimeError("a 16-token stream gave no per-token time")
+        return ms
 
     wakes = wakeups_per_s(procs)
     return {"processes": len(procs), "wakeups_per_s": wakes, "wakeups_per_s_total": sum(wakes.values()),
@@ -191,7 +200,8 @@ def report(r: dict[str, Any]) -> None:
               "second while idle; the in-process work with them running / stopped:")
         for name in ("new_image_ttft", "per_token"):
             t = tax[name]
-            print(f"  {name:16}{t['running_ms']:9.2f} /{t['stopped_ms']:9.2f} ms = {t['ratio']:.3f}x")
+            print(f"  {name:16}{t['running_ms']:9.2f} /{t['stopped_ms']:9.2f} ms (medians), rounds' ratios' median "
+                  f"{t['ratio']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,17 @@
 """What Serve's own processes cost the engine's work while they idle, measured on this machine.
 
-Owns: finding Serve's processes (its controller, its HTTP proxy and every replica), counting how often each
-wakes (voluntary context switches), and timing the same in-process work in alternating blocks with those
-processes running idle and with them stopped (SIGSTOP, always resumed, even when the work raises). Does not
-own the work timed (the caller's callables) nor starting Ray.
+Owns: finding the Serve processes of the Ray this process started (its controller, its HTTP proxy and every
+replica), counting how often each wakes (voluntary context switches, all threads), and timing the same
+in-process work in alternating blocks with those processes running idle and with them stopped (SIGSTOP;
+resumed when the block ends, by an exception or Ctrl-C too). Does not own the work timed (the caller's
+callables) nor starting Ray.
 
-NOTE: why: on a small node Serve's processes wake hundreds of times a second each while no request is in
-flight (Ray's core worker checks signals on every worker's main thread every 10 ms, beside its RPC pollers),
-and each wake takes a core from the engine's threads. Stopping them is the only way to see that cost by
-itself, next to the same work in the same minute. A stopped Serve answers nothing, so a block is short and
-runs between probes, with no request in flight. Ray's own daemons (GCS, raylet, dashboard) stay running:
-stopping them as well moved nothing beyond the noise (docs/benchmarks.md).
+NOTE: why: Serve's processes wake often while no request is in flight (Ray's core worker checks signals on
+every worker's main thread on a fixed period, beside its RPC pollers), and each wake takes a core from the
+engine's threads. Stopping them is the only way to see that cost by itself, next to the same work in the same
+minute. A stopped Serve answers nothing, so a block is short and runs between probes, with no request in
+flight. Ray's own daemons (GCS, raylet, dashboard) stay running (docs/benchmarks.md has what stopping those
+gave).
 """
 
 from __future__ import annotations
@@ -24,22 +25,33 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
+from bench_lib.procs import tree
+
 SERVE_TITLES = ("ServeController", "ProxyActor", "ServeReplica")  # Ray's process titles for Serve's actors
-PAUSE_S = 0.05  # after stopping or resuming, before timing: signals are delivered, wakes settle (s)
+STOP_SETTLE_S = 0.05  # after stopping, before timing: the signals are delivered (s)
+# NOTE: longer after resuming: the resumed processes first catch up on the timers and RPCs that came due while
+# they were stopped, which would land on a running block that starts at once
+RESUME_SETTLE_S = 0.5  # (s)
 
 
 def serve_processes() -> list[psutil.Process]:
-    """Serve's controller, proxy and replicas on this machine (not this process)."""
+    """Serve's controller, proxy and replicas among this process's descendants: the Ray that
+    `ray.init(address="local")` started here (never by name across the machine, where other people's Ray
+    clusters may run). Raises if there are none: a tax measured over nothing would read as no tax."""
     found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.info["pid"] != os.getpid() and any(title in cmd for title in SERVE_TITLES):
-            found.append(proc)
+    for proc in tree(os.getpid())[1:]:
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(proc.cmdline())
+            if cmd.startswith("ray::") and any(title in cmd for title in SERVE_TITLES):
+                found.append(proc)
+    if not found:
+        raise RuntimeError("no Serve process among this process's descendants: was Ray started here?")
     return found
 
 
 def wakeups_per_s(procs: list[psutil.Process], seconds: float = 5.0) -> dict[str, float]:
-    """Process title -> voluntary context switches per second, all its threads, over `seconds`."""
+    """Process title -> voluntary context switches per second, all its threads, over `seconds`.
+    NOTE: a thread that ends within the window takes its count with it, so a figure errs low, never high."""
     def count() -> dict[int, tuple[str, int]]:
         out = {}
         for proc in procs:
@@ -50,7 +62,8 @@ def wakeups_per_s(procs: list[psutil.Process], seconds: float = 5.0) -> dict[str
     before = count()
     time.sleep(seconds)
     after = count()
-    return {f"{title} ({pid})": (n - before[pid][1]) / seconds for pid, (title, n) in after.items() if pid in before}
+    return {f"{title} ({pid})": max(n - before[pid][1], 0) / seconds
+            for pid, (title, n) in after.items() if pid in before}
 
 
 def _voluntary_switches(pid: int) -> int:
@@ -59,30 +72,40 @@ def _voluntary_switches(pid: int) -> int:
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as status:
-            total += next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+            total += next((int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches")), 0)
     return total
 
 
 @contextlib.contextmanager
 def stopped(procs: list[psutil.Process]) -> Iterator[None]:
-    """`procs` stopped for the block, resumed after it whatever happens."""
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(signal.SIGSTOP)
+    """`procs` stopped for the block, resumed after it however it ends.
+    NOTE: Ctrl-C is held back while signals go out, so that it cannot leave a process stopped halfway through
+    either loop; it is delivered once they have all gone. (A SIGTERM must unwind too: the caller installs a
+    handler that raises SystemExit, as bench_path.py does.)"""
     try:
-        time.sleep(PAUSE_S)
+        _signal_all(procs, signal.SIGSTOP)
+        time.sleep(STOP_SETTLE_S)
         yield
     finally:
+        _signal_all(procs, signal.SIGCONT)
+        time.sleep(RESUME_SETTLE_S)
+
+
+def _signal_all(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
         for proc in procs:
             with contextlib.suppress(psutil.Error):
-                proc.send_signal(signal.SIGCONT)
-        time.sleep(PAUSE_S)
+                proc.send_signal(sig)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def idle_tax(work: Callable[[], float], procs: list[psutil.Process], rounds: int = 6,
              per_block: int = 3) -> dict[str, float]:
     """`work()` (returns its own ms) run `per_block` times with `procs` running, and as often with them
-    stopped, the order alternating round by round -> medians (ms) and the median of the rounds' ratios."""
+    stopped, the order alternating round by round -> each arm's median of its blocks (ms), and `ratio`: the
+    median over rounds of the round's running block over its stopped one (not the ratio of the medians)."""
     running: list[float] = []
     halted: list[float] = []
     for r in range(rounds):
