@@ -49,6 +49,7 @@ class Sampler:
 
     def __init__(self, never: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = ()) -> None:
         self._never = torch.tensor(never, dtype=torch.int64)  # (k,) on the device of the last logits
+        self._never_ids = frozenset(never)
         self._eos = eos_token_ids  # what `min_tokens` holds back
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -64,14 +65,16 @@ class Sampler:
             if outputs is None or prompts is None:
                 raise ValueError("penalties need each row's output and prompt token ids")
             logits = penalized(logits, params, outputs, prompts, self._eos)
-        if len(self._never):  # NOTE: out of place, the caller's logits stay as the model made them
-            self._never = self._never.to(logits.device)
-            logits = logits.index_fill(1, self._never, float("-inf"))
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        plain_greedy = forbidden is None and not rows
+        if len(self._never) and not plain_greedy:
+            logits = self._without_never(logits)
         tokens = argmax(logits)  # (n,)
+        if len(self._never) and plain_greedy:
+            return self._greedy_avoiding_never(logits, tokens)
         dead = None
         if forbidden is not None:
             logits, dead = self._masked(logits, tokens, params, forbidden)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return _dead_as_minus_one(tokens, dead)
         u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row
@@ -84,6 +87,26 @@ class Sampler:
                 scaled = logits[index] / _temperatures([params[rows[j]] for j in group], logits.device)
                 tokens[index] = draw(scaled, [params[rows[j]] for j in group], u[group])
         return _dead_as_minus_one(tokens, dead)
+
+    def _without_never(self, logits: torch.Tensor) -> torch.Tensor:
+        """(n, V) -> a copy with the never-sampled tokens at -inf (NOTE: out of place, the caller's logits
+        stay as the model made them)."""
+        if self._never.device != logits.device:
+            self._never = self._never.to(logits.device)
+        return logits.index_fill(1, self._never, float("-inf"))
+
+    def _greedy_avoiding_never(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(n,) greedy picks of the unfiltered logits, each pick of a never-sampled token replaced by its row's
+        best other token.
+
+        NOTE: a model almost never prefers such a token (Gemma 3's image placeholder), so a greedy batch with
+        no grammar skips the (n, V) copy that filtering every row would make.
+        """
+        hit = [i for i, token in enumerate(tokens.tolist()) if token in self._never_ids]
+        if not hit:
+            return tokens
+        rows = torch.tensor(hit, device=tokens.device)  # (h,)
+        return tokens.index_copy(0, rows, argmax(self._without_never(logits[rows])))
 
     @staticmethod
     def _masked(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],

@@ -157,6 +157,17 @@ def test_never_sampled_tokens_are_never_picked_and_the_logits_stay() -> None:
     assert torch.equal(x, before)  # the caller's logits are left as the model made them
 
 
+def test_a_greedy_batch_replaces_only_the_picks_of_never_sampled_tokens() -> None:
+    x = logits(4, seed=6)
+    favourite = x.argmax(-1)  # (4,)
+    banned = (int(favourite[0]), int(favourite[2]))  # rows 1 and 3 may still prefer something else
+    greedy = SamplingParams(temperature=0.0)
+    out = Sampler(banned).sample(x, [greedy] * 4, [None] * 4)
+    expected = x.index_fill(1, torch.tensor(banned), float("-inf")).argmax(-1)
+    assert torch.equal(out, expected) and not set(out.tolist()) & set(banned)
+    assert out[0] != favourite[0] and out[2] != favourite[2]
+
+
 def tied(n: int) -> torch.Tensor:
     """(n, V) logits rounded to a few values, so that most rows tie for their maximum."""
     return logits(n, seed=3).round().clamp(-2, 2)
