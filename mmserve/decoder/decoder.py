@@ -90,7 +90,7 @@ class Decoder:
         self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
                                   threads=StepThreads(device, config), kept=kept)
         self.sampler = Sampler(spec.never_sampled, spec.eos_token_ids)
-        self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids)
+        self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids, never=spec.never_sampled)
         self.grammar_step = GrammarStep(self.grammars, device)
         self._states: dict[str, _OutputState] = {}
         self.steps = 0

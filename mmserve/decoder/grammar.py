@@ -42,15 +42,18 @@ class Grammars:
     """The model's vocabulary for llguidance and fresh matchers for requests, thread-safe.
 
     `vocab_size` is the logits' width (it may exceed the tokenizer's); `eos_token_ids` are what a finished
-    grammar allows, so a constrained output ends with the model's own end of turn. The vocabulary is built
+    grammar allows, so a constrained output ends with the model's own end of turn; `never` are the tokens
+    the model may never sample, forbidden in every mask (`sampler.RowMasks`). The vocabulary is built
     on the first request that asks (NOTE: not at start-up: it is slow on a large vocabulary, and many
     deployments never ask). The last `cached` constraints are kept compiled: production traffic sends the
     same extraction schema again and again, and copying a compiled matcher costs next to nothing against
     compiling it (docs/benchmarks.md).
     """
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cached: int = 64) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cached: int = 64,
+                 never: tuple[int, ...] = ()) -> None:
         self._hf, self._vocab, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
+        self._never = torch.tensor(never, dtype=torch.int64)  # (k,): tokens the model may never sample
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._background: llguidance.LLExecutor | None = None  # one worker, for masks made off the step thread
@@ -134,7 +137,10 @@ class Grammars:
         if not present:
             return None
         bitmask = self.bitmask([m for _, m in present], background=background)
-        return RowMasks(tuple(i for i, _ in present), forbidden(bitmask, self._vocab, device))
+        forbid = forbidden(bitmask, self._vocab, device)  # (g, vocab) bool
+        if len(self._never):
+            forbid.index_fill_(1, self._never.to(forbid.device), True)
+        return RowMasks(tuple(i for i, _ in present), forbid)
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:

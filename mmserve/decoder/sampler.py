@@ -26,7 +26,11 @@ CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort 
 
 @dataclass(frozen=True)
 class RowMasks:
-    """The tokens that some rows of a batch may not sample (their grammars', `grammar.Grammars.forbidden`)."""
+    """The tokens that some rows of a batch may not sample (their grammars', `grammar.Grammars.forbidden`).
+
+    NOTE: they include the model's never-sampled tokens (`Sampler`'s `never`): a masked row's pick is taken
+    from its masked logits alone, made off the step's path.
+    """
 
     rows: tuple[int, ...]  # the masked rows' indices in the batch's logits (g of them)
     forbid: torch.Tensor  # (g, vocab) bool: True where row rows[j] may not sample the token
@@ -65,18 +69,41 @@ class Sampler:
             if outputs is None or prompts is None:
                 raise ValueError("penalties need each row's output and prompt token ids")
             logits = penalized(logits, params, outputs, prompts, self._eos)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        plain_greedy = forbidden is None and not rows
-        if len(self._never) and not plain_greedy:
-            logits = self._without_never(logits)
-        tokens = argmax(logits)  # (n,)
-        if len(self._never) and plain_greedy:
-            return self._greedy_avoiding_never(logits, tokens)
+        never = self._never_on(logits.device)  # (k,)
+        tokens = argmax(logits)  # (n,): each row's pick before any filtering; the rows below replace theirs
         dead = None
         if forbidden is not None:
             logits, dead = self._masked(logits, tokens, params, forbidden)
-        if not rows:
-            return _dead_as_minus_one(tokens, dead)
+        tokens = self._avoiding_never(logits, tokens)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            self._draw(logits, tokens, rows, params, generators, never)
+        return _dead_as_minus_one(tokens, dead)
+
+    def _never_on(self, device: torch.device) -> torch.Tensor:
+        if self._never.device != device:
+            self._never = self._never.to(device)
+        return self._never
+
+    def _avoiding_never(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(n,) picks with each pick of a never-sampled token replaced by its row's best other token (a masked
+        row's pick is never one; a drawn row's is drawn again after).
+
+        NOTE: a model almost never prefers such a token (Gemma 3's image placeholder), so the rows are fixed
+        after the pick rather than filtered before it: no (n, V) copy of the logits on the common path.
+        """
+        if not self._never_ids:
+            return tokens
+        hit = [i for i, token in enumerate(tokens.tolist()) if token in self._never_ids]
+        if not hit:
+            return tokens
+        index = torch.tensor(hit, device=tokens.device)  # (h,)
+        return tokens.index_copy(0, index, argmax(logits[index].index_fill_(1, self._never, float("-inf"))))
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list[SamplingParams],
+              generators: list[torch.Generator | None], never: torch.Tensor) -> None:
+        """Draw the tokens of the sampled `rows` into `tokens`, never a never-sampled one."""
         u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row
         vocab = logits.shape[-1]
         full = [j for j, i in enumerate(rows) if not _truncates(params[i], vocab)]
@@ -84,29 +111,10 @@ class Sampler:
         for group, draw in ((full, _draw_full), (cut, _draw_truncated)):
             if group:
                 index = torch.tensor([rows[j] for j in group], device=logits.device)  # (g,)
-                scaled = logits[index] / _temperatures([params[rows[j]] for j in group], logits.device)
+                scaled = logits[index] / _temperatures([params[rows[j]] for j in group], logits.device)  # (g, V)
+                if len(never):
+                    scaled.index_fill_(1, never, float("-inf"))
                 tokens[index] = draw(scaled, [params[rows[j]] for j in group], u[group])
-        return _dead_as_minus_one(tokens, dead)
-
-    def _without_never(self, logits: torch.Tensor) -> torch.Tensor:
-        """(n, V) -> a copy with the never-sampled tokens at -inf (NOTE: out of place, the caller's logits
-        stay as the model made them)."""
-        if self._never.device != logits.device:
-            self._never = self._never.to(logits.device)
-        return logits.index_fill(1, self._never, float("-inf"))
-
-    def _greedy_avoiding_never(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """(n,) greedy picks of the unfiltered logits, each pick of a never-sampled token replaced by its row's
-        best other token.
-
-        NOTE: a model almost never prefers such a token (Gemma 3's image placeholder), so a greedy batch with
-        no grammar skips the (n, V) copy that filtering every row would make.
-        """
-        hit = [i for i, token in enumerate(tokens.tolist()) if token in self._never_ids]
-        if not hit:
-            return tokens
-        rows = torch.tensor(hit, device=tokens.device)  # (h,)
-        return tokens.index_copy(0, rows, argmax(self._without_never(logits[rows])))
 
     @staticmethod
     def _masked(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],

@@ -100,6 +100,19 @@ def test_a_finished_json_allows_only_the_end_of_sequence(grammars) -> None:
     assert allowed == {tokenizer.eos_token_id}
 
 
+def test_the_masks_forbid_the_tokens_the_model_never_samples_even_where_the_grammar_allows_them(
+        grammars) -> None:
+    book, tokenizer = grammars
+    matcher = book.matcher(StructuredOutput("regex", "[0-9]+"))
+    allowed = ~book.forbidden([matcher], torch.device("cpu")).forbid[0]  # (vocab,)
+    digit = int(allowed.nonzero()[0, 0])
+    never = Grammars(tokenizer, vocab_size=len(tokenizer) + 50, eos_token_ids=(tokenizer.eos_token_id,),
+                     never=(digit,))
+    masks = never.forbidden([None, never.matcher(StructuredOutput("regex", "[0-9]+"))], torch.device("cpu"))
+    assert masks is not None and masks.rows == (1,)
+    assert bool(masks.forbid[0, digit]) and torch.equal(masks.forbid[0, :digit], ~allowed[:digit])
+
+
 @pytest.mark.parametrize(("structured", "words"), [
     (StructuredOutput("json", '{"type": "nope"}'), "invalid JSON schema"),
     (StructuredOutput("json", "[1, 2"), "invalid JSON schema"),
