@@ -139,7 +139,8 @@ class Grammars:
         bitmask = self.bitmask([m for _, m in present], background=background)
         forbid = forbidden(bitmask, self._vocab, device)  # (g, vocab) bool
         if len(self._never):
-            forbid.index_fill_(1, self._never.to(forbid.device), True)
+            self._never = self._never.to(forbid.device)  # NOTE: moved once, then kept on the device
+            forbid.index_fill_(1, self._never, True)
         return RowMasks(tuple(i for i, _ in present), forbid)
 
     def _vocabulary(self) -> llguidance.LLTokenizer:

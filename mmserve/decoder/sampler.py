@@ -8,7 +8,10 @@ draw is inverse-CDF sampling with one uniform number per row taken from that row
 so a seeded row gets the same token whether it is batched with other rows or alone, on any device.
 On a CPU the greedy picks and the grammar masks of float32 logits go through numpy (`argmax`,
 `masked_on_cpu`): numpy's argmax is vectorised where torch's CPU kernel is not, and its calls cost a few
-µs where torch's dispatch costs tens; `masked_by_torch` is the same on any other device.
+µs where torch's dispatch costs tens; `masked_by_torch` is the same on any other device. The model's
+never-sampled tokens are kept out without a copy of the batch's logits: a greedy pick of one is replaced
+by its row's best other token, a drawn row filters its own scaled copy, and a masked row's mask forbids
+them (`RowMasks`).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort 
 class RowMasks:
     """The tokens that some rows of a batch may not sample (their grammars', `grammar.Grammars.forbidden`).
 
-    NOTE: they include the model's never-sampled tokens (`Sampler`'s `never`): a masked row's pick is taken
-    from its masked logits alone, made off the step's path.
+    NOTE: `forbid` must include the model's never-sampled tokens (`Sampler`'s `never`; `Grammars.forbidden`
+    adds them): the sampler does not filter them out of a masked row again.
     """
 
     rows: tuple[int, ...]  # the masked rows' indices in the batch's logits (g of them)
@@ -49,11 +52,12 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """`never` are token ids no row may get, greedy or sampled (their logits count as -inf)."""
+    """`never` are token ids no row may get, greedy or sampled (their logits count as -inf); a masked row's
+    `RowMasks` forbid them already."""
 
     def __init__(self, never: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = ()) -> None:
         self._never = torch.tensor(never, dtype=torch.int64)  # (k,) on the device of the last logits
-        self._never_ids = frozenset(never)
+        self._never_ids = frozenset(never)  # the same ids, for a membership test without a torch call
         self._eos = eos_token_ids  # what `min_tokens` holds back
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -74,31 +78,34 @@ class Sampler:
         dead = None
         if forbidden is not None:
             logits, dead = self._masked(logits, tokens, params, forbidden)
-        tokens = self._avoiding_never(logits, tokens)
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        tokens = self._avoiding_never(logits, tokens, never, skip={*rows, *(forbidden.rows if forbidden else ())})
         if rows:
             self._draw(logits, tokens, rows, params, generators, never)
         return _dead_as_minus_one(tokens, dead)
 
     def _never_on(self, device: torch.device) -> torch.Tensor:
+        """(k,) the never-sampled ids on `device`, moved there once."""
         if self._never.device != device:
             self._never = self._never.to(device)
         return self._never
 
-    def _avoiding_never(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """(n,) picks with each pick of a never-sampled token replaced by its row's best other token (a masked
-        row's pick is never one; a drawn row's is drawn again after).
+    def _avoiding_never(self, logits: torch.Tensor, tokens: torch.Tensor, never: torch.Tensor,
+                        skip: set[int]) -> torch.Tensor:
+        """(n,) picks with each pick of a never-sampled (k,) `never` token, outside the rows in `skip` (masked:
+        their masks forbid them; drawn: drawn again after), replaced by its row's best other token.
 
         NOTE: a model almost never prefers such a token (Gemma 3's image placeholder), so the rows are fixed
         after the pick rather than filtered before it: no (n, V) copy of the logits on the common path.
+        `tolist` waits for an accelerator's picks, which the step reads right after anyway.
         """
         if not self._never_ids:
             return tokens
-        hit = [i for i, token in enumerate(tokens.tolist()) if token in self._never_ids]
+        hit = [i for i, token in enumerate(tokens.tolist()) if token in self._never_ids and i not in skip]
         if not hit:
             return tokens
         index = torch.tensor(hit, device=tokens.device)  # (h,)
-        return tokens.index_copy(0, index, argmax(logits[index].index_fill_(1, self._never, float("-inf"))))
+        return tokens.index_copy(0, index, argmax(logits[index].index_fill_(1, never, float("-inf"))))
 
     @staticmethod
     def _draw(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list[SamplingParams],

@@ -109,8 +109,27 @@ def test_the_masks_forbid_the_tokens_the_model_never_samples_even_where_the_gram
     never = Grammars(tokenizer, vocab_size=len(tokenizer) + 50, eos_token_ids=(tokenizer.eos_token_id,),
                      never=(digit,))
     masks = never.forbidden([None, never.matcher(StructuredOutput("regex", "[0-9]+"))], torch.device("cpu"))
-    assert masks is not None and masks.rows == (1,)
-    assert bool(masks.forbid[0, digit]) and torch.equal(masks.forbid[0, :digit], ~allowed[:digit])
+    expected = ~allowed
+    expected[digit] = True
+    assert masks is not None and masks.rows == (1,) and torch.equal(masks.forbid[0], expected)
+
+
+def test_a_grammar_row_never_gets_a_never_sampled_token_and_is_left_none_if_only_those_are_allowed(
+        tiny_ckpt_224) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt_224)
+    vocab = len(tokenizer) + 50
+    plain = Grammars(tokenizer, vocab_size=vocab, eos_token_ids=(tokenizer.eos_token_id,))
+    digits = StructuredOutput("regex", "[0-9]+")
+    only = plain.forbidden([plain.matcher(digits)], torch.device("cpu"))
+    assert only is not None
+    allowed = (~only.forbid[0]).nonzero()[:, 0].tolist()
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4))  # (2, V)
+    best, runner_up = sorted(allowed, key=lambda t: -logits[0, t].item())[:2]
+    for never, expected in (((best,), runner_up), (tuple(allowed), -1)):
+        book = Grammars(tokenizer, vocab_size=vocab, eos_token_ids=(tokenizer.eos_token_id,), never=never)
+        masks = book.forbidden([book.matcher(digits), None], torch.device("cpu"))
+        tokens = Sampler(never).sample(logits, [SamplingParams(temperature=0.0)] * 2, [None] * 2, forbidden=masks)
+        assert tokens.tolist() == [expected, logits[1].argmax().item()]
 
 
 @pytest.mark.parametrize(("structured", "words"), [

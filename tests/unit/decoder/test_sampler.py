@@ -157,7 +157,7 @@ def test_never_sampled_tokens_are_never_picked_and_the_logits_stay() -> None:
     assert torch.equal(x, before)  # the caller's logits are left as the model made them
 
 
-def test_a_greedy_batch_replaces_only_the_picks_of_never_sampled_tokens() -> None:
+def test_a_greedy_row_whose_favourite_is_never_sampled_gets_its_best_other_token() -> None:
     x = logits(4, seed=6)
     favourite = x.argmax(-1)  # (4,)
     banned = (int(favourite[0]), int(favourite[2]))  # rows 1 and 3 may still prefer something else
