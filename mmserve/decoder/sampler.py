@@ -16,6 +16,7 @@ them (`RowMasks`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +80,7 @@ class Sampler:
         if forbidden is not None:
             logits, dead = self._masked(logits, tokens, params, forbidden)
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        tokens = self._avoiding_never(logits, tokens, never, skip={*rows, *(forbidden.rows if forbidden else ())})
+        tokens = self._avoiding_never(logits, tokens, never, (rows, forbidden.rows if forbidden else ()))
         if rows:
             self._draw(logits, tokens, rows, params, generators, never)
         return _dead_as_minus_one(tokens, dead)
@@ -91,9 +92,9 @@ class Sampler:
         return self._never
 
     def _avoiding_never(self, logits: torch.Tensor, tokens: torch.Tensor, never: torch.Tensor,
-                        skip: set[int]) -> torch.Tensor:
-        """(n,) picks with each pick of a never-sampled (k,) `never` token, outside the rows in `skip` (masked:
-        their masks forbid them; drawn: drawn again after), replaced by its row's best other token.
+                        skip: tuple[Sequence[int], ...]) -> torch.Tensor:
+        """(n,) picks with each pick of a never-sampled (k,) `never` token, outside the rows in `skip` (drawn:
+        drawn again after; masked: their masks forbid them), replaced by its row's best other token.
 
         NOTE: a model almost never prefers such a token (Gemma 3's image placeholder), so the rows are fixed
         after the pick rather than filtered before it: no (n, V) copy of the logits on the common path.
@@ -101,7 +102,8 @@ class Sampler:
         """
         if not self._never_ids:
             return tokens
-        hit = [i for i, token in enumerate(tokens.tolist()) if token in self._never_ids and i not in skip]
+        hit = [i for i, token in enumerate(tokens.tolist()) if token in self._never_ids]
+        hit = [i for i in hit if not any(i in rows for rows in skip)]
         if not hit:
             return tokens
         index = torch.tensor(hit, device=tokens.device)  # (h,)

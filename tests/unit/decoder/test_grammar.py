@@ -115,10 +115,9 @@ def test_the_masks_forbid_the_tokens_the_model_never_samples_even_where_the_gram
 
 
 def test_a_grammar_row_never_gets_a_never_sampled_token_and_is_left_none_if_only_those_are_allowed(
-        tiny_ckpt_224) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt_224)
-    vocab = len(tokenizer) + 50
-    plain = Grammars(tokenizer, vocab_size=vocab, eos_token_ids=(tokenizer.eos_token_id,))
+        grammars) -> None:
+    plain, tokenizer = grammars
+    vocab = len(tokenizer) + 50  # the fixture's
     digits = StructuredOutput("regex", "[0-9]+")
     only = plain.forbidden([plain.matcher(digits)], torch.device("cpu"))
     assert only is not None
