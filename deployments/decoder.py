@@ -80,17 +80,15 @@ class Decoder:
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered and the torch threads its steps use
-        (the counts measured at start-up unless configured, the decodes' measured again while serving:
-        trials run and the changes they made), and the matmul forms chosen at start-up (per thread count, by
-        row count from 1) and whether the layers' weights are packed for oneDNN."""
+        (the counts measured at start-up unless configured, and measured again while serving: trials run
+        and the changes they made, as (kind, from, to)), and the matmul forms chosen at start-up (per
+        thread count, by row count from 1) and whether the layers' weights are packed for oneDNN."""
         threads, forms = self.engine.runner.threads, self.engine.runner.model.matmul
-        trials = threads.trials
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "torch_threads": threads.available, "small_step_threads": threads.threads_for(0),
                 "heavy_decode_threads": threads.threads_for(0, threads.heavy_rows + 1) if threads.heavy_rows else None,
                 "heavy_decode_rows": threads.heavy_rows,
                 "big_step_threads": threads.threads_for(threads.small_step_tokens + 1),
-                "thread_trials": trials.trials if trials is not None else 0,
-                "thread_changes": list(trials.changes) if trials is not None else [],
+                "thread_trials": threads.trials_run, "thread_changes": threads.changes(),
                 "matmul_forms": {count: list(names[1:]) for count, names in forms.chosen.items()},
                 "weights_packed": forms.pack_rows is not None}

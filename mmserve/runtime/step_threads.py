@@ -3,7 +3,7 @@
 Owns: the count per step (a small step, i.e. decodes, and a big one, i.e. prefill chunks, may differ;
 among decodes, a light one and a heavy one, by the context rows they attend), choosing a count the
 config leaves open by timing a few steps at 1 and at all of the stage's threads on the loaded model
-(and, for light decodes, again while serving: `thread_trials.py`), and applying it in the calling
+(and again while serving, on each kind's own steps: `thread_trials.py`), and applying it in the calling
 thread. Does not own what a step computes (the runners) nor the process-wide default (set by whoever
 starts the stage, e.g. a Ray replica from its stage's `torch_threads`).
 
@@ -39,6 +39,11 @@ from mmserve.runtime.thread_trials import ThreadTrials
 
 log = logging.getLogger(__name__)
 CLOSE = 0.05  # a count this much slower than the fastest still wins if it uses fewer threads (a core saved)
+SMALL, HEAVY, BIG = "small", "heavy", "big"  # the kinds of step, each with its own count (attribute names)
+# NOTE: a request makes one prefill chunk or a few and hundreds of decodes: the chunks' first trial comes
+# after a few requests, not hundreds, and compares chunks of about the same size (prompts differ)
+BIG_FIRST_PERIOD = 16  # big steps before their first trial (steps)
+BIG_SIZE_TOLERANCE = 0.25  # two chunks compare per token when one has at most 25% more tokens
 
 
 class StepThreads:
@@ -54,16 +59,26 @@ class StepThreads:
         if self.available == 1:  # nothing to choose between
             self.small, self.big, self.heavy = self.small or 1, self.big or 1, self.heavy or 1
         self.cores = usable_cores()  # cores this process may run on (fixed for its life)
-        # a decode count the config left open is re-measured while serving, on the decodes themselves
-        self.trials = ThreadTrials((1, self.available), CLOSE) if self.enabled and self.small is None else None
+        # a count the config left open is re-measured while serving, on that kind's own steps
+        self.trials = self._open_trials() if self.enabled else {}
+
+    def _open_trials(self) -> dict[str, ThreadTrials]:
+        counts = (1, self.available)
+        trials = {kind: ThreadTrials(counts, CLOSE) for kind in (SMALL, HEAVY) if self.small is None}
+        if self.big is None:
+            trials[BIG] = ThreadTrials(counts, CLOSE, BIG_FIRST_PERIOD, BIG_SIZE_TOLERANCE)
+        return trials
+
+    def kind(self, num_new_tokens: int, attended: int = 0) -> str:
+        """SMALL, HEAVY or BIG: the kind of a step computing `num_new_tokens` tokens (all sequences together)
+        that attends `attended` context rows (the sequences' lengths after the step, summed)."""
+        if not self._is_small(num_new_tokens):
+            return BIG
+        return HEAVY if self._is_heavy(attended) else SMALL
 
     def threads_for(self, num_new_tokens: int, attended: int = 0) -> int:
-        """Threads for a step computing `num_new_tokens` tokens (all sequences together) that attends
-        `attended` context rows (the sequences' lengths after the step, summed)."""
-        if not self._is_small(num_new_tokens):
-            chosen = self.big
-        else:
-            chosen = self.heavy if self._is_heavy(attended) else self.small
+        """Threads for a step computing `num_new_tokens` tokens that attends `attended` context rows."""
+        chosen: int | None = getattr(self, self.kind(num_new_tokens, attended))
         return min(chosen or self.available, self.available)
 
     def leaves_a_core(self, num_new_tokens: int, attended: int = 0) -> bool:
@@ -83,15 +98,15 @@ class StepThreads:
         return wanted
 
     def observe(self, num_new_tokens: int, seconds: float, count: int, attended: int = 0) -> None:
-        """A step `apply` set up took `seconds` at `count` threads (fed to the decode trials; CPU only)."""
+        """A step `apply` set up took `seconds` at `count` threads (fed to its kind's trials; CPU only)."""
         trial = self._trial(num_new_tokens, attended)
         if trial is not None:
             trials, current = trial
             chosen = trials.observe(count, num_new_tokens, seconds, current)
-            if chosen != self.small:
-                log.info("step threads: %d for steps of <= %d new tokens, measured while serving (was %d)",
-                         chosen, self.small_step_tokens, self.small)
-                self.small = chosen
+            if chosen != current:
+                kind = self.kind(num_new_tokens, attended)
+                log.info("step threads: %d for %s steps, measured while serving (was %d)", chosen, kind, current)
+                setattr(self, kind, chosen)
 
     def _is_small(self, num_new_tokens: int) -> bool:
         return num_new_tokens <= self.small_step_tokens
@@ -100,12 +115,19 @@ class StepThreads:
         return 0 < self.heavy_rows < attended
 
     def _trial(self, num_new_tokens: int, attended: int) -> tuple[ThreadTrials, int] | None:
-        """(the decode trials, the decodes' chosen count) if they see a step of this size (a light decode),
-        else None."""
-        if (self.trials is None or self.small is None or not self._is_small(num_new_tokens)
-                or self._is_heavy(attended)):
-            return None
-        return self.trials, self.small
+        """(the trials of this step's kind, its chosen count), or None where its count is configured or not
+        chosen yet."""
+        kind = self.kind(num_new_tokens, attended)
+        trials, current = self.trials.get(kind), getattr(self, kind)
+        return None if trials is None or current is None else (trials, current)
+
+    @property
+    def trials_run(self) -> int:
+        return sum(t.trials for t in self.trials.values())
+
+    def changes(self) -> list[tuple[str, int, int]]:
+        """(kind, from, to) of every trial that changed a count."""
+        return [(kind, a, b) for kind, t in self.trials.items() for a, b in t.changes]
 
     def possible_counts(self) -> set[int]:
         """Every thread count a step may run with: the configured ones, and 1 and all where one is open."""
@@ -123,19 +145,22 @@ class StepThreads:
         decode's count is open; without it every decode takes the light one's count.
 
         NOTE: the counts are tried in interleaved rounds (1, N, 1, N, ...), so that the machine's drift
-        during the measurement hits both alike; the step applies the count under test itself.
+        during the measurement hits both alike; the step applies the count under test itself, with the
+        trials (which would swap it) set aside meanwhile.
         """
+        trials, self.trials = self.trials, {}
         try:
             if self.small is None:
                 if heavy_step is not None:
                     step, light_rows, heavy_rows = heavy_step
                     self.heavy_rows = math.isqrt(light_rows * heavy_rows)  # NOTE: first: the step is heavy
-                    self.heavy = self._fastest(step, "heavy")
-                self.small = self._fastest(small_step, "small")
+                    self.heavy = self._fastest(step, HEAVY)
+                self.small = self._fastest(small_step, SMALL)
                 self.heavy = self.heavy or self.small
             if self.big is None:
-                self.big = self._fastest(big_step, "big")
+                self.big = self._fastest(big_step, BIG)
         finally:
+            self.trials = trials
             torch.set_num_threads(self.available)
         log.info("step threads: %d for steps of <= %d new tokens (%d when they attend more than %d rows), "
                  "%d for bigger ones (of %d)", self.small, self.small_step_tokens, self.heavy, self.heavy_rows,

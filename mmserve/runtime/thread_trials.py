@@ -1,10 +1,11 @@
 """Re-measuring a step's thread count while the stage serves, on its own steps.
 
 Owns: when to try the other count (after `period` steps of the kind, the period doubling while trials keep
-confirming the count and starting over when one changes it), running a trial (the two counts alternating
-step by step, so that the machine's drift and the batch's slow growth fall on both alike), and the verdict
-(the faster count's median over pairs of steps of the same size; the fewer threads when within `close`).
-Does not own applying a count or the start-up measurement (`step_threads.py`).
+confirming the count and starting over at `first_period` when one changes it), running a trial (the two
+counts alternating step by step, so that the machine's drift and the batch's slow growth fall on both
+alike), and the verdict (the faster count's median time per new token over pairs of steps of about the same
+size; the fewer threads when within `close`). Does not own applying a count, which kinds of step have
+trials, or the start-up measurement (`step_threads.py`).
 
 NOTE: a count measured once at start-up is measured while the other replicas on the node start too (each
 importing torch and loading weights on the same cores), which can favour one thread; and what is fastest
@@ -27,11 +28,17 @@ MIN_PAIRS = 4  # pairs of same-size steps a verdict needs (pairs)
 class ThreadTrials:
     counts: tuple[int, int]  # the two counts to choose between, e.g. (1, all of the stage's)
     close: float  # a count this much slower than the fastest still wins if it uses fewer threads
-    period: int = FIRST_PERIOD
+    first_period: int = FIRST_PERIOD  # steps of the kind before the first trial, and after a change (steps)
+    # two steps compare when the larger has at most this fraction more new tokens than the smaller (0 = equal)
+    size_tolerance: float = 0.0
+    period: int = field(init=False)  # steps of the kind between trials now (steps)
     _since: int = 0  # steps of the kind since the last trial ended
     _trial: list[tuple[int, int, float]] | None = None  # (count, step size, seconds) of the trial so far
     trials: int = 0  # trials finished (for stats and tests)
     changes: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of each trial that changed it
+
+    def __post_init__(self) -> None:
+        self.period = self.first_period
 
     def count_for(self, current: int) -> int:
         """The count the coming step of the kind should use, given the chosen `current`."""
@@ -50,26 +57,32 @@ class ThreadTrials:
         self._trial.append((count, size, seconds))
         if len(self._trial) < TRIAL_STEPS:
             return current
-        chosen = verdict(self._trial, current, self.close)
+        chosen = verdict(self._trial, current, self.close, self.size_tolerance)
         self._trial, self._since, self.trials = None, 0, self.trials + 1
         if chosen == current:
             self.period = min(2 * self.period, LONGEST_PERIOD)
         else:
             self.changes.append((current, chosen))
-            self.period = FIRST_PERIOD
+            self.period = self.first_period
         return chosen
 
 
-def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float) -> int:
-    """The count to keep after a trial of alternating steps (count, size, seconds): compared over adjacent
-    pairs of the same size only; `current` when too few pairs compare."""
+def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float, tolerance: float = 0.0) -> int:
+    """The count to keep after a trial of alternating steps (count, size, seconds): compared by time per new
+    token over adjacent pairs whose sizes differ by at most `tolerance` of the smaller; `current` when too
+    few pairs compare."""
     times: dict[int, list[float]] = {}
     for (count_a, size_a, a), (count_b, size_b, b) in zip(steps[::2], steps[1::2], strict=False):
-        if size_a == size_b and count_a != count_b:
-            times.setdefault(count_a, []).append(a)
-            times.setdefault(count_b, []).append(b)
+        if count_a != count_b and _comparable(size_a, size_b, tolerance):
+            times.setdefault(count_a, []).append(a / size_a)
+            times.setdefault(count_b, []).append(b / size_b)
     if len(times) < 2 or min(len(t) for t in times.values()) < MIN_PAIRS:
         return current
     medians = {count: statistics.median(t) for count, t in times.items()}
     best = min(medians.values())
     return min(count for count, t in medians.items() if t <= best * (1 + close))
+
+
+def _comparable(size_a: int, size_b: int, tolerance: float) -> bool:
+    small, large = sorted((size_a, size_b))
+    return small > 0 and large <= small * (1 + tolerance)

@@ -69,7 +69,7 @@ def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measu
     stages.release_unused()
     # NOTE: the counts it measured at start-up, then fixed: a trial while serving runs steps at the other
     # count, and those would sit among the timed ones
-    decoder.runner.threads.trials = None
+    decoder.runner.threads.trials = {}
     return decoder
 
 

@@ -9,7 +9,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.runtime import step_threads
-from mmserve.runtime.step_threads import StepThreads
+from mmserve.runtime.step_threads import BIG_FIRST_PERIOD, StepThreads
 
 CPU = torch.device("cpu")
 
@@ -65,9 +65,10 @@ def test_calibration_picks_the_faster_count_and_fewer_threads_on_a_tie(clock: Fa
     try:
         threads = StepThreads(CPU, DecoderConfig())
 
-        def big_step() -> None:  # twice as fast on 2 threads; applies its count as the model runner does
-            threads.apply(300)
+        def big_step() -> None:  # twice as fast on 2 threads; applies and reports its count as the runner does
+            count, started = threads.apply(300), clock.now
             clock.step({1: 20.0, 2: 10.0})
+            threads.observe(300, clock.now - started, count)
 
         def small_step() -> None:  # 2% faster on 2: a tie (within CLOSE), so 1, which a plain "fastest" misses
             threads.apply(1)
@@ -76,6 +77,8 @@ def test_calibration_picks_the_faster_count_and_fewer_threads_on_a_tie(clock: Fa
         threads.calibrate(small_step=small_step, big_step=big_step)
         assert (threads.small, threads.big) == (1, 2)
         assert not threads.needs_calibration and torch.get_num_threads() == 2  # the stage's count restored
+        # the calibration's own steps are not trials' steps: serving waits its whole period before a trial
+        assert all(threads.apply(300) == 2 for _ in range(BIG_FIRST_PERIOD))
     finally:
         torch.set_num_threads(before)
 

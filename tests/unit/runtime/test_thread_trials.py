@@ -1,11 +1,11 @@
-"""A decode thread count chosen badly (or for other times) is measured again on the decodes themselves."""
+"""A step thread count chosen badly (or for other times) is measured again on that kind's own steps."""
 
 from __future__ import annotations
 
 import torch
 
 from mmserve.config import DecoderConfig
-from mmserve.runtime.step_threads import StepThreads
+from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, SMALL, StepThreads
 from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, verdict
 
 
@@ -50,5 +50,35 @@ def test_the_stage_switches_its_decode_count_while_serving_unless_the_config_fix
         count = open_.apply(8)
         open_.observe(8, 0.010 if count == 2 else 0.016, count)
     assert open_.small == 2 and open_.apply(300) == 2  # prefill chunks keep their own count
-    assert fixed.trials is None and all(fixed.apply(8) == 1 for _ in range(FIRST_PERIOD + TRIAL_STEPS))
+    assert SMALL not in fixed.trials and all(fixed.apply(8) == 1 for _ in range(FIRST_PERIOD + TRIAL_STEPS))
+    assert open_.changes() == [(SMALL, 1, 2)] and open_.trials_run == 1
+    torch.set_num_threads(before)
+
+
+def test_nearly_equal_steps_compare_per_token_when_allowed() -> None:
+    chunks = [(1, 300, 0.300), (2, 280, 0.168), (1, 290, 0.290), (2, 310, 0.186)] * 4  # 2 threads: 0.6 ms a token
+    assert verdict(chunks, 1, close=0.05) == 1  # no two sizes equal: nothing decides
+    assert verdict(chunks, 1, close=0.05, tolerance=0.25) == 2
+    far = [(1, 100, 0.100), (2, 300, 0.180)] * 8  # 3x the tokens: not compared even per token
+    assert verdict(far, 1, close=0.05, tolerance=0.25) == 1
+
+
+def test_prefill_chunks_chosen_badly_at_start_up_are_measured_again_after_a_few_requests() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = StepThreads(torch.device("cpu"), DecoderConfig(small_step_tokens=16, small_step_threads=1))
+    finally:
+        torch.set_num_threads(before)
+    threads.big = 1  # as a start-up measurement beside other replicas starting chose
+    used = []
+    for i in range(BIG_FIRST_PERIOD + TRIAL_STEPS):
+        size = 260 + 7 * (i % 5)  # prompts of about the same length, never twice the same in a row
+        count = threads.apply(size, size)
+        used.append(count)
+        threads.observe(size, size * (0.0006 if count == 2 else 0.001), count, size)
+        assert threads.apply(1, 300) == 1  # the decodes between them keep their configured count
+    assert used[:BIG_FIRST_PERIOD] == [1] * BIG_FIRST_PERIOD and 2 in used[BIG_FIRST_PERIOD:]
+    assert threads.big == 2 and threads.changes() == [(BIG, 1, 2)]
+    assert list(threads.trials) == [BIG]  # a configured decode count is never tried
     torch.set_num_threads(before)
