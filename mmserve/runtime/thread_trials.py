@@ -2,10 +2,11 @@
 
 Owns: when to try the other count (after `period` steps of the kind, the period doubling while trials keep
 confirming the count and starting over at `first_period` when one changes it), running a trial (the two
-counts alternating step by step, so that the machine's drift and the batch's slow growth fall on both
-alike), and the verdict (the faster count's median time per new token over pairs of steps of about the same
-size; the fewer threads when within `close`). Does not own applying a count, which kinds of step have
-trials, or the start-up measurement (`step_threads.py`).
+counts alternating step by step in pairs, the first of each pair taking turns (ABBA), so that the
+machine's drift, the batch's slow growth and any fixed order of a request's steps fall on both alike), and
+the verdict (the faster count's median time per new token over pairs of steps of about the same size; the
+fewer threads when within `close`). Does not own applying a count, which kinds of step have trials, or the
+start-up measurement (`step_threads.py`).
 
 NOTE: a count measured once at start-up is measured while the other replicas on the node start too (each
 importing torch and loading weights on the same cores), which can favour one thread; and what is fastest
@@ -47,7 +48,10 @@ class ThreadTrials:
                 return current
             self._trial = []
         other = self.counts[0] if current == self.counts[1] else self.counts[1]
-        return other if len(self._trial) % 2 == 0 else current
+        done = len(self._trial)
+        other_first = (done // 2) % 2 == 0  # NOTE: ABBA: a kind's steps that come in a fixed order (a
+        # request's first and second prefill chunk) fall on both counts alike
+        return other if (done % 2 == 0) == other_first else current
 
     def observe(self, count: int, size: int, seconds: float, current: int) -> int:
         """Record a finished step of the kind (its count, its new tokens, its time) -> the chosen count."""

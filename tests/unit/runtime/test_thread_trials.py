@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mmserve.config import DecoderConfig
-from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, SMALL, StepThreads
+from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, HEAVY, SMALL, StepThreads
 from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, verdict
+
+
+@pytest.fixture
+def two_threads():
+    """torch at 2 threads while the test builds its StepThreads (their `available`), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def serve(trials: ThreadTrials, current: int, steps: int, time_of, size=lambda i: 8) -> tuple[int, list[int]]:
@@ -23,11 +35,21 @@ def test_a_slower_count_is_left_after_one_trial_and_the_trials_then_come_less_of
     trials = ThreadTrials((1, 2), close=0.05)
     chosen, used = serve(trials, 1, FIRST_PERIOD + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
     assert used[:FIRST_PERIOD] == [1] * FIRST_PERIOD  # no trial before the period is up
-    assert used[FIRST_PERIOD:] == [2, 1] * (TRIAL_STEPS // 2)  # then the other count first, alternating
+    assert used[FIRST_PERIOD:] == [2, 1, 1, 2] * (TRIAL_STEPS // 4)  # then both counts, in ABBA order
     assert chosen == 2 and trials.changes == [(1, 2)] and trials.period == FIRST_PERIOD
     chosen, used = serve(trials, chosen, FIRST_PERIOD + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
     assert chosen == 2 and trials.trials == 2 and trials.period == 2 * FIRST_PERIOD  # confirmed: rarer
     assert used.count(1) == TRIAL_STEPS // 2
+
+
+def test_steps_that_come_in_a_fixed_order_do_not_favour_the_count_tried_first() -> None:
+    """Requests of two chunks, the second attending twice the context: equally fast counts stay as they are."""
+    trials = ThreadTrials((1, 2), close=0.05, first_period=2, size_tolerance=0.25)
+    current = 1
+    for i in range(2 + TRIAL_STEPS):
+        count = trials.count_for(current)
+        current = trials.observe(count, 4096, 0.9 if i % 2 == 0 else 1.1, current)  # first / second chunk
+    assert trials.trials == 1 and current == 1 and trials.changes == []
 
 
 def test_a_tie_goes_to_fewer_threads_and_unequal_steps_decide_nothing() -> None:
@@ -37,39 +59,41 @@ def test_a_tie_goes_to_fewer_threads_and_unequal_steps_decide_nothing() -> None:
     assert verdict(grew, 2, close=0.05) == 2 and verdict(grew, 1, close=0.05) == 1
 
 
-def test_the_stage_switches_its_decode_count_while_serving_unless_the_config_fixed_it() -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        open_ = StepThreads(torch.device("cpu"), DecoderConfig(small_step_tokens=16, big_step_threads=2))
-        fixed = StepThreads(torch.device("cpu"), DecoderConfig(small_step_threads=1, big_step_threads=2))
-    finally:
-        torch.set_num_threads(before)
-    open_.small = 1  # as a start-up measurement disturbed by other replicas starting might have chosen
-    for _ in range(FIRST_PERIOD + TRIAL_STEPS):
-        count = open_.apply(8)
-        open_.observe(8, 0.010 if count == 2 else 0.016, count)
-    assert open_.small == 2 and open_.apply(300) == 2  # prefill chunks keep their own count
-    assert SMALL not in fixed.trials and all(fixed.apply(8) == 1 for _ in range(FIRST_PERIOD + TRIAL_STEPS))
-    assert open_.changes() == [(SMALL, 1, 2)] and open_.trials_run == 1
-    torch.set_num_threads(before)
-
-
 def test_nearly_equal_steps_compare_per_token_when_allowed() -> None:
     chunks = [(1, 300, 0.300), (2, 280, 0.168), (1, 290, 0.290), (2, 310, 0.186)] * 4  # 2 threads: 0.6 ms a token
     assert verdict(chunks, 1, close=0.05) == 1  # no two sizes equal: nothing decides
     assert verdict(chunks, 1, close=0.05, tolerance=0.25) == 2
+    per_token = [(1, 240, 0.240), (2, 300, 0.250)] * 8  # 2 threads took longer but computed 25% more tokens
+    assert verdict(per_token, 1, close=0.05, tolerance=0.25) == 2
     far = [(1, 100, 0.100), (2, 300, 0.180)] * 8  # 3x the tokens: not compared even per token
     assert verdict(far, 1, close=0.05, tolerance=0.25) == 1
 
 
-def test_prefill_chunks_chosen_badly_at_start_up_are_measured_again_after_a_few_requests() -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        threads = StepThreads(torch.device("cpu"), DecoderConfig(small_step_tokens=16, small_step_threads=1))
-    finally:
-        torch.set_num_threads(before)
+def test_the_stage_switches_its_decode_count_while_serving_unless_the_config_fixed_it(two_threads) -> None:
+    open_ = StepThreads(torch.device("cpu"), DecoderConfig(small_step_tokens=16, big_step_threads=2))
+    fixed = StepThreads(torch.device("cpu"), DecoderConfig(small_step_threads=1, big_step_threads=2))
+    open_.small = open_.heavy = 1  # as a start-up measurement disturbed by other replicas starting might have chosen
+    for _ in range(FIRST_PERIOD + TRIAL_STEPS):
+        count = open_.apply(8)
+        open_.observe(8, 0.010 if count == 2 else 0.016, count)
+    assert open_.small == 2 and open_.apply(300) == 2  # prefill chunks keep their own count
+    assert open_.heavy == 1 and open_.trials[HEAVY].trials == 0  # no decode is heavy (heavy_rows 0)
+    assert SMALL not in fixed.trials and all(fixed.apply(8) == 1 for _ in range(FIRST_PERIOD + TRIAL_STEPS))
+    assert open_.changes() == [(SMALL, 1, 2)] and open_.trials_run == 1
+
+
+def test_heavy_decodes_are_measured_again_on_their_own_steps(two_threads) -> None:
+    threads = StepThreads(torch.device("cpu"), DecoderConfig(small_step_tokens=16, big_step_threads=2))
+    threads.small, threads.heavy, threads.heavy_rows = 1, 1, 1024  # as calibration left them
+    for _ in range(FIRST_PERIOD + TRIAL_STEPS):
+        count = threads.apply(8, 8 * 2048)  # 8 sequences of 2k tokens: twice as fast on 2 threads
+        threads.observe(8, 0.020 if count == 2 else 0.040, count, 8 * 2048)
+    assert (threads.heavy, threads.small) == (2, 1) and threads.changes() == [(HEAVY, 1, 2)]
+    assert threads.apply(1, 300) == 1 and threads.apply(8, 8 * 2048) == 2
+
+
+def test_prefill_chunks_chosen_badly_at_start_up_are_measured_again_after_a_few_requests(two_threads) -> None:
+    threads = StepThreads(torch.device("cpu"), DecoderConfig(small_step_tokens=16, small_step_threads=1))
     threads.big = 1  # as a start-up measurement beside other replicas starting chose
     used = []
     for i in range(BIG_FIRST_PERIOD + TRIAL_STEPS):
@@ -81,4 +105,3 @@ def test_prefill_chunks_chosen_badly_at_start_up_are_measured_again_after_a_few_
     assert used[:BIG_FIRST_PERIOD] == [1] * BIG_FIRST_PERIOD and 2 in used[BIG_FIRST_PERIOD:]
     assert threads.big == 2 and threads.changes() == [(BIG, 1, 2)]
     assert list(threads.trials) == [BIG]  # a configured decode count is never tried
-    torch.set_num_threads(before)
