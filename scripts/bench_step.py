@@ -2,9 +2,10 @@
 
 On the benchmark checkpoint (scripts/bench_lib/checkpoint.py), for each batch and context: the median
 decode step of transformers' `generate` (at 1 thread and at all threads for batch 1, the faster
-counts) and of mmserve's Decoder (threads as it measured at start-up); the KV pages one sequence holds
-against every layer keeping every block; how many 8k-token sequences a fixed pool runs at once; and
-the tiny model's decode step, i.e. the engine's fixed cost per step. Ratios are taken in this run.
+counts) and of mmserve's Decoder (threads as it measured at start-up and again over its first requests,
+as a serving one would); the KV pages one sequence holds against every layer keeping every block; how
+many 8k-token sequences a fixed pool runs at once; and the tiny model's decode step, i.e. the engine's
+fixed cost per step. Ratios are taken in this run.
 Every cell is measured once per round (`--rounds`, both systems each time) and each system's figure is
 its fastest round's median: a slow minute of the machine (our VMs have them) then falls on one round of
 one cell, not on the cell's figure.
@@ -120,7 +121,7 @@ def fastest_rounds(hf: Any, ours: Decoder, batches: list[int], contexts: list[in
 def grammar_of(ours: Decoder, ckpt: Path, ids: torch.Tensor) -> GrammarCost:
     """Structured-output rows' cost to their batch, against a twin Decoder with the same thread counts and
     matmul forms."""
-    twin = engine_decoder(ckpt, max_num_seqs=ids.shape[0], num_blocks=1024, measure_forms=False)
+    twin = engine_decoder(ckpt, max_num_seqs=ids.shape[0], num_blocks=1024, measure_forms=False, settle=False)
     for name in ("small", "big", "heavy", "heavy_rows"):
         setattr(twin.runner.threads, name, getattr(ours.runner.threads, name))
     forms, theirs = twin.runner.model.matmul, ours.runner.model.matmul

@@ -27,6 +27,7 @@ from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import Sequence
 from mmserve.messages import DecodeRequest, SamplingParams, StructuredOutput
 from mmserve.models.base import FULL, AttentionPattern
+from mmserve.runtime.step_threads import BIG, HEAVY, SMALL
 from mmserve.stages import StageFactory
 
 
@@ -61,16 +62,51 @@ def hf_step_ms(model: Any, ids: torch.Tensor, new_tokens: int, threads: int) -> 
     return StepTime(statistics.median(gaps) * 1e3, str(threads))
 
 
-def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measure_forms: bool = True) -> Decoder:
+def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measure_forms: bool = True,
+                   settle: bool = True) -> Decoder:
+    """A Decoder as the engine builds it; `settle`: with its thread counts measured again (`settle_threads`).
+    Leaves torch's thread count in the calling thread as it found it (the next Decoder built takes it)."""
+    before = torch.get_num_threads()
     config = EngineConfig(model=str(model_dir), decoder=DecoderConfig(
         max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_matmul_forms=measure_forms))
     stages = StageFactory(config)
     decoder = stages.decoder().decoder
     stages.release_unused()
-    # NOTE: the counts it measured at start-up, then fixed: a trial while serving runs steps at the other
-    # count, and those would sit among the timed ones
+    if settle:
+        settle_threads(decoder)
+    # NOTE: then fixed: a trial runs steps at the other count, and those would sit among the timed ones
     decoder.runner.threads.trials = {}
+    torch.set_num_threads(before)
     return decoder
+
+
+def settle_threads(decoder: Decoder, most_requests: int = 64, most_heavy_steps: int = 600) -> None:
+    """Serve requests until each open thread count's trial has run once, as a serving Decoder's would after
+    its first requests: short ones (one 128-token prefill chunk and 24 decodes each) for the light decodes
+    and the prefill chunks, then one long sequence decoding for the heavy decodes.
+
+    NOTE: the start-up measurement alone is one sample of the machine's minute: on a VM that had just
+    started it chose 1 thread where 2 were 1.6x faster (docs/benchmarks.md), and the benchmark's figures
+    would carry that."""
+    threads, vocab = decoder.runner.threads, decoder.spec.vocab_size
+    trials = [t for kind, t in threads.trials.items() if kind in (SMALL, BIG)]
+    for i in range(most_requests):
+        if all(t.trials for t in trials):
+            break
+        names = start(decoder, prompts(1, 128, vocab, seed=10_000 + i), 24)
+        for _ in range(24):
+            decoder.step()
+        stop(decoder, names)
+    heavy = threads.trials.get(HEAVY)
+    long = min(2 * threads.heavy_rows, decoder.scheduler.max_seq_len - most_heavy_steps - 8)
+    if heavy is None or not threads.heavy_rows or long <= threads.heavy_rows:
+        return
+    names = start(decoder, prompts(1, long, vocab, seed=20_000), most_heavy_steps)
+    for _ in range(most_heavy_steps):
+        if heavy.trials:
+            break
+        decoder.step()
+    stop(decoder, names)
 
 
 def start(decoder: Decoder, ids: torch.Tensor, new_tokens: int, constrained: int = 0,
