@@ -82,8 +82,9 @@ class Decoder:
         """Read-only introspection (tests, debugging): who answered and the torch threads its steps use
         (the counts measured at start-up unless configured, and measured again while serving: trials run
         and the changes they made, as (kind, from, to)), and the matmul forms chosen at start-up (per
-        thread count, by row count from 1) and whether the layers' weights are packed for oneDNN."""
-        threads, forms = self.engine.runner.threads, self.engine.runner.model.matmul
+        thread count, by row count from 1) and whether the layers' weights are packed for oneDNN (and the
+        layouts taken while serving, True = packed; None where the layout is not chosen while serving)."""
+        threads, forms, layout = self.engine.runner.threads, self.engine.runner.model.matmul, self.engine.runner.layout
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "torch_threads": threads.available, "small_step_threads": threads.threads_for(0),
                 "heavy_decode_threads": threads.threads_for(0, threads.heavy_rows + 1) if threads.heavy_rows else None,
@@ -91,4 +92,5 @@ class Decoder:
                 "big_step_threads": threads.threads_for(threads.small_step_tokens + 1),
                 "thread_trials": threads.trials_run, "thread_changes": threads.changes(),
                 "matmul_forms": {count: list(names[1:]) for count, names in forms.chosen.items()},
-                "weights_packed": forms.pack_rows is not None}
+                "weights_packed": forms.pack_rows is not None,
+                "weight_layout_changes": None if layout is None else list(layout.changes)}

@@ -96,6 +96,9 @@ class DecoderConfig(_Bounded):
     # CPU only: time equivalent forms of a small step's x @ w.T at start-up, per row count and thread count, and
     # use the fastest (runtime/matmul_forms.py); False = F.linear throughout
     measure_matmul_forms: bool = True
+    # ... and while serving, keep the weights packed for oneDNN or plain by which of the two runs the steps served
+    # faster, once the other has lost as much as a change costs (runtime/weight_layout.py); False = as at start-up
+    choose_weight_layout_while_serving: bool = True
     # A request's outputs are sent at most this often (ms), the first at once; what comes between is merged:
     # each send is a message through the stages to the client, so this bounds messages per second per stream.
     # NOTE: 50 ms, 20 updates a second, reads as smooth text; at 20 ms a lone stream's tokens cost clearly more

@@ -3,9 +3,9 @@
 On the benchmark checkpoint (scripts/bench_lib/checkpoint.py), for each batch and context: the median
 decode step of transformers' `generate` (at 1 thread and at all threads for batch 1, the faster
 counts) and of mmserve's Decoder (threads as it measured at start-up and again over its first requests,
-as a serving one would); the KV pages one sequence holds against every layer keeping every block; how
-many 8k-token sequences a fixed pool runs at once; and the tiny model's decode step, i.e. the engine's
-fixed cost per step. Ratios are taken in this run.
+and its weights in the layout it settles on for the cell's steps, as a serving one would); the KV pages
+one sequence holds against every layer keeping every block; how many 8k-token sequences a fixed pool
+runs at once; and the tiny model's decode step, i.e. the engine's fixed cost per step. Ratios are taken in this run.
 Every cell is measured once per round (`--rounds`, both systems each time) and each system's figure is
 its fastest round's median: a slow minute of the machine (our VMs have them) then falls on one round of
 one cell, not on the cell's figure.
@@ -111,7 +111,8 @@ def fastest_rounds(hf: Any, ours: Decoder, batches: list[int], contexts: list[in
                 theirs = min((hf_step_ms(hf, ids, new_tokens, n) for n in counts), key=lambda s: s.ms)
                 mine, pages = our_step_ms(ours, ids, new_tokens)
                 print(f"round {round_ + 1}, batch {batch} context {context}: mmserve {mine.ms:.2f} ms "
-                      f"({mine.threads} threads), transformers {theirs.ms:.2f} ms ({theirs.threads})", flush=True)
+                      f"({mine.threads} threads, weights {mine.weights}), "
+                      f"transformers {theirs.ms:.2f} ms ({theirs.threads})", flush=True)
                 kept_theirs, kept_mine, _ = best.get((batch, context), (theirs, mine, pages))
                 best[(batch, context)] = (min(theirs, kept_theirs, key=lambda s: s.ms),
                                           min(mine, kept_mine, key=lambda s: s.ms), pages)

@@ -32,6 +32,7 @@ from mmserve.decoder.thread_calibration import calibrate_threads
 from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.runtime.step_threads import StepThreads
+from mmserve.runtime.weight_layout import weight_layout
 
 TIMED_CHUNK = 256  # rows of the prefill chunk timed beside the decodes' when choosing the matmul forms
 log = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class Decoder:
             model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
                                    config.small_step_tokens, min(config.max_num_batched_tokens, TIMED_CHUNK))
             model.pack_weights()
+            if config.choose_weight_layout_while_serving:
+                self.runner.layout = weight_layout(model.matmul, len(model.linear_weights()), model.relayout_weight)
         if self.runner.threads.needs_calibration:
             calibrate_threads(self.runner, self.scheduler, self.spec.eos_token_ids[0])
 

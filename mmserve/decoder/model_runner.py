@@ -22,6 +22,7 @@ from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.sequence import Sequence
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.runtime.step_threads import StepThreads
+from mmserve.runtime.weight_layout import WeightLayout
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ModelRunner:
         self.device = device
         self.threads = threads
         self.kept = kept  # the decode group's gathers kept from step to step; None = gathered whole each step
+        self.layout: WeightLayout | None = None  # the weights' layout chosen again while serving; None = fixed
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
@@ -57,6 +59,8 @@ class ModelRunner:
                 self.kept.forget()  # NOTE: some layers' refreshes may not have run
             raise
         self.threads.observe(num_new, time.perf_counter() - started, count, attended)
+        if self.layout is not None:  # NOTE: after the step's timing: a weight re-laid is not the step's cost
+            self.layout.after_step(num_new, count)
         return out
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:

@@ -60,9 +60,11 @@ class TextDecoder(Protocol):
 
     matmul: MatmulForms  # how its products x @ w.T are computed; the decoder measures and selects the forms
 
-    def linear_weights(self) -> list[torch.Tensor]: ...  # the (out, in) weights `pack_weights` packs, step order
+    def linear_weights(self) -> list[torch.Tensor]: ...  # the (out, in) weights `pack_weights` lays out, step order
 
-    def pack_weights(self) -> None: ...  # store those weights as `matmul.pack` makes them
+    def relayout_weight(self, index: int) -> None: ...  # store the index-th of those as `matmul.relaid` makes it
+
+    def pack_weights(self) -> None: ...  # store all of them so
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # (T,) -> (T, hidden)
 

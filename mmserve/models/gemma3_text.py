@@ -61,6 +61,9 @@ def _layer_weights(layer: Any, kind: str, heads: int, kv_heads: int, eps: float)
     )
 
 
+_PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's product weights, in step order
+
+
 class Gemma3PagedText:
     """Gemma 3's text model over the paged cache; built on the device its HF modules are on."""
 
@@ -94,13 +97,20 @@ class Gemma3PagedText:
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The (out, in) weights of the layers' products, in step order (the lm_head is the embeddings')."""
-        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [getattr(layer, name) for layer in self.layers for name in _PRODUCTS]
+
+    def relayout_weight(self, index: int) -> None:
+        """Store the `index`-th of `linear_weights()` as `self.matmul.relaid` lays it out now (packed or plain;
+        the tied lm_head stays as it is)."""
+        layer, field = divmod(index, len(_PRODUCTS))
+        w, name = self.layers[layer], _PRODUCTS[field]
+        relaid: dict[str, Any] = {name: self.matmul.relaid(getattr(w, name))}
+        self.layers[layer] = replace(w, **relaid)
 
     def pack_weights(self) -> None:
-        """Store the layers' weights as `self.matmul.pack` makes them (the tied lm_head stays as it is)."""
-        pack = self.matmul.pack
-        self.layers = [replace(w, qkv=pack(w.qkv), o=pack(w.o), gate_up=pack(w.gate_up), down=pack(w.down))
-                       for w in self.layers]
+        """Store every one of `linear_weights()` as `self.matmul.relaid` lays it out now."""
+        for index in range(len(self.layers) * len(_PRODUCTS)):
+            self.relayout_weight(index)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, hidden), scaled by sqrt(hidden) as the embedding module does."""

@@ -2,9 +2,10 @@
 
 Owns: the equivalent forms of the product (each one library call, same result up to float rounding),
 whether weights are stored in oneDNN's packed layout, choosing both by timing them at start-up on the
-model's own weights (a form per row count and thread count), and the product itself (`forms.product(x, w)`).
-Does not own which threads a step uses (`step_threads.py`), the weights (the model module packs its
-own with `pack`), nor when to measure (the decoder, on a CPU).
+model's own weights (a form per row count and thread count), the timings themselves (`costs`, which the
+layout while serving weighs: `weight_layout.py`), and the product itself (`forms.product(x, w)`).
+Does not own which threads a step uses (`step_threads.py`), the weights (the model module lays out its
+own with `relaid`), nor when to measure (the decoder, on a CPU).
 
 NOTE: why: a decode step reads every weight once, so its products are matrix-vector-like, with the
 weights coming from memory, and CPU libraries route such shapes differently. On one CPU
@@ -72,6 +73,12 @@ class MatmulForms:
     def __init__(self) -> None:
         self.chosen: dict[int, tuple[str, ...]] = {}  # threads -> form per row count (index = rows)
         self.pack_rows: int | None = None  # weights are packed for steps of about this many rows; None = plain
+        self.pack_hint: int | None = None  # the rows oneDNN's packing was timed with; None = it was not a candidate
+        # threads -> rows -> (the best plain form's, oneDNN's packed product's) seconds for the timed cycle ...
+        self.costs: dict[int, dict[int, tuple[float, float]]] = {}
+        self.timed_share = 1.0  # ... which held this share of the weights' bytes
+        self.pack_seconds = 0.0  # packing every weight took about this long (s; timed on the cycle)
+        self._ever_packed = False  # NOTE: once weights may be packed, every product checks its weight's layout
         self._forms: tuple[Form, ...] = ()  # the current thread count's forms, index = rows
         self.product: Form = F.linear  # what a call computes with: F.linear, or the dispatch to the chosen forms
 
@@ -86,16 +93,24 @@ class MatmulForms:
         names = self.chosen.get(threads, ())
         self._forms = () if all(n == LINEAR for n in names) else tuple(FORMS[n] for n in names)
         # NOTE: a tiny model's step is mostly launch costs: F.linear itself where nothing else was chosen
-        self.product = F.linear if not self._forms and self.pack_rows is None else self._chosen
+        self.product = F.linear if not self._forms and not self._ever_packed else self._chosen
 
     def packing(self, rows: int | None) -> None:
         """Pack weights (`pack`) for steps of about `rows` rows from now on; None = keep them plain."""
         self.pack_rows = rows
+        self._ever_packed |= rows is not None
         self.use(torch.get_num_threads())
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         """`w` (out, in) as this machine multiplies it fastest: oneDNN's packed layout if measured so, else itself."""
         return w if self.pack_rows is None else torch.ops.mkldnn._reorder_linear_weight(w, self.pack_rows)
+
+    def relaid(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` (out, in) in the layout now chosen (`packing`): packed, or plain again (oneDNN's reorder back
+        gives the very same values)."""
+        if self.pack_rows is None:
+            return w.to_dense() if w.is_mkldnn else w
+        return w if w.is_mkldnn else self.pack(w)
 
     def calibrate(self, weights: Sequence[torch.Tensor], thread_counts: Iterable[int], max_rows: int,
                   big_rows: int, rounds: int = 5) -> None:
@@ -104,7 +119,11 @@ class MatmulForms:
         counts and `big_rows` (a prefill chunk) at every count. Times products with a cycle of `weights` (in
         step order); leaves torch's thread count as it found it."""
         cycle = _cold_cycle(weights)
+        self.timed_share = _bytes(cycle) / _bytes(weights)
+        started = time.perf_counter()
         packed = _packed(cycle, big_rows)
+        self.pack_seconds = (time.perf_counter() - started) / self.timed_share
+        self.pack_hint = big_rows if packed is not None else None
         ratios: list[float] = []
         before = torch.get_num_threads()
         try:
@@ -119,6 +138,7 @@ class MatmulForms:
                         names.append(LINEAR if plain[LINEAR] <= plain[best] * (1 + CLOSE) else best)
                     if ONEDNN in medians:
                         ratios.append(medians[ONEDNN] / plain[best])
+                        self.costs.setdefault(threads, {})[rows] = (plain[best], medians[ONEDNN])
                 self.chosen[threads] = tuple(names)
                 if max_rows:
                     log.info("matmul forms at %d threads, by rows 1..%d: %s", threads, max_rows,
@@ -172,6 +192,10 @@ def _packed(weights: list[torch.Tensor], rows: int) -> list[torch.Tensor] | None
     except RuntimeError as exc:
         log.info("oneDNN cannot pack %s weights here (%s): kept plain", weights[0].dtype, exc)
         return None
+
+
+def _bytes(weights: Sequence[torch.Tensor]) -> int:
+    return sum(w.numel() * w.element_size() for w in weights)
 
 
 def _cold_cycle(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:

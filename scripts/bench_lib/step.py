@@ -12,6 +12,7 @@ its decode step. Ours is the median time of `Decoder.step()` once every sequence
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ from mmserve.stages import StageFactory
 class StepTime:
     ms: float  # median time of one decode step: one token for each of `batch` sequences (ms)
     threads: str  # torch threads it ran with
+    weights: str = "fixed"  # mmserve's: the layout its weights took for the cell while serving, or "fixed"
 
 
 def prompts(batch: int, context: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -74,7 +76,8 @@ def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measu
     stages.release_unused()
     if settle:
         settle_threads(decoder)
-    # NOTE: then fixed: a trial runs steps at the other count, and those would sit among the timed ones
+    # NOTE: then fixed: a trial runs steps at the other count, and those would sit among the timed ones (the
+    # weights' layout is taken per cell instead: `settle_layout`)
     decoder.runner.threads.trials = {}
     torch.set_num_threads(before)
     return decoder
@@ -141,9 +144,26 @@ def our_step_ms(decoder: Decoder, ids: torch.Tensor, new_tokens: int) -> tuple[S
     pages = [s.blocks.num_pages for s in decoder.scheduler.running]
     threads = decoder.runner.threads
     decode = threads.threads_for(len(names), sum(s.num_tokens for s in decoder.scheduler.running))
+    layout = settle_layout(decoder, len(names), decode)
     times = [timed_step(decoder) for _ in range(new_tokens)]
     stop(decoder, names)
-    return StepTime(statistics.median(times[2:]) * 1e3, f"{decode}/{threads.big}"), pages
+    return StepTime(statistics.median(times[2:]) * 1e3, f"{decode}/{threads.big}", layout), pages
+
+
+def settle_layout(decoder: Decoder, rows: int, threads: int) -> str:
+    """The weights in the layout that a Decoder running only steps of `rows` rows at `threads` threads settles
+    on while serving (its policy's choice for those steps), taken at once -> which ("packed", "plain", or
+    "fixed" where it is not chosen while serving)."""
+    layout = decoder.runner.layout
+    if layout is None:
+        return "fixed"
+    # NOTE: a layout losing anything beyond `close` on every step of the cell would be changed after some
+    # steps of it (as many as a change's cost takes to lose), and then kept
+    layout.finish()
+    if layout.policy.excess(rows, threads, layout.packed) > 0:
+        layout.take(not layout.packed, at_once=True)
+    layout.policy.change_s = math.inf  # NOTE: then fixed for the cell's timed steps
+    return "packed" if layout.packed else "plain"
 
 
 def uniform_pages(context: int, num_layers: int, block_size: int) -> int:

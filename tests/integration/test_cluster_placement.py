@@ -65,3 +65,5 @@ def test_the_decoder_replica_chose_its_matmul_forms_at_start_up(mm_app: AppInfo)
     assert info["matmul_forms"] and {info["small_step_threads"], info["big_step_threads"]} <= set(info["matmul_forms"])
     assert all(len(names) == rows and set(names) <= set(FORMS) for names in info["matmul_forms"].values())
     assert isinstance(info["weights_packed"], bool)
+    changes = info["weight_layout_changes"]  # None: packing was not a candidate here
+    assert changes is None or all(isinstance(packed, bool) for packed in changes)

@@ -259,3 +259,23 @@ def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch):
     for case, out in zip(CASES, outs, strict=True):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
     assert one_row != ONEDNN or packed_calls  # the vision tower ran on packed weights
+
+
+def test_weights_relaid_while_generating_match_transformers(oracle, monkeypatch):
+    """The weights start packed (timed faster at start-up); then the steps run make the layout policy take
+    them plain, one weight per step, so that steps run with weights in both layouts; every step matches
+    transformers. All cases batched."""
+    if not onednn_packing_available():
+        pytest.skip("this torch build has no oneDNN packing")
+    model_dir, refs = oracle
+    monkeypatch.setattr(matmul_forms, "_timings", lambda cycle, packed, rows, rounds: {
+        LINEAR: 1.0, "transposed": 1.0, "doubled": 1.0, ONEDNN: 0.5})
+    engine, rec = make_engine(model_dir)
+    layout, weights = engine.decoder.runner.layout, engine.decoder.runner.model.linear_weights
+    assert layout is not None and layout.packed and all(w.is_mkldnn for w in weights())
+    # as if timed the other way round: the first steps make it plain, then one weight per step
+    layout.policy.costs = {n: {rows: (1.0, 4.0) for rows in table} for n, table in layout.policy.costs.items()}
+    outs = engine.generate([build_request(case)[0] for case in CASES])
+    for case, out in zip(CASES, outs, strict=True):
+        assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
+    assert layout.changes == [False] and layout.settled and not any(w.is_mkldnn for w in weights())
