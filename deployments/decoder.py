@@ -82,8 +82,9 @@ class Decoder:
         """Read-only introspection (tests, debugging): who answered and the torch threads its steps use
         (the counts measured at start-up unless configured, and measured again while serving: trials run
         and the changes they made, as (kind, from, to)), and the matmul forms chosen at start-up (per
-        thread count, by row count from 1) and whether the layers' weights are packed for oneDNN (and the
-        layouts taken while serving, True = packed; None where the layout is not chosen while serving)."""
+        thread count, by row count from 1), whether the layers' weights are packed for oneDNN (the layout
+        chosen: the weights follow it one per step), and the layouts taken while serving (True = packed; None
+        where the layout is not chosen while serving)."""
         threads, forms, layout = self.engine.runner.threads, self.engine.runner.model.matmul, self.engine.runner.layout
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "torch_threads": threads.available, "small_step_threads": threads.threads_for(0),

@@ -99,10 +99,10 @@ class Decoder:
             model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
                                    config.small_step_tokens, min(config.max_num_batched_tokens, TIMED_CHUNK))
             model.pack_weights()
-            if config.choose_weight_layout_while_serving:
-                self.runner.layout = weight_layout(model.matmul, len(model.linear_weights()), model.relayout_weight)
         if self.runner.threads.needs_calibration:
             calibrate_threads(self.runner, self.scheduler, self.spec.eos_token_ids[0])
+        if config.choose_weight_layout_while_serving:  # NOTE: after the threads' timing, whose steps serve no one
+            self.runner.layout = weight_layout(model.matmul, len(model.linear_weights()), model.relayout_weight)
 
     def add(self, request: DecodeRequest, matcher: Any = None) -> None:
         """Queue a request; raises CapacityError if it can never be scheduled, InvalidGrammarError if its
@@ -152,6 +152,8 @@ class Decoder:
     def step(self) -> list[RequestOutput | RequestFailed]:
         """Run one batched forward over everything scheduled; one output per request that sampled, and a
         RequestFailed for each request whose own computation failed (it is aborted; the others go on)."""
+        if self.runner.layout is not None:  # NOTE: here, once the last step's outputs have gone
+            self.runner.layout.relay_one()
         plan = self.scheduler.schedule()
         self._ask_for_missing(plan.missing)
         if not plan.scheduled:

@@ -43,7 +43,8 @@ class ModelRunner:
         self.device = device
         self.threads = threads
         self.kept = kept  # the decode group's gathers kept from step to step; None = gathered whole each step
-        self.layout: WeightLayout | None = None  # the weights' layout chosen again while serving; None = fixed
+        self.layout: WeightLayout | None = None  # the weights' layout chosen again while serving (the decoder
+        # re-lays them between steps); None = as at start-up
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:
@@ -59,8 +60,8 @@ class ModelRunner:
                 self.kept.forget()  # NOTE: some layers' refreshes may not have run
             raise
         self.threads.observe(num_new, time.perf_counter() - started, count, attended)
-        if self.layout is not None:  # NOTE: after the step's timing: a weight re-laid is not the step's cost
-            self.layout.after_step(num_new, count)
+        if self.layout is not None:
+            self.layout.observe(num_new, count)
         return out
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> StepLogits:

@@ -64,7 +64,7 @@ class TextDecoder(Protocol):
 
     def relayout_weight(self, index: int) -> None: ...  # store the index-th of those as `matmul.relaid` makes it
 
-    def pack_weights(self) -> None: ...  # store all of them so
+    def pack_weights(self) -> None: ...  # store every one of them as `matmul.relaid` makes it
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # (T,) -> (T, hidden)
 

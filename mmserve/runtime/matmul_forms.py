@@ -77,7 +77,8 @@ class MatmulForms:
         # threads -> rows -> (the best plain form's, oneDNN's packed product's) seconds for the timed cycle ...
         self.costs: dict[int, dict[int, tuple[float, float]]] = {}
         self.timed_share = 1.0  # ... which held this share of the weights' bytes
-        self.pack_seconds = 0.0  # packing every weight took about this long (s; timed on the cycle)
+        # re-laying every weight packed (True) or plain again (False) takes about this long (s; timed on the cycle)
+        self.relayout_seconds: dict[bool, float] = {True: 0.0, False: 0.0}
         self._ever_packed = False  # NOTE: once weights may be packed, every product checks its weight's layout
         self._forms: tuple[Form, ...] = ()  # the current thread count's forms, index = rows
         self.product: Form = F.linear  # what a call computes with: F.linear, or the dispatch to the chosen forms
@@ -118,11 +119,11 @@ class MatmulForms:
         weights (`pack_rows`): when oneDNN's product is faster by CLOSE in the geometric mean over those row
         counts and `big_rows` (a prefill chunk) at every count. Times products with a cycle of `weights` (in
         step order); leaves torch's thread count as it found it."""
+        if any(w.is_mkldnn for w in weights):
+            raise ValueError("the forms are timed on plain weights; these are packed")
         cycle = _cold_cycle(weights)
-        self.timed_share = _bytes(cycle) / _bytes(weights)
-        started = time.perf_counter()
-        packed = _packed(cycle, big_rows)
-        self.pack_seconds = (time.perf_counter() - started) / self.timed_share
+        self.costs, self.timed_share = {}, _bytes(cycle) / _bytes(weights)
+        packed, self.relayout_seconds = _packed_timed(cycle, big_rows, self.timed_share)
         self.pack_hint = big_rows if packed is not None else None
         ratios: list[float] = []
         before = torch.get_num_threads()
@@ -192,6 +193,22 @@ def _packed(weights: list[torch.Tensor], rows: int) -> list[torch.Tensor] | None
     except RuntimeError as exc:
         log.info("oneDNN cannot pack %s weights here (%s): kept plain", weights[0].dtype, exc)
         return None
+
+
+def _packed_timed(cycle: list[torch.Tensor], rows: int,
+                  share: float) -> tuple[list[torch.Tensor] | None, dict[bool, float]]:
+    """`_packed(cycle, rows)`, and how long re-laying every weight takes each way (s): the cycle's packing and
+    unpacking, over its `share` of the bytes, after one weight of each untimed (oneDNN's own set-up)."""
+    first = _packed(cycle[:1], rows)
+    if first is None:
+        return None, {True: 0.0, False: 0.0}
+    first[0].to_dense()
+    started = time.perf_counter()
+    packed = _packed(cycle, rows)
+    middle = time.perf_counter()
+    for w in packed or ():
+        w.to_dense()
+    return packed, {True: (middle - started) / share, False: (time.perf_counter() - middle) / share}
 
 
 def _bytes(weights: Sequence[torch.Tensor]) -> int:

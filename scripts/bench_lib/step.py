@@ -12,7 +12,6 @@ its decode step. Ours is the median time of `Decoder.step()` once every sequence
 from __future__ import annotations
 
 import itertools
-import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -162,7 +161,7 @@ def settle_layout(decoder: Decoder, rows: int, threads: int) -> str:
     layout.finish()
     if layout.policy.excess(rows, threads, layout.packed) > 0:
         layout.take(not layout.packed, at_once=True)
-    layout.policy.change_s = math.inf  # NOTE: then fixed for the cell's timed steps
+    layout.policy.freeze()  # NOTE: then fixed for the cell's timed steps
     return "packed" if layout.packed else "plain"
 
 

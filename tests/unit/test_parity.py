@@ -262,20 +262,33 @@ def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch):
 
 
 def test_weights_relaid_while_generating_match_transformers(oracle, monkeypatch):
-    """The weights start packed (timed faster at start-up); then the steps run make the layout policy take
-    them plain, one weight per step, so that steps run with weights in both layouts; every step matches
-    transformers. All cases batched."""
+    """Timed at start-up as slower at decode sizes but so much faster on a prefill chunk that the weights are
+    packed (and the start-up thread timing's decodes change nothing); then the steps served make the layout
+    policy take them plain, one weight per step, so that steps run with weights in both layouts: every step
+    matches transformers. All cases batched."""
     if not onednn_packing_available():
         pytest.skip("this torch build has no oneDNN packing")
     model_dir, refs = oracle
     monkeypatch.setattr(matmul_forms, "_timings", lambda cycle, packed, rows, rounds: {
-        LINEAR: 1.0, "transposed": 1.0, "doubled": 1.0, ONEDNN: 0.5})
+        LINEAR: 1.0, "transposed": 1.0, "doubled": 1.0, ONEDNN: 2.0 if rows <= 16 else 1e-7})
     engine, rec = make_engine(model_dir)
     layout, weights = engine.decoder.runner.layout, engine.decoder.runner.model.linear_weights
     assert layout is not None and layout.packed and all(w.is_mkldnn for w in weights())
-    # as if timed the other way round: the first steps make it plain, then one weight per step
+    assert layout.changes == [] and layout.policy.loss == 0.0  # the thread timing's decodes were not priced
+    # from here on packed loses at every size: the first steps make it plain, then one weight per step
     layout.policy.costs = {n: {rows: (1.0, 4.0) for rows in table} for n, table in layout.policy.costs.items()}
+    packed_per_step: list[int] = []
+    relay_one = layout.relay_one
+
+    def counted() -> None:
+        relay_one()
+        packed_per_step.append(sum(w.is_mkldnn for w in weights()))
+
+    monkeypatch.setattr(layout, "relay_one", counted)
     outs = engine.generate([build_request(case)[0] for case in CASES])
     for case, out in zip(CASES, outs, strict=True):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
     assert layout.changes == [False] and layout.settled and not any(w.is_mkldnn for w in weights())
+    n = len(weights())
+    changing = [k for k in packed_per_step[: packed_per_step.index(0) + 1] if k < n]
+    assert changing == list(range(n - 1, -1, -1))  # one weight fewer packed each step
