@@ -61,13 +61,27 @@ class LayoutPolicy:
     def __init__(self, costs: Costs, *, timed_share: float, change_s: dict[bool, float], close: float) -> None:
         if not costs or not all(costs.values()):
             raise ValueError("the layout policy needs the start-up timings of both layouts")
-        self.costs, self.timed_share, self.change_s, self.close = costs, timed_share, dict(change_s), close
+        self.timed_share, self.change_s, self.close = timed_share, dict(change_s), close
+        self.costs = costs
         self.loss = 0.0  # s the layout in place lost to the other (beyond `close`) since the sum last hit 0
+
+    @property
+    def costs(self) -> Costs:
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: Costs) -> None:
+        self._costs = costs
+        # NOTE: (threads, rows) -> `step_costs`, priced once: a server runs few distinct sizes, every step
+        self._priced: dict[tuple[int, int], tuple[float, float]] = {}
 
     def excess(self, rows: int, threads: int, packed_now: bool) -> float:
         """What a step of `rows` rows at `threads` threads loses in the layout in place against the other,
         beyond `close` of the other's time (s; negative where it loses less, or wins)."""
-        plain, packed = step_costs(self.costs, threads, rows)
+        priced = self._priced.get((threads, rows))
+        if priced is None:
+            priced = self._priced[(threads, rows)] = step_costs(self.costs, threads, rows)
+        plain, packed = priced
         now, other = (packed, plain) if packed_now else (plain, packed)
         return (now - other * (1 + self.close)) / self.timed_share
 

@@ -195,3 +195,10 @@ def test_calibration_times_relaying_every_weight_and_the_share_of_them_it_timed(
     with pytest.raises(ValueError, match="packed"):
         forms.packing(16)
         forms.calibrate([forms.relaid(w) for w in weights], {1}, max_rows=2, big_rows=16, rounds=1)
+
+
+def test_new_timings_price_the_next_steps_afresh() -> None:
+    p = policy()
+    assert p.excess(1, 2, packed_now=True) > 0  # priced, and kept for the next step of this size
+    p.costs = {2: {1: (7.0, 5.0)}}  # packed now the faster at 1 row
+    assert p.excess(1, 2, packed_now=True) == pytest.approx(5.0 - 7.0 * 1.05)
