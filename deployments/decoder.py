@@ -80,7 +80,8 @@ class Decoder:
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered and the torch threads its steps use
-        (the counts measured at start-up unless configured, and measured again while serving: trials run
+        (the counts measured at start-up unless configured, the cores others kept busy while each kind was
+        measured and the kinds whose measurement that voided, and measured again while serving: trials run
         and the changes they made, as (kind, from, to)), and the matmul forms chosen at start-up (per
         thread count, by row count from 1), whether the layers' weights are packed for oneDNN (the layout
         chosen: the weights follow it one per step), and the layouts taken while serving (True = packed; None
@@ -92,6 +93,8 @@ class Decoder:
                 "heavy_decode_rows": threads.heavy_rows,
                 "big_step_threads": threads.threads_for(threads.small_step_tokens + 1),
                 "thread_trials": threads.trials_run, "thread_changes": threads.changes(),
+                "thread_measurement_company": dict(threads.company),
+                "thread_measurement_void": sorted(threads.disturbed),
                 "matmul_forms": {count: list(names[1:]) for count, names in forms.chosen.items()},
                 "weights_packed": forms.pack_rows is not None,
                 "weight_layout_changes": None if layout is None else list(layout.changes)}

@@ -21,6 +21,13 @@ after a decode step chose 1, would otherwise run the vision tower on one thread.
 NOTE: whether a second thread speeds up a decode step depends on the CPU (memory bandwidth per core,
 the cost of waking a thread per kernel): the same VM kind has measured either way (docs/benchmarks.md).
 Hence a measurement on the machine and model at hand, not a constant.
+
+NOTE: a measurement taken while other processes filled the cores (in a Ray app: the other replicas of
+the node importing torch and loading weights) times the all-threads arm with a core missing, and picks
+one thread for the wrong reason. So the start-up measurement also reads how much of the cores others
+took meanwhile (`core_company.py`); where they left the all-threads arm less than its threads (less half a
+core), its verdict is not trusted: the kind keeps all of the stage's threads, torch's own default, and
+its first trial while serving comes after a few steps instead of hundreds.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from mmserve.config import DecoderConfig
+from mmserve.runtime.core_company import CoreCompany
 from mmserve.runtime.thread_trials import ThreadTrials
 
 log = logging.getLogger(__name__)
@@ -44,6 +52,10 @@ SMALL, HEAVY, BIG = "small", "heavy", "big"  # the kinds of step, each with its 
 # after a few requests, not hundreds, and compares chunks of about the same size (prompts differ)
 BIG_FIRST_PERIOD = 16  # big steps before their first trial (steps)
 BIG_SIZE_TOLERANCE = 0.25  # two chunks compare per token when one has at most 25% more tokens
+# a start-up measurement is not trusted when others left the all-threads arm fewer free cores than its
+# threads less this (cores): half a core, more than a quiet node's background and less than one process
+BUSY_MARGIN = 0.5
+UNTRUSTED_FIRST_PERIOD = 16  # steps of a kind whose start-up measurement was not trusted before its trial
 
 
 class StepThreads:
@@ -59,6 +71,10 @@ class StepThreads:
         if self.available == 1:  # nothing to choose between
             self.small, self.big, self.heavy = self.small or 1, self.big or 1, self.heavy or 1
         self.cores = usable_cores()  # cores this process may run on (fixed for its life)
+        # each kind measured at start-up -> the cores others kept busy meanwhile, None where unknown (cores)
+        self.company: dict[str, float | None] = {}
+        self.disturbed: dict[str, float] = {}  # the kinds whose measurement is not trusted for it (cores)
+        self.medians_ms: dict[str, dict[int, float]] = {}  # each kind measured -> median step by count (ms)
         # a count the config left open is re-measured while serving, on that kind's own steps
         self.trials = self._open_trials() if self.enabled else {}
 
@@ -162,13 +178,24 @@ class StepThreads:
         finally:
             self.trials = trials
             torch.set_num_threads(self.available)
+        for kind in self.disturbed.keys() & trials.keys():
+            trials[kind].soon(UNTRUSTED_FIRST_PERIOD)
         log.info("step threads: %d for steps of <= %d new tokens (%d when they attend more than %d rows), "
-                 "%d for bigger ones (of %d)", self.small, self.small_step_tokens, self.heavy, self.heavy_rows,
-                 self.big, self.available)
+                 "%d for bigger ones (of %d); measured (ms by threads, and the cores others kept busy): %s",
+                 self.small, self.small_step_tokens, self.heavy, self.heavy_rows, self.big, self.available,
+                 "; ".join(self._measured(kind) for kind in self.company) or "-")
+
+    def _measured(self, kind: str) -> str:
+        """One kind's start-up measurement, for the log: its medians by thread count, and its company."""
+        times = ", ".join(f"{count}: {ms:.2f}" for count, ms in self.medians_ms[kind].items())
+        company = self.company[kind]
+        return f"{kind} {times}, others {'?' if company is None else f'{company:.2f}'}"
 
     def _fastest(self, step: Callable[[], object], which: str, warmup: int = 2, rounds: int = 7) -> int:
         counts = sorted({1, self.available})
         timings: dict[int, list[float]] = {count: [] for count in counts}
+        company = CoreCompany()
+        company.start()
         for round_ in range(warmup + rounds):
             for count in counts:
                 setattr(self, which, count)
@@ -177,8 +204,17 @@ class StepThreads:
                 if round_ >= warmup:
                     timings[count].append(time.perf_counter() - started)
         medians = {count: statistics.median(t) for count, t in timings.items()}
+        self.medians_ms[which] = {count: t * 1e3 for count, t in medians.items()}
         best = min(medians.values())
-        return min(count for count, t in medians.items() if t <= best * (1 + CLOSE))
+        fastest = min(count for count, t in medians.items() if t <= best * (1 + CLOSE))
+        others = self.company[which] = company.others()
+        if fastest == self.available or others is None or len(company.cores) - others >= self.available - BUSY_MARGIN:
+            return fastest
+        self.disturbed[which] = others  # NOTE: a win of all threads despite the company stands
+        log.info("step threads: %s steps measured while others kept %.2f of %d cores busy: %d thread(s) won, not "
+                 "trusted; %d until measured while serving", which, others, len(company.cores), fastest,
+                 self.available)
+        return self.available
 
 
 def usable_cores() -> int:

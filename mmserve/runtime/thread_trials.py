@@ -41,6 +41,11 @@ class ThreadTrials:
     def __post_init__(self) -> None:
         self.period = self.first_period
 
+    def soon(self, steps: int) -> None:
+        """Have the next trial begin after at most `steps` more steps of the kind (the count in use is in
+        doubt)."""
+        self.period = min(self.period, self._since + steps)
+
     def count_for(self, current: int) -> int:
         """The count the coming step of the kind should use, given the chosen `current`."""
         if self._trial is None:

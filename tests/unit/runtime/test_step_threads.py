@@ -9,7 +9,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.runtime import step_threads
-from mmserve.runtime.step_threads import BIG_FIRST_PERIOD, StepThreads
+from mmserve.runtime.step_threads import BIG_FIRST_PERIOD, UNTRUSTED_FIRST_PERIOD, StepThreads
 
 CPU = torch.device("cpu")
 
@@ -31,10 +31,28 @@ class FakeClock:
         self.now += ms_by_threads[torch.get_num_threads()] / 1000
 
 
+class FakeCompany:
+    """Stands in for step_threads' `CoreCompany`: others keep `FakeCompany.others_cores` of 2 cores busy."""
+
+    others_cores: float | None = 0.0
+
+    def __init__(self) -> None:
+        self.cores = {0, 1}
+
+    def start(self) -> None:
+        pass
+
+    def others(self) -> float | None:
+        return FakeCompany.others_cores
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """Fake time, on a node where nothing else runs (unless a test sets `FakeCompany.others_cores`)."""
     fake = FakeClock()
     monkeypatch.setattr(step_threads, "time", fake)
+    monkeypatch.setattr(step_threads, "CoreCompany", FakeCompany)
+    monkeypatch.setattr(FakeCompany, "others_cores", 0.0)
     return fake
 
 
@@ -176,3 +194,45 @@ def test_a_heavy_decode_takes_its_own_measured_count_and_light_ones_keep_theirs(
         assert configured.threads_for(8, 10**6) == 1  # a configured decode count holds for every decode
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_measurement_while_others_fill_the_cores_keeps_all_threads_and_is_tried_again_soon(
+        clock: FakeClock) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def measured(others: float | None) -> StepThreads:
+            FakeCompany.others_cores = others
+            threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16))
+
+            def small() -> None:  # 1 thread wins: the second core was taken by others
+                threads.apply(1)
+                clock.step({1: 10.0, 2: 20.0})
+
+            def big() -> None:  # 2 threads win despite the company
+                count = threads.apply(300)
+                started = clock.now
+                clock.step({1: 20.0, 2: 10.0})
+                threads.observe(300, clock.now - started, count)
+
+            threads.calibrate(small_step=small, big_step=big)
+            return threads
+
+        quiet = measured(0.4)  # a quiet node's background: the verdict holds
+        assert (quiet.small, quiet.big, quiet.disturbed) == (1, 2, {})
+        assert unknown_is_quiet(measured(None))
+        busy = measured(0.6)  # the 2-thread arm had less than 1.5 cores: not trusted
+        assert (busy.small, busy.big) == (2, 2)
+        assert busy.disturbed == {"small": 0.6}  # the big steps' win of all threads stands
+        for _ in range(UNTRUSTED_FIRST_PERIOD):  # the doubted count is tried again after a few steps
+            assert busy.apply(1) == 2
+            busy.observe(1, 0.02, 2)
+        assert busy.apply(1) == 1  # the trial's first step, at the other count
+        assert quiet.trials["small"].period > UNTRUSTED_FIRST_PERIOD  # a trusted one waits its whole period
+    finally:
+        torch.set_num_threads(before)
+
+
+def unknown_is_quiet(threads: StepThreads) -> bool:
+    """Where the company is unknown (no /proc/stat), the measurement is taken as it is."""
+    return threads.small == 1 and threads.disturbed == {}
