@@ -94,7 +94,7 @@ class Decoder:
                 "big_step_threads": threads.threads_for(threads.small_step_tokens + 1),
                 "thread_trials": threads.trials_run, "thread_changes": threads.changes(),
                 "thread_measurement_company": dict(threads.company),
-                "thread_measurement_void": sorted(threads.disturbed),
+                "thread_measurement_voided": sorted(threads.voided),
                 "matmul_forms": {count: list(names[1:]) for count, names in forms.chosen.items()},
                 "weights_packed": forms.pack_rows is not None,
                 "weight_layout_changes": None if layout is None else list(layout.changes)}

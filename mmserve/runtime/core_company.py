@@ -1,79 +1,102 @@
-"""How much of this process's cores others took over an interval: other processes, and the hypervisor.
+"""How much of this process's cores others took while it worked: other processes, and the hypervisor.
 
 Owns: reading the busy time of the cores this process may run on (Linux's /proc/stat, steal included: time
-the hypervisor gave our vCPU to another guest) and taking this process's own CPU time out of it. Does not
-own what a caller makes of it (`step_threads.py`: a thread count measured while others filled the cores is
-not trusted).
+the hypervisor gave our vCPU to another guest), over the intervals a caller marks, less this process's own
+CPU time; and the cores this process may run on. Does not own what a caller makes of it (`step_threads.py`:
+a thread count measured while others filled the cores is not trusted).
 
-NOTE: /proc/stat counts in clock ticks (10 ms on Linux), per core; over a measurement of a few hundred
-milliseconds on two cores that is a resolution of a few percent of a core, enough to tell a node where
-other processes start up (importing torch, loading weights: a whole core each) from a quiet one. Where
-/proc/stat is not there (not Linux), nothing is known and `others()` answers None.
+NOTE: /proc/stat counts in clock ticks (10 ms on Linux), per core; summed over a measurement's intervals of
+a few hundred milliseconds on two cores that is a resolution of a few percent of a core, enough to tell a
+node where other processes start up (importing torch, loading weights: a whole core each) from a quiet one.
+Niced time is left out: a niced process yields its core to ours.
+
+NOTE: nothing is known (`others()` answers None) where /proc/stat is missing (not Linux), names other cores
+than this process's affinity (a container's view of it), or counts a whole host that a CPU quota shares
+out (cgroup `cpu.max`): there the busy time of "our" cores is mostly other tenants', on other cores.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user, nice, system, irq, softirq, steal (guest time is inside user)
-
-
-@dataclass(frozen=True)
-class _Sample:
-    busy_s: float | None  # busy time of the cores summed since boot (s); None where unknown
-    own_s: float  # this process's CPU time, all its threads (s)
-    wall_s: float  # a monotonic clock (s)
+CGROUP_QUOTAS = (Path("/sys/fs/cgroup/cpu.max"), Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"))  # v2, v1
+_BUSY_FIELDS = (0, 2, 5, 6, 7)  # user, system, irq, softirq, steal (nice left out; guest is inside user)
 
 
 class CoreCompany:
-    """`start()`, run the work, then `others()`: the cores others kept busy meanwhile, on average."""
+    """Mark the work with `start()` / `stop()` (any number of times), then `others()`: the cores others kept
+    busy on average while it ran."""
 
-    def __init__(self, cores: set[int] | None = None, stat: Path = PROC_STAT) -> None:
-        self.cores = cores if cores is not None else _affinity()  # the cores this process may run on
+    def __init__(self, cores: set[int] | None = None, stat: Path = PROC_STAT,
+                 quotas: tuple[Path, ...] = CGROUP_QUOTAS) -> None:
+        self.cores = cores if cores is not None else affinity()  # the cores this process may run on
+        quota = cgroup_quota_cores(quotas)
+        self._unknown = quota is not None and quota < len(self.cores)  # NOTE: a host shared out by quota
         self._stat, self._tick_s = stat, 1 / _ticks_per_second()
-        self._start: _Sample | None = None
+        self._started: tuple[float, float, float] | None = None  # (busy, own, wall) at the last start (s)
+        self._summed = [0.0, 0.0, 0.0]  # (busy, own, wall) over the marked intervals (s)
 
     def start(self) -> None:
-        self._start = self._sample()
+        busy = self._busy_s()
+        self._unknown |= busy is None
+        self._started = (busy or 0.0, time.process_time(), time.perf_counter())
+
+    def stop(self) -> None:
+        if self._started is None:
+            raise RuntimeError("CoreCompany.stop() before start()")
+        busy = self._busy_s()
+        self._unknown |= busy is None
+        now = (busy or 0.0, time.process_time(), time.perf_counter())
+        self._summed = [total + end - begin for total, end, begin in zip(self._summed, now, self._started, strict=True)]
+        self._started = None
 
     def others(self) -> float | None:
-        """Cores (0 to len(cores)) that others kept busy on average since `start()`; None where unknown."""
-        if self._start is None:
-            raise RuntimeError("CoreCompany.others() before start()")
-        now, then = self._sample(), self._start
-        if now.busy_s is None or then.busy_s is None or now.wall_s <= then.wall_s:
+        """Cores (0 to len(cores)) that others kept busy on average over the marked intervals; None where
+        unknown (see the NOTE above, or nothing marked)."""
+        busy, own, wall = self._summed
+        if self._unknown or wall <= 0:
             return None
-        theirs = (now.busy_s - then.busy_s) - (now.own_s - then.own_s)
-        return min(max(theirs / (now.wall_s - then.wall_s), 0.0), float(len(self.cores)))
-
-    def _sample(self) -> _Sample:
-        return _Sample(self._busy_s(), time.process_time(), time.perf_counter())
+        return min(max((busy - own) / wall, 0.0), float(len(self.cores)))
 
     def _busy_s(self) -> float | None:
+        """Busy time of `cores` since boot (s); None unless /proc/stat names each of them."""
         try:
             lines = self._stat.read_text().splitlines()
         except OSError:
             return None
-        ticks = 0
-        seen = 0
+        ticks, seen = 0, 0
         for line in lines:
             name, _, rest = line.partition(" ")
-            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in self.cores:
+            if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in self.cores:
                 continue
             fields = rest.split()
             ticks += sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
             seen += 1
-        return ticks * self._tick_s if seen else None
+        return ticks * self._tick_s if seen == len(self.cores) else None
 
 
-def _affinity() -> set[int]:
+def affinity() -> set[int]:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
     if hasattr(os, "sched_getaffinity"):
         return set(os.sched_getaffinity(0))
     return set(range(os.cpu_count() or 1))
+
+
+def cgroup_quota_cores(paths: tuple[Path, ...] = CGROUP_QUOTAS) -> float | None:
+    """The cores this process's cgroup CPU quota allows (v2 `cpu.max`, v1 `cpu.cfs_quota_us`); None: no quota."""
+    for path in paths:
+        try:
+            text = path.read_text().split()
+            period = int(text[1]) if len(text) > 1 else int((path.parent / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError, IndexError):
+            continue
+        if text[0] in ("max", "-1"):
+            return None
+        return int(text[0]) / period
+    return None
 
 
 def _ticks_per_second() -> int:

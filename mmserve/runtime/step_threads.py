@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from mmserve.config import DecoderConfig
-from mmserve.runtime.core_company import CoreCompany
+from mmserve.runtime.core_company import CoreCompany, affinity
 from mmserve.runtime.thread_trials import ThreadTrials
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ class StepThreads:
         self.cores = usable_cores()  # cores this process may run on (fixed for its life)
         # each kind measured at start-up -> the cores others kept busy meanwhile, None where unknown (cores)
         self.company: dict[str, float | None] = {}
-        self.disturbed: dict[str, float] = {}  # the kinds whose measurement is not trusted for it (cores)
+        self.voided: dict[str, float] = {}  # the kinds whose measurement that voided -> their company (cores)
         self.medians_ms: dict[str, dict[int, float]] = {}  # each kind measured -> median step by count (ms)
         # a count the config left open is re-measured while serving, on that kind's own steps
         self.trials = self._open_trials() if self.enabled else {}
@@ -178,7 +177,7 @@ class StepThreads:
         finally:
             self.trials = trials
             torch.set_num_threads(self.available)
-        for kind in self.disturbed.keys() & trials.keys():
+        for kind in self.voided.keys() & trials.keys():
             trials[kind].soon(UNTRUSTED_FIRST_PERIOD)
         log.info("step threads: %d for steps of <= %d new tokens (%d when they attend more than %d rows), "
                  "%d for bigger ones (of %d); measured (ms by threads, and the cores others kept busy): %s",
@@ -194,31 +193,38 @@ class StepThreads:
     def _fastest(self, step: Callable[[], object], which: str, warmup: int = 2, rounds: int = 7) -> int:
         counts = sorted({1, self.available})
         timings: dict[int, list[float]] = {count: [] for count in counts}
-        company = CoreCompany()
-        company.start()
+        company = CoreCompany()  # NOTE: around the all-threads arm's steps only: they are what company slows
         for round_ in range(warmup + rounds):
             for count in counts:
                 setattr(self, which, count)
+                timed = round_ >= warmup
+                if timed and count == self.available:
+                    company.start()
                 started = time.perf_counter()
                 step()
-                if round_ >= warmup:
+                if timed:
                     timings[count].append(time.perf_counter() - started)
+                    if count == self.available:
+                        company.stop()
         medians = {count: statistics.median(t) for count, t in timings.items()}
         self.medians_ms[which] = {count: t * 1e3 for count, t in medians.items()}
         best = min(medians.values())
         fastest = min(count for count, t in medians.items() if t <= best * (1 + CLOSE))
         others = self.company[which] = company.others()
-        if fastest == self.available or others is None or len(company.cores) - others >= self.available - BUSY_MARGIN:
-            return fastest
-        self.disturbed[which] = others  # NOTE: a win of all threads despite the company stands
+        if fastest == self.available or self._trusted(others, len(company.cores)):  # NOTE: all threads winning
+            return fastest  # despite company stands
+        self.voided[which] = others or 0.0
         log.info("step threads: %s steps measured while others kept %.2f of %d cores busy: %d thread(s) won, not "
                  "trusted; %d until measured while serving", which, others, len(company.cores), fastest,
                  self.available)
         return self.available
 
+    def _trusted(self, others: float | None, cores: int) -> bool:
+        """Whether a measurement beside `others` busy cores of `cores` left the all-threads arm its cores (less
+        BUSY_MARGIN); unknown company is taken as none."""
+        return others is None or cores - others >= min(self.available, cores) - BUSY_MARGIN
+
 
 def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity where the OS tells it)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """How many cores this process may run on (its CPU affinity where the OS tells it)."""
+    return len(affinity())

@@ -68,8 +68,8 @@ class ThreadTrials:
             return current
         chosen = verdict(self._trial, current, self.close, self.size_tolerance)
         self._trial, self._since, self.trials = None, 0, self.trials + 1
-        if chosen == current:
-            self.period = min(2 * self.period, LONGEST_PERIOD)
+        if chosen == current:  # NOTE: a period shortened by `soon` doubles from `first_period` on
+            self.period = min(max(2 * self.period, self.first_period), LONGEST_PERIOD)
         else:
             self.changes.append((current, chosen))
             self.period = self.first_period

@@ -42,6 +42,9 @@ class FakeCompany:
     def start(self) -> None:
         pass
 
+    def stop(self) -> None:
+        pass
+
     def others(self) -> float | None:
         return FakeCompany.others_cores
 
@@ -219,20 +222,23 @@ def test_a_measurement_while_others_fill_the_cores_keeps_all_threads_and_is_trie
             return threads
 
         quiet = measured(0.4)  # a quiet node's background: the verdict holds
-        assert (quiet.small, quiet.big, quiet.disturbed) == (1, 2, {})
+        assert (quiet.small, quiet.big, quiet.voided) == (1, 2, {})
         assert unknown_is_quiet(measured(None))
         busy = measured(0.6)  # the 2-thread arm had less than 1.5 cores: not trusted
         assert (busy.small, busy.big) == (2, 2)
-        assert busy.disturbed == {"small": 0.6}  # the big steps' win of all threads stands
+        assert busy.voided == {"small": 0.6}  # the big steps' win of all threads stands
         for _ in range(UNTRUSTED_FIRST_PERIOD):  # the doubted count is tried again after a few steps
             assert busy.apply(1) == 2
             busy.observe(1, 0.02, 2)
         assert busy.apply(1) == 1  # the trial's first step, at the other count
         assert quiet.trials["small"].period > UNTRUSTED_FIRST_PERIOD  # a trusted one waits its whole period
+        more = StepThreads(CPU, DecoderConfig(small_step_tokens=16))  # more threads than the 2 cores: the rule
+        more.available = 4  # asks of the others what those cores can give, no more
+        assert more._trusted(0.4, 2) and not more._trusted(0.6, 2) and more._trusted(None, 2)
     finally:
         torch.set_num_threads(before)
 
 
 def unknown_is_quiet(threads: StepThreads) -> bool:
     """Where the company is unknown (no /proc/stat), the measurement is taken as it is."""
-    return threads.small == 1 and threads.disturbed == {}
+    return threads.small == 1 and threads.voided == {}

@@ -42,6 +42,17 @@ def test_a_slower_count_is_left_after_one_trial_and_the_trials_then_come_less_of
     assert used.count(1) == TRIAL_STEPS // 2
 
 
+def test_a_count_in_doubt_is_tried_soon_and_once_confirmed_waits_a_whole_period() -> None:
+    trials = ThreadTrials((1, 2), close=0.05)
+    serve(trials, 2, 5, lambda c: 0.010)
+    trials.soon(16)  # e.g. its start-up measurement was taken beside others' work
+    _, used = serve(trials, 2, 16 + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
+    assert used[:16] == [2] * 16 and used[16:].count(1) == TRIAL_STEPS // 2  # the trial 16 steps on
+    assert trials.trials == 1 and trials.period == FIRST_PERIOD  # confirmed: not 32, the usual first period
+    trials.soon(10**6)
+    assert trials.period == FIRST_PERIOD  # never later than it was
+
+
 def test_steps_that_come_in_a_fixed_order_do_not_favour_the_count_tried_first() -> None:
     """Requests of two chunks, the second attending twice the context: equally fast counts stay as they are."""
     trials = ThreadTrials((1, 2), close=0.05, first_period=2, size_tolerance=0.25)
