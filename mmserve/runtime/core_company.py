@@ -5,10 +5,11 @@ the hypervisor gave our vCPU to another guest), over the intervals a caller mark
 CPU time; and the cores this process may run on. Does not own what a caller makes of it (`step_threads.py`:
 a thread count measured while others filled the cores is not trusted).
 
-NOTE: /proc/stat counts in clock ticks (10 ms on Linux), per core; summed over a measurement's intervals of
-a few hundred milliseconds on two cores that is a resolution of a few percent of a core, enough to tell a
-node where other processes start up (importing torch, loading weights: a whole core each) from a quiet one.
-Niced time is left out: a niced process yields its core to ours.
+NOTE: /proc/stat counts in clock ticks (10 ms on Linux), per core, read at each start and stop: over
+50-100 ms a spinning process beside us read anywhere from 0.35 to 1.14 cores, over 300 ms and more 0.7-0.9
+(docs/benchmarks.md). So less than MIN_WALL_S of marked work tells nothing (None); past it, enough to tell
+a node where other processes start up (importing torch, loading weights: a whole core each) from a quiet
+one. Niced time is left out: a niced process yields its core to ours.
 
 NOTE: nothing is known (`others()` answers None) where /proc/stat is missing (not Linux), names other cores
 than this process's affinity (a container's view of it), or counts a whole host that a CPU quota shares
@@ -24,6 +25,7 @@ from pathlib import Path
 PROC_STAT = Path("/proc/stat")
 CGROUP_QUOTAS = (Path("/sys/fs/cgroup/cpu.max"), Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"))  # v2, v1
 _BUSY_FIELDS = (0, 2, 5, 6, 7)  # user, system, irq, softirq, steal (nice left out; guest is inside user)
+MIN_WALL_S = 0.25  # marked work shorter than this measures the ticks, not the company (s)
 
 
 class CoreCompany:
@@ -55,9 +57,9 @@ class CoreCompany:
 
     def others(self) -> float | None:
         """Cores (0 to len(cores)) that others kept busy on average over the marked intervals; None where
-        unknown (see the NOTE above, or nothing marked)."""
+        unknown (see the NOTEs above: no counts of our cores, or less than MIN_WALL_S marked)."""
         busy, own, wall = self._summed
-        if self._unknown or wall <= 0:
+        if self._unknown or wall < MIN_WALL_S:
             return None
         return min(max((busy - own) / wall, 0.0), float(len(self.cores)))
 

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from mmserve.config import DecoderConfig
-from mmserve.runtime.core_company import CoreCompany, affinity
+from mmserve.runtime.core_company import MIN_WALL_S, CoreCompany, affinity
 from mmserve.runtime.thread_trials import ThreadTrials
 
 log = logging.getLogger(__name__)
@@ -190,22 +190,23 @@ class StepThreads:
         company = self.company[kind]
         return f"{kind} {times}, others {'?' if company is None else f'{company:.2f}'}"
 
-    def _fastest(self, step: Callable[[], object], which: str, warmup: int = 2, rounds: int = 7) -> int:
+    def _fastest(self, step: Callable[[], object], which: str, warmup: int = 2, rounds: int = 7,
+                 most_rounds: int = 64) -> int:
+        """The count of fewer threads within CLOSE of the fastest, over `rounds` interleaved rounds after
+        `warmup`, and more (up to `most_rounds`) until they last MIN_WALL_S, so that the company is known."""
         counts = sorted({1, self.available})
         timings: dict[int, list[float]] = {count: [] for count in counts}
-        company = CoreCompany()  # NOTE: around the all-threads arm's steps only: they are what company slows
-        for round_ in range(warmup + rounds):
-            for count in counts:
-                setattr(self, which, count)
-                timed = round_ >= warmup
-                if timed and count == self.available:
-                    company.start()
-                started = time.perf_counter()
-                step()
-                if timed:
-                    timings[count].append(time.perf_counter() - started)
-                    if count == self.available:
-                        company.stop()
+        for _ in range(warmup):
+            self._round(step, which, counts, None)
+        # NOTE: over all the timed rounds, both arms: /proc/stat counts in 10 ms ticks, read at each start and
+        # stop, so the all-threads steps alone (a few ms each on a small model) would measure only the ticks
+        company = CoreCompany()
+        company.start()
+        began, done = time.perf_counter(), 0
+        while done < rounds or (done < most_rounds and time.perf_counter() - began < MIN_WALL_S):
+            self._round(step, which, counts, timings)
+            done += 1
+        company.stop()
         medians = {count: statistics.median(t) for count, t in timings.items()}
         self.medians_ms[which] = {count: t * 1e3 for count, t in medians.items()}
         best = min(medians.values())
@@ -218,6 +219,16 @@ class StepThreads:
                  "trusted; %d until measured while serving", which, others, len(company.cores), fastest,
                  self.available)
         return self.available
+
+    def _round(self, step: Callable[[], object], which: str, counts: list[int],
+               timings: dict[int, list[float]] | None) -> None:
+        """One step of kind `which` at each of `counts`, timed into `timings` (None: a warm-up round)."""
+        for count in counts:
+            setattr(self, which, count)
+            started = time.perf_counter()
+            step()
+            if timings is not None:
+                timings[count].append(time.perf_counter() - started)
 
     def _trusted(self, others: float | None, cores: int) -> bool:
         """Whether a measurement beside `others` busy cores of `cores` left the all-threads arm its cores (less

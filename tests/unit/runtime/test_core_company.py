@@ -97,6 +97,11 @@ def test_unknown_where_the_counts_cannot_be_ours(tmp_path: Path, fake: FakeTime)
     quota.write_text("max 100000\n")
     assert measured(CoreCompany({0, 1}, stat, (quota,))) == 0.0
     assert CoreCompany({0}, stat, NO_QUOTA).others() is None  # nothing marked
+    short = CoreCompany({0, 1}, stat, NO_QUOTA)
+    short.start()
+    fake.wall += core_company.MIN_WALL_S * 0.9  # too short: the 10 ms ticks, not the company
+    short.stop()
+    assert short.others() is None
     with pytest.raises(RuntimeError, match="before start"):
         CoreCompany({0}, stat, NO_QUOTA).stop()
 

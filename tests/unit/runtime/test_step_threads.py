@@ -242,3 +242,25 @@ def test_a_measurement_while_others_fill_the_cores_keeps_all_threads_and_is_trie
 def unknown_is_quiet(threads: StepThreads) -> bool:
     """Where the company is unknown (no /proc/stat), the measurement is taken as it is."""
     return threads.small == 1 and threads.voided == {}
+
+
+def test_a_measurement_of_short_steps_goes_on_until_it_can_tell_the_company(clock: FakeClock) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def steps_taken(ms: float) -> int:
+            threads, taken = StepThreads(CPU, DecoderConfig(small_step_tokens=16)), [0]
+
+            def step() -> None:
+                threads.apply(1)
+                clock.step({1: ms, 2: ms})
+                taken[0] += 1
+
+            threads.calibrate(small_step=step, big_step=step)
+            return taken[0] // 2  # two kinds measured alike
+
+        assert steps_taken(100.0) == 2 * (2 + 7)  # warm-up and timed rounds, each at 1 and 2 threads
+        assert steps_taken(6.0) == 2 * (2 + 21)  # 21 rounds of 12 ms: past the company's MIN_WALL_S
+        assert steps_taken(0.1) == 2 * (2 + 64)  # never more rounds than most_rounds
+    finally:
+        torch.set_num_threads(before)
