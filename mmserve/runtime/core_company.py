@@ -5,11 +5,11 @@ the hypervisor gave our vCPU to another guest), over the intervals a caller mark
 CPU time; and the cores this process may run on. Does not own what a caller makes of it (`step_threads.py`:
 a thread count measured while others filled the cores is not trusted).
 
-NOTE: /proc/stat counts in clock ticks (10 ms on Linux), per core, read at each start and stop: over
-50-100 ms a spinning process beside us read anywhere from 0.35 to 1.14 cores, over 300 ms and more 0.7-0.9
-(docs/benchmarks.md). So less than MIN_WALL_S of marked work tells nothing (None); past it, enough to tell
-a node where other processes start up (importing torch, loading weights: a whole core each) from a quiet
-one. Niced time is left out: a niced process yields its core to ours.
+NOTE: /proc/stat counts in clock ticks (10 ms on Linux), per core, read at each start and stop, so a short
+marking reads mostly where the ticks fell (docs/benchmarks.md has a probe by length). Less than MIN_WALL_S
+of marked work tells nothing (None); past it, enough to tell a node where other processes start up
+(importing torch, loading weights: a whole core each) from a quiet one. Niced time is left out: a niced
+process yields its core to ours.
 
 NOTE: nothing is known (`others()` answers None) where /proc/stat is missing (not Linux), names other cores
 than this process's affinity (a container's view of it), or counts a whole host that a CPU quota shares

@@ -72,7 +72,7 @@ class StepThreads:
         self.cores = usable_cores()  # cores this process may run on (fixed for its life)
         # each kind measured at start-up -> the cores others kept busy meanwhile, None where unknown (cores)
         self.company: dict[str, float | None] = {}
-        self.voided: dict[str, float] = {}  # the kinds whose measurement that voided -> their company (cores)
+        self.voided: set[str] = set()  # the kinds whose measurement that company voided
         self.medians_ms: dict[str, dict[int, float]] = {}  # each kind measured -> median step by count (ms)
         # a count the config left open is re-measured while serving, on that kind's own steps
         self.trials = self._open_trials() if self.enabled else {}
@@ -177,7 +177,7 @@ class StepThreads:
         finally:
             self.trials = trials
             torch.set_num_threads(self.available)
-        for kind in self.voided.keys() & trials.keys():
+        for kind in self.voided & trials.keys():
             trials[kind].soon(UNTRUSTED_FIRST_PERIOD)
         log.info("step threads: %d for steps of <= %d new tokens (%d when they attend more than %d rows), "
                  "%d for bigger ones (of %d); measured (ms by threads, and the cores others kept busy): %s",
@@ -212,12 +212,12 @@ class StepThreads:
         best = min(medians.values())
         fastest = min(count for count, t in medians.items() if t <= best * (1 + CLOSE))
         others = self.company[which] = company.others()
-        if fastest == self.available or self._trusted(others, len(company.cores)):  # NOTE: all threads winning
-            return fastest  # despite company stands
-        self.voided[which] = others or 0.0
+        # NOTE: a win of all threads stands whatever the company: it can only have made them slower
+        if fastest == self.available or self._trusted(others):
+            return fastest
+        self.voided.add(which)
         log.info("step threads: %s steps measured while others kept %.2f of %d cores busy: %d thread(s) won, not "
-                 "trusted; %d until measured while serving", which, others, len(company.cores), fastest,
-                 self.available)
+                 "trusted; %d until measured while serving", which, others, self.cores, fastest, self.available)
         return self.available
 
     def _round(self, step: Callable[[], object], which: str, counts: list[int],
@@ -230,10 +230,10 @@ class StepThreads:
             if timings is not None:
                 timings[count].append(time.perf_counter() - started)
 
-    def _trusted(self, others: float | None, cores: int) -> bool:
-        """Whether a measurement beside `others` busy cores of `cores` left the all-threads arm its cores (less
-        BUSY_MARGIN); unknown company is taken as none."""
-        return others is None or cores - others >= min(self.available, cores) - BUSY_MARGIN
+    def _trusted(self, others: float | None) -> bool:
+        """Whether a measurement beside `others` busy cores (of this process's) left the all-threads arm its
+        cores (less BUSY_MARGIN); unknown company is taken as none."""
+        return others is None or self.cores - others >= min(self.available, self.cores) - BUSY_MARGIN
 
 
 def usable_cores() -> int:

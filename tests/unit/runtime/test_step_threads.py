@@ -207,6 +207,7 @@ def test_a_measurement_while_others_fill_the_cores_keeps_all_threads_and_is_trie
         def measured(others: float | None) -> StepThreads:
             FakeCompany.others_cores = others
             threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16))
+            threads.cores = 2  # as on a 2-core machine, whatever this one has
 
             def small() -> None:  # 1 thread wins: the second core was taken by others
                 threads.apply(1)
@@ -222,26 +223,26 @@ def test_a_measurement_while_others_fill_the_cores_keeps_all_threads_and_is_trie
             return threads
 
         quiet = measured(0.4)  # a quiet node's background: the verdict holds
-        assert (quiet.small, quiet.big, quiet.voided) == (1, 2, {})
+        assert (quiet.small, quiet.big, quiet.voided) == (1, 2, set())
         assert unknown_is_quiet(measured(None))
         busy = measured(0.6)  # the 2-thread arm had less than 1.5 cores: not trusted
         assert (busy.small, busy.big) == (2, 2)
-        assert busy.voided == {"small": 0.6}  # the big steps' win of all threads stands
+        assert busy.voided == {"small"} and busy.company["small"] == 0.6  # the big steps' win of all threads stands
         for _ in range(UNTRUSTED_FIRST_PERIOD):  # the doubted count is tried again after a few steps
             assert busy.apply(1) == 2
             busy.observe(1, 0.02, 2)
         assert busy.apply(1) == 1  # the trial's first step, at the other count
         assert quiet.trials["small"].period > UNTRUSTED_FIRST_PERIOD  # a trusted one waits its whole period
         more = StepThreads(CPU, DecoderConfig(small_step_tokens=16))  # more threads than the 2 cores: the rule
-        more.available = 4  # asks of the others what those cores can give, no more
-        assert more._trusted(0.4, 2) and not more._trusted(0.6, 2) and more._trusted(None, 2)
+        more.available, more.cores = 4, 2  # asks of the others what those cores can give, no more
+        assert more._trusted(0.4) and not more._trusted(0.6) and more._trusted(None)
     finally:
         torch.set_num_threads(before)
 
 
 def unknown_is_quiet(threads: StepThreads) -> bool:
     """Where the company is unknown (no /proc/stat), the measurement is taken as it is."""
-    return threads.small == 1 and threads.voided == {}
+    return threads.small == 1 and threads.voided == set()
 
 
 def test_a_measurement_of_short_steps_goes_on_until_it_can_tell_the_company(clock: FakeClock) -> None:
