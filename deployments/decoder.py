@@ -9,9 +9,9 @@ answered (mmserve.encoder.stage).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
-import torch
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
@@ -49,7 +49,7 @@ class Decoder:
         except (InvalidRequestError, OverloadedError) as exc:
             yield RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
 
-    async def _encode(self, request: PreprocessedRequest) -> list[torch.Tensor]:
+    async def _encode(self, request: PreprocessedRequest) -> EncoderOutput:
         # NOTE: only a dead encoder is retried here (a RequestFailed is the encoder's verdict, and lost pixels
         # stay lost: the ingress preprocesses such a request again); past the retries a ReplicaLostError,
         # which the ingress does not retry again
@@ -63,7 +63,7 @@ class Decoder:
             raise ReplicaLostError(f"encoder replicas lost ({type(exc).__name__}); retry") from None
         if isinstance(out, RequestFailed):
             raise out.error
-        return from_wire(out.embeddings, out.dtype)
+        return replace(out, embeddings=from_wire(out.embeddings, out.dtype))  # tensors, with the encoder's phases
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose step thread died is replaced."""

@@ -23,6 +23,7 @@ from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, RequestFailed
 from mmserve.runtime.embeddings_wire import to_wire
 from mmserve.runtime.metrics import MetricsSnapshot, encoder_snapshot
+from mmserve.runtime.timeline import Timeline
 from mmserve.stages import StageFactory
 
 
@@ -46,14 +47,17 @@ class Encoder:
         self.reporter.ensure_started()
         self.resolver.bind()  # NOTE: the step thread resolves pixels through the store's handle
         self.ongoing += 1
+        timeline = Timeline()
         try:
-            embeddings = await self.service.encode(request_id, features)
+            encoded = await self.service.encode(request_id, features)
         except InvalidRequestError as exc:
             return RequestFailed(request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
         finally:
             self.ongoing -= 1
-        arrays, dtype = to_wire(embeddings)
-        return EncoderOutput(request_id, arrays, dtype=dtype)
+        arrays, dtype = to_wire(encoded.embeddings)
+        timeline.add(encoded.timings)
+        timeline.since_start("encoder.replica")  # the call's whole time here: its round trip less this is the hop
+        return EncoderOutput(request_id, arrays, dtype=dtype, timings=timeline.phases)
 
     async def encode_early(self, request_id: str, features: list[MultiModalFeatureSpec]) -> bool:
         """Start encoding a request's items into this replica's cache before its `encode` call comes (the

@@ -34,10 +34,11 @@ from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError, ReplicaLostError
-from mmserve.messages import ChatRequest, RequestFailed, ServedModel
+from mmserve.messages import ChatRequest, PhaseTimes, RequestFailed, ServedModel
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import IngressMetrics, MetricsSnapshot, RequestStatus, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
+from mmserve.runtime.timeline import Timeline
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
@@ -84,21 +85,23 @@ def failure_status(exc: BaseException) -> RequestStatus:
 
 
 class ServerTiming:
-    """The ingress's view of a request's first token, as an HTTP `Server-Timing` header (ms per phase):
-    `parse` (body validated), `preprocess` (the Preprocess round trip), `first` (the Decoder's stream to
-    its first output, the encoder's call inside it). For anyone's browser tools and scripts/bench_path.py."""
+    """A request's way to its first token as an HTTP `Server-Timing` header (ms per phase), for anyone's browser
+    tools and scripts/bench_path.py. The ingress's own view: `parse` (body validated), `preprocess` (the
+    Preprocess round trip), `first` (the Decoder's stream to its first output, the encoder's call inside it);
+    then the phases the stages reported with that output (`preprocess.*`, `decoder.*`, `encoder.*`: each
+    stage's own time, so that a round trip less the callee's time is the hop; mmserve/runtime/timeline.py)."""
 
-    def __init__(self, started: float) -> None:
-        self._last = started
-        self._phases: list[str] = []
+    def __init__(self) -> None:
+        self._timeline = Timeline()
 
     def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self._phases.append(f"{name};dur={(now - self._last) * 1e3:.3f}")
-        self._last = now
+        self._timeline.mark(name)
+
+    def add(self, phases: PhaseTimes) -> None:
+        self._timeline.add(phases)
 
     def header(self) -> dict[str, str]:
-        return {"Server-Timing": ", ".join(self._phases)}
+        return {"Server-Timing": ", ".join(f"{name};dur={ms:.3f}" for name, ms in self._timeline.phases)}
 
 
 def _raise_failed(message: Any) -> Any:
@@ -186,7 +189,7 @@ class Ingress:
         started = time.perf_counter()
         deadline = Deadline(self.request_timeout_s)
         self.reporter.ensure_started()
-        timing = ServerTiming(started)
+        timing = ServerTiming()
         try:
             check_declared_size(request.headers.get("content-length"), self.max_body_bytes)
             raw = await deadline.wait(read_bounded(request.stream(), self.max_body_bytes))  # a slow drip too
@@ -230,6 +233,7 @@ class Ingress:
             cancel(outputs)  # e.g. the deadline: the decoder drops the request and frees its KV blocks
             raise
         timing.mark("first")
+        timing.add(first.timings)
         return first, outputs
 
     async def _within(self, deadline: Deadline, awaitable: Any) -> Any:

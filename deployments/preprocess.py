@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -18,6 +19,7 @@ from deployments.metrics_hub import MetricsReporter
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
+from mmserve.runtime.timeline import Timeline
 from mmserve.stages import StageFactory
 
 log = logging.getLogger("ray.serve")
@@ -43,11 +45,14 @@ class Preprocess:
         self.reporter.ensure_started()
         self.cache.bind()
         self.ongoing += 1
+        timeline = Timeline()
         try:
             # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
             pre = await asyncio.to_thread(self.preprocessor.process, request)
             self._encode_early(pre)
-            return pre
+            timeline.add(pre.timings)
+            timeline.since_start("preprocess.replica")  # the whole call here: its round trip less this is the hop
+            return replace(pre, timings=timeline.phases)
         except InvalidRequestError as exc:
             return RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
         finally:

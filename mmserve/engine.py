@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import DecoderStats, LogitsObserver
 from mmserve.encoder.outputs import EncoderStats
-from mmserve.messages import ChatRequest, PreprocessedRequest, RequestOutput, TokenLogprob, merge_outputs
+from mmserve.messages import ChatRequest, EncoderOutput, PreprocessedRequest, RequestOutput, TokenLogprob, merge_outputs
 from mmserve.preprocess.processor_cache import ProcessorCache, ProcessorCacheStats
 from mmserve.stages import StageFactory
 
@@ -62,8 +62,10 @@ class Engine:
         return self.preprocessor.process(request)
 
     def _serve(self, pre: PreprocessedRequest) -> AsyncIterator[RequestOutput]:
-        encode = lambda p: self.encoder_service.encode(p.request_id, p.features)  # noqa: E731
-        return self.decoder_service.generate(pre, encode=encode)
+        return self.decoder_service.generate(pre, encode=self._encode)
+
+    async def _encode(self, pre: PreprocessedRequest) -> EncoderOutput:
+        return await self.encoder_service.encode(pre.request_id, pre.features)
 
     async def stream(self, request: ChatRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; closing the iterator early aborts the request."""

@@ -18,6 +18,9 @@ import numpy as np
 from mmserve.errors import InvalidSamplingError
 
 FinishReason = Literal["stop", "length", "abort"]
+# a stage's own time on one request, phase by phase in the order they ended: (`stage.phase`, milliseconds);
+# phases reported by a stage it called sit inside one of its own (mmserve/runtime/timeline.py)
+PhaseTimes = tuple[tuple[str, float], ...]
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI allows
@@ -168,6 +171,7 @@ class PreprocessedRequest:
     # the prefix cache's chained digest of each full block of the prompt (32 bytes each), items and salt
     # included; () unless the decoder's router keys on them (the decoder computes its own).
     block_hashes: tuple[bytes, ...] = ()
+    timings: PhaseTimes = ()  # the Preprocess stage's own time on it (phase, ms)
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,7 @@ class EncoderOutput:
     request_id: str
     embeddings: list[Any]  # per feature, in feature order: (num_embeds, text_hidden) numpy or tensor
     dtype: str = "float32"  # torch dtype of the embeddings; numpy ones may carry its bits (embeddings_wire)
+    timings: PhaseTimes = ()  # the encoder stage's own time on the call (phase, ms)
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     index: int = 0  # which of the request's `n` choices this output belongs to (choice index)
+    # on a choice's first output: the stages' own time up to it (phase, ms): the preprocess phases its request
+    # carried, then the decoder's (with the encoder's inside); () on the others
+    timings: PhaseTimes = ()
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

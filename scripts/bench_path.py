@@ -3,8 +3,10 @@ in-process Engine and Serve's own floor (a no-op app shaped like ours), all in o
 sampled in turn rep by rep so that the machine's drift falls on all alike.
 
 Prints, for a text request, a new image and the same image again: time to first token in process and
-served, the difference, Serve's floor for the hops that path takes, and what is left above it; the
-ingress's Server-Timing phases beside their in-process work; and the cost per streamed token.
+served, the difference, Serve's floor for the hops that path takes, and what is left above it; where the
+first token's time goes, served beside in process: each stage's own phases (reported with the first
+output) and each hop, a round trip less the callee's own time (bench_lib/timeline.py); and the cost per
+streamed token.
 
   python scripts/bench_path.py                  # ~3 min on 2 cores
   python scripts/bench_path.py --reps 40
@@ -31,13 +33,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_lib import timeline  # noqa: E402
 from bench_lib.idle_tax import idle_tax, serve_processes, wakeups_per_s  # noqa: E402
 from bench_lib.path import (  # noqa: E402
     STREAM_TOKENS,
     Client,
     ServeFloor,
     Timed,
-    engine_phases,
     image_url,
     in_process,
     messages,
@@ -70,22 +72,17 @@ def start(port: int, app_args: dict[str, str]) -> None:
     serve.run(build_app(dict(app_args)), name="default", route_prefix="/")
 
 
-def probes(engine: Any, client: Client, reps: int, floor: ServeFloor) -> dict[str, list[tuple[Timed, Timed, float]]]:
-    """kind -> [(in process, served, in-process preprocess ms)], interleaved rep by rep, each rep also
-    sampling Serve's floor into `floor`."""
-    out: dict[str, list[tuple[Timed, Timed, float]]] = {"text": [], "new image": [], "repeated image": []}
+def probes(engine: Any, client: Client, reps: int, floor: ServeFloor) -> dict[str, list[tuple[Timed, Timed]]]:
+    """kind -> [(in process, served)], interleaved rep by rep, each rep also sampling Serve's floor into
+    `floor`."""
+    out: dict[str, list[tuple[Timed, Timed]]] = {"text": [], "new image": [], "repeated image": []}
     for i in range(reps):
         floor.sample(client)
         text = messages(f"Tell me about the sea, number {i}.", None)
         url = image_url(10_000 + i)
         fresh, again = messages("What is in this picture?", url), messages(f"And now {i}?", url)
-        unseen = messages("What is in this picture?", image_url(20_000 + i))  # a miss, for the phase alone
-        for kind, msgs, phase in (("text", text, text), ("new image", fresh, unseen), ("repeated image", again, again)):
-            pre_ms = engine_phases(engine, phase) if kind != "repeated image" else float("nan")
-            ours = in_process(engine, msgs, 1)
-            if kind == "repeated image":  # its phase is a hit: measured once the image is cached
-                pre_ms = engine_phases(engine, phase)
-            out[kind].append((ours, served(client, msgs, 1), pre_ms))
+        for kind, msgs in (("text", text), ("new image", fresh), ("repeated image", again)):
+            out[kind].append((in_process(engine, msgs, 1), served(client, msgs, 1)))
     return out
 
 
@@ -146,7 +143,7 @@ def measure_idle_tax(engine: Any, rounds: int) -> dict[str, Any]:
             "new_image_ttft": idle_tax(new_image, procs, rounds), "per_token": idle_tax(per_token, procs, rounds)}
 
 
-def summarize(floor: dict[str, float], runs: dict[str, list[tuple[Timed, Timed, float]]],
+def summarize(floor: dict[str, float], runs: dict[str, list[tuple[Timed, Timed]]],
               streams: list[tuple[Timed, Timed]], repeats_encode: bool = False) -> dict[str, Any]:
     """The report's figures; `repeats_encode`: a repeated image's path takes the Decoder -> Encoder hop (the
     Decoder's embedding cache is off)."""
@@ -158,11 +155,10 @@ def summarize(floor: dict[str, float], runs: dict[str, list[tuple[Timed, Timed, 
         # from the Decoder's own embedding cache (mmserve/decoder/embedding_cache.py) unless it is off
         encodes = kind == "new image" or (kind == "repeated image" and repeats_encode)
         hops = floor["text_path"] + (floor["handle_hop"] if encodes else 0.0)
-        phases = {name: m(r[1].phases.get(name, float("nan")) for r in rows)
-                  for name in ("parse", "preprocess", "first")}
         kinds[kind] = {"in_process_ttft_ms": ours, "served_ttft_ms": theirs, "overhead_ms": theirs - ours,
-                       "serve_floor_ms": hops, "above_floor_ms": theirs - ours - hops, "phases_ms": phases,
-                       "in_process_preprocess_ms": m(r[2] for r in rows)}
+                       "serve_floor_ms": hops, "above_floor_ms": theirs - ours - hops,
+                       "phases_ms": timeline.medians([r[1].phases for r in rows]),
+                       "in_process_phases_ms": timeline.medians([r[0].phases for r in rows])}
     pairs = [(a.per_token_ms, b.per_token_ms) for a, b in streams
              if a.per_token_ms is not None and b.per_token_ms is not None]
     # NOTE: the overhead is the median of each pair's difference (the two streams ran back to back, so the
@@ -181,14 +177,13 @@ def report(r: dict[str, Any]) -> None:
     print(f"{'':16}{'in-process':>11}{'served':>9}{'overhead':>10}{'floor':>8}{'above':>8}"
           "   phases (parse/preprocess/first)")
     for kind, k in r["ttft"].items():
-        p = k["phases_ms"]
+        p = {name: k["phases_ms"].get(name, float("nan")) for name in ("parse", "preprocess", "first")}
         ok = "PASS" if k["above_floor_ms"] <= TARGETS[kind] else "FAIL"
         print(f"{kind:16}{k['in_process_ttft_ms']:11.2f}{k['served_ttft_ms']:9.2f}{k['overhead_ms']:10.2f}"
               f"{k['serve_floor_ms']:8.2f}{k['above_floor_ms']:8.2f}   {p['parse']:.2f}/{p['preprocess']:.2f}/"
               f"{p['first']:.2f}  (<= +{TARGETS[kind]} ms: {ok})")
-    for kind, k in r["ttft"].items():
-        pre = k["in_process_preprocess_ms"]
-        print(f"  {kind} in process: preprocess {pre:.2f} ms, the rest {k['in_process_ttft_ms'] - pre:.2f}")
+    timeline.report({kind: {"served": k["phases_ms"], "in_process": k["in_process_phases_ms"]}
+                     for kind, k in r["ttft"].items()})
     pt = r["per_token_ms"]
     ok = "PASS" if pt["overhead"] <= TARGETS["per token"] else "FAIL"
     print(f"per streamed token: in-process {pt['in_process']:.3f} ms, served {pt['served']:.3f}, overhead "

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mmserve.decoder.decoder import Decoder, DecoderStats
 from mmserve.decoder.embedding_cache import EmbeddingCache
 from mmserve.decoder.stream_pacing import StreamPacing
 from mmserve.errors import OverloadedError
-from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, merge_outputs
+from mmserve.messages import DecodeRequest, EncoderOutput, PreprocessedRequest, RequestOutput, merge_outputs
 from mmserve.runtime.step_loop import StepLoop
+from mmserve.runtime.timeline import Timeline
 
-EncodeFn = Callable[[PreprocessedRequest], Awaitable[list[Any]]]  # -> per-feature embeddings
+EncodeFn = Callable[[PreprocessedRequest], Awaitable[EncoderOutput]]  # -> per-feature embeddings, the encoder's phases
 
 
 @dataclass
@@ -37,6 +39,7 @@ class _Live:
     loop: asyncio.AbstractEventLoop  # the consumer's
     fetches: int = 0  # late fetches started (each its own encoder request id)
     ended: bool = False  # the consumer is gone: a late fetch finishing after it is dropped
+    timeline: Timeline = field(default_factory=Timeline)  # this service's phases up to the first output
 
 
 class DecoderService:
@@ -128,17 +131,21 @@ class DecoderService:
                 matcher = await self._matcher(pre)
                 self.loop.open(request_id)
                 self.loop.submit(request_id, lambda: self.decoder.add(request, matcher))
+                live.timeline.mark("decoder.admit")  # the request handed to the step thread
             finally:
                 self._arriving -= 1
             # NOTE: deltas that piled up while this consumer waited, or came within one stream interval,
             # go on as one: each output is a message through Serve to the ingress and on to the client.
-            final_only, streaming = pre.sampling.final_only, False
+            final_only, streaming, timed = pre.sampling.final_only, False, False
             try:
                 async for out in self.loop.outputs(request_id, merge=merge_outputs, interval_s=lambda: (
                         self.pacing.interval_s(self._streams, final_only=final_only))):
                     finished = out.finished
                     if not (streaming or final_only):  # NOTE: from its first output: a queued one sends nothing
                         streaming, self._streams = True, self._streams + 1
+                    if not timed:
+                        live.timeline.mark("decoder.first_output")  # scheduled, prefilled, sampled, handed over
+                        out, timed = replace(out, timings=(*pre.timings, *live.timeline.phases)), True
                     yield out
             finally:
                 self._streams -= streaming
@@ -185,8 +192,11 @@ class DecoderService:
             return [None] * len(pre.features)
         hit = await self.loop.call(lambda: self.decoder.prefix_hit_tokens(hashes, len(pre.prompt_token_ids))) \
             if hashes else 0
+        live.timeline.mark("decoder.prefix")  # the prompt's blocks hashed and looked up
         needed = [i for i, f in enumerate(pre.features) if f.placeholder.offset + f.placeholder.length > hit]
-        return await self._encode(live, pre.request_id, needed)
+        embeddings = await self._encode(live, pre.request_id, needed)
+        live.timeline.mark("decoder.embeddings")  # from this service's cache or the encoder
+        return embeddings
 
     async def _encode(self, live: _Live, encoder_id: str, indices: list[int]) -> list[Any]:
         """Embeddings of the features at `indices` (None elsewhere): this service's cache first, then one
@@ -199,7 +209,11 @@ class DecoderService:
         if missing:
             assert live.encode is not None
             sub = replace(live.pre, request_id=encoder_id, features=[features[i] for i in missing])
-            for i, emb in zip(missing, await live.encode(sub), strict=True):
+            started = time.perf_counter()
+            out = await live.encode(sub)
+            # NOTE: the call's round trip and, inside it, the encoder's own phases (the rest is the hop)
+            live.timeline.add((("decoder.encode_call", (time.perf_counter() - started) * 1e3), *out.timings))
+            for i, emb in zip(missing, out.embeddings, strict=True):
                 embeddings[i] = emb
                 self.embeddings.put(features[i].identifier, emb)
         return embeddings

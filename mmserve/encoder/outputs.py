@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.messages import MultiModalFeatureSpec, ProcessedItem
+from mmserve.messages import MultiModalFeatureSpec, PhaseTimes, ProcessedItem
 
 Resolver = Callable[[MultiModalFeatureSpec], ProcessedItem]  # an item's pixels (ray.get in the Ray app)
 
@@ -26,6 +26,7 @@ def inline_pixels(spec: MultiModalFeatureSpec) -> ProcessedItem:
 class EncodedRequest:
     request_id: str
     embeddings: list[torch.Tensor]  # per feature, in feature order: (num_embeds, hidden)
+    timings: PhaseTimes = ()  # the stage's own time on it (phase, ms): the steps that encoded its items, its stay
 
     @property
     def finished(self) -> bool:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from mmserve.encoder.outputs import Resolver, inline_pixels
 from mmserve.encoder.stage import EncoderStage
-from mmserve.messages import MultiModalFeatureSpec
+from mmserve.messages import EncoderOutput, MultiModalFeatureSpec
 from mmserve.runtime.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -28,18 +27,20 @@ class EncoderService:
                              name="mmserve-encoder")
         self._early: set[asyncio.Task] = set()  # early encodes under way (held: the loop keeps weak references)
 
-    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec], early: bool = False) -> list[Any]:
-        """Embeddings of each feature, in order: (num_embeds, hidden) tensors. Raises if refused.
+    async def encode(self, request_id: str, features: list[MultiModalFeatureSpec], early: bool = False
+                     ) -> EncoderOutput:
+        """Embeddings of each feature, in order: (num_embeds, hidden) tensors, with the stage's phases. Raises if
+        refused.
 
         The request holds its encoder-cache entries until they are handed back here, not after.
         """
         if not features:
-            return []
+            return EncoderOutput(request_id, [])
         self.loop.open(request_id)
         self.loop.submit(request_id, lambda: self.stage.add_request(request_id, features, self.resolve, early))
         try:
             async for out in self.loop.outputs(request_id):
-                return list(out.embeddings)
+                return EncoderOutput(request_id, list(out.embeddings), timings=out.timings)
         except asyncio.CancelledError:  # the caller left before its embeddings came
             self.abort(request_id)
             raise

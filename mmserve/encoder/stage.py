@@ -17,7 +17,8 @@ Single-threaded by design: the caller serializes calls (one engine loop or one r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +38,8 @@ class _Pending:
     resolve: Resolver
     early: bool = False  # an early encode (`add_request`): its lookups are not counted
     next_index: int = 0  # features before it are booked (hit or allocated) for this request
+    arrived: float = field(default_factory=time.perf_counter)  # added to the stage (s, perf_counter)
+    timings: list[tuple[str, float]] = field(default_factory=list)  # the steps that encoded its items (phase, ms)
 
     @property
     def done(self) -> bool:
@@ -173,11 +176,13 @@ class EncoderStage:
         """
         resolved: list[tuple[MultiModalFeatureSpec, ProcessedItem]] = []
         failures: list[tuple[MultiModalFeatureSpec, BaseException]] = []
+        started = time.perf_counter()
         for req, spec in misses:
             try:
                 resolved.append((spec, _resolve(req, spec)))
             except Exception as exc:  # e.g. its pixels' owner died and the store has no copy
                 failures.append((spec, exc))
+        resolved_at = time.perf_counter()
         try:
             encoded = self._forward(resolved)
         except Exception as exc:
@@ -187,6 +192,7 @@ class EncoderStage:
             else:
                 encoded, alone = self._forward_each(resolved)
             failures += alone
+        _time_step(misses, started, resolved_at)
         for spec, emb in encoded:
             self.cache.put(spec.identifier, emb)
         if failures:
@@ -233,7 +239,9 @@ class EncoderStage:
         done = [req for req in self._pending.values() if req.done]
         out = []
         for req in done:
-            out.append(EncodedRequest(req.request_id, [self._tensor(spec) for spec in req.features]))
+            stay = ("encoder.stage", (time.perf_counter() - req.arrived) * 1e3)  # added -> handed out
+            out.append(EncodedRequest(req.request_id, [self._tensor(spec) for spec in req.features],
+                                      (*req.timings, stay)))
             self.abort(req.request_id)  # handed out: its references end here (the entries stay cached)
         return out
 
@@ -259,6 +267,14 @@ class EncoderStage:
             num_pending=len(self._pending),
             batch_sizes=dict(sorted(self.runner.batch_sizes.items())),
         )
+
+
+def _time_step(misses: list[tuple[_Pending, MultiModalFeatureSpec]], started: float, resolved_at: float) -> None:
+    """Each request of a step's misses gets the step's time reading pixels and in the vision forward (ms)."""
+    now = time.perf_counter()
+    phases = [("encoder.pixels", (resolved_at - started) * 1e3), ("encoder.forward", (now - resolved_at) * 1e3)]
+    for req in dict.fromkeys(req for req, _ in misses):  # each request once, in order
+        req.timings += phases
 
 
 def _num_tiles(spec: MultiModalFeatureSpec) -> int:

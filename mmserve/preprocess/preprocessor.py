@@ -36,6 +36,7 @@ from mmserve.preprocess.hashing import hash_image, hash_source
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.preprocess.media import MediaLoader
 from mmserve.preprocess.processor_cache import CachedItem, ItemCache
+from mmserve.runtime.timeline import Timeline
 
 # (prompt token ids, features, cache salt) -> the prefix cache's digest per full block (decoder.prefix_cache)
 BlockHashes = Callable[[list[int], list[MultiModalFeatureSpec], str | None], tuple[bytes, ...]]
@@ -72,6 +73,7 @@ class Preprocessor:
             return self._image_processor_calls
 
     def process(self, req: ChatRequest) -> PreprocessedRequest:
+        timeline = Timeline()
         req.sampling.validate()
         self._check_stop(req.sampling.stop)
         parsed = parse_messages(req.messages, reserved=self.rule.reserved_strings)
@@ -88,16 +90,18 @@ class Preprocessor:
         # Without crops the prompt is shortest: refuse a too-long one before fetching any image.
         ids = self._tokenize(self.rule.expand(text, [0] * n_items))
         self._check_length(ids)
-        items, hits = self._load_items(parsed.image_urls, kwargs)
+        timeline.mark("preprocess.prompt")  # rendered, tokenized, checked
+        items, hits = self._load_items(parsed.image_urls, kwargs, timeline)
         crops = [item.num_tiles - 1 for _, item in items]
         if any(crops):
             ids = self._tokenize(self.rule.expand(text, crops))
             self._check_length(ids)
         features = self._features(ids, items, crops)
         hashes = self.block_hashes(ids, features, req.cache_salt) if self.block_hashes is not None else ()
+        timeline.mark("preprocess.features")
         return PreprocessedRequest(request_id=req.request_id, prompt_token_ids=ids, features=features,
                                    sampling=req.sampling, processor_cache_hits=hits, cache_salt=req.cache_salt,
-                                   block_hashes=hashes)
+                                   block_hashes=hashes, timings=timeline.phases)
 
     # --- steps -------------------------------------------------------------------------------
 
@@ -130,20 +134,23 @@ class Preprocessor:
             raise PromptTooLongError(f"the prompt is {len(ids)} tokens (images expanded); with at least "
                                      f"one output token it exceeds max_model_len {self.max_model_len}")
 
-    def _load_items(self, urls: list[str], kwargs: dict[str, Any]) -> tuple[list[tuple[str, CachedItem]], int]:
-        """(content hash, item) per image in prompt order, and how many the ProcessorCache served."""
+    def _load_items(self, urls: list[str], kwargs: dict[str, Any], timeline: Timeline
+                    ) -> tuple[list[tuple[str, CachedItem]], int]:
+        """(content hash, item) per image in prompt order, and how many the ProcessorCache served; each image's
+        phases marked on `timeline` (`preprocess.image_*`)."""
         items: list[tuple[str, CachedItem]] = []
         local: dict[str, tuple[str, CachedItem]] = {}  # repeats inside one request, even with the cache off
         hits = 0
         for index, data in enumerate(self.loader.read_all(urls), start=1):
             source = hash_source(data, model_id=self.model_id, kwargs=kwargs)
-            local[source], hit = self._item(data, index, source, kwargs, local.get(source))
+            timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
+            local[source], hit = self._item(data, index, source, kwargs, local.get(source), timeline)
             hits += hit
             items.append(local[source])
         return items, hits
 
     def _item(self, data: bytes, index: int, source: str, kwargs: dict[str, Any],
-              earlier: tuple[str, CachedItem] | None) -> tuple[tuple[str, CachedItem], bool]:
+              earlier: tuple[str, CachedItem] | None, timeline: Timeline) -> tuple[tuple[str, CachedItem], bool]:
         """One image's (content hash, item) and whether the cache had it: by its bytes (never decoded
         then), else the same bytes `earlier` in the request, else by its pixels, else processed and stored.
 
@@ -154,20 +161,27 @@ class Preprocessor:
         """
         by_source = self.cache.find_source(source)
         image = None if by_source.done() or earlier else self.loader.decode(data, index)
-        if (found := by_source.result()) is not None:
+        found = by_source.result()
+        timeline.mark("preprocess.image_decode")  # looked up by its bytes; decoded unless that answered at once
+        if found is not None:
             return found, True
         if earlier is not None:
             return earlier, False
         if image is None:
             image = self.loader.decode(data, index)
         key = hash_image(image, model_id=self.model_id, kwargs=kwargs)
+        timeline.mark("preprocess.image_hash")  # decoded if not yet, its pixels hashed
         by_key = self.cache.find(key, source)
         processed = None if by_key.done() else self._run_image_processor(image, kwargs)
-        if (item := by_key.result()) is not None:
+        item = by_key.result()
+        timeline.mark("preprocess.image_process")  # looked up by its pixels; the processor run unless answered
+        if item is not None:
             return (key, item), True
         if processed is None:
             processed = self._run_image_processor(image, kwargs)
-        return (key, self.cache.store(key, processed, source)), False
+        stored = self.cache.store(key, processed, source)
+        timeline.mark("preprocess.image_store")  # processed if not yet, kept in the cache
+        return (key, stored), False
 
     def _run_image_processor(self, image: Image.Image, kwargs: dict[str, Any]) -> ProcessedItem:
         # NOTE: every output-changing kwarg is passed explicitly, so neither Gemma3Processor's class

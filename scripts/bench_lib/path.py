@@ -2,8 +2,8 @@
 
 Owns: the probes (a text request, a new image, the same image again; a 64-token stream for the cost per
 token), timing them against the in-process Engine and through HTTP and the deployments, reading the
-ingress's `Server-Timing` phases, and Serve's own floor from the no-op app (noop_app.py). Does not own
-starting Ray or printing.
+phases the stages report (the ingress's `Server-Timing` header, the Engine's first output), and Serve's
+own floor from the no-op app (noop_app.py). Does not own starting Ray or printing.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import io
 import json
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ def messages(text: str, url: str | None) -> list[dict[str, Any]]:
 class Timed:
     ttft_ms: float  # request sent -> first output (ms)
     per_token_ms: float | None  # first output -> last, per token after the first (ms)
-    phases: dict[str, float] = field(default_factory=dict)  # Server-Timing phases (ms)
+    phases: dict[str, float] = field(default_factory=dict)  # the stages' phases and the ingress's round trips (ms)
 
 
 class Client:
@@ -95,12 +96,10 @@ def served(client: Client, msgs: list[dict[str, Any]], max_tokens: int) -> Timed
     content = [t for t, c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None]
     tokens = next((c["usage"]["completion_tokens"] for _, c in chunks if c.get("usage")), max_tokens)
     per_token = (content[-1] - content[0]) * 1e3 / (tokens - 1) if tokens > 1 and len(content) > 1 else None
-    phases = {}
-    for item in headers.get("Server-Timing", headers.get("server-timing", "")).split(","):
-        if ";dur=" in item:
-            name, dur = item.strip().split(";dur=")
-            phases[name] = float(dur)
-    return Timed((content[0] - start) * 1e3, per_token, phases)
+    pairs = [item.strip().split(";dur=") for item in headers.get("Server-Timing", headers.get("server-timing", ""))
+             .split(",") if ";dur=" in item]
+    phases = summed((name, float(dur)) for name, dur in pairs)
+    return Timed((content[0] - start) * 1e3, per_token, phases)  # the ingress's round trips, the stages' phases
 
 
 def in_process(engine: Engine, msgs: list[dict[str, Any]], max_tokens: int) -> Timed:
@@ -108,21 +107,23 @@ def in_process(engine: Engine, msgs: list[dict[str, Any]], max_tokens: int) -> T
 
     async def run() -> Timed:
         start = time.perf_counter()
-        stamps, tokens = [], 0
+        stamps, tokens, phases = [], 0, dict[str, float]()
         async for out in engine.stream(ChatRequest(f"probe-{time.monotonic_ns()}", msgs, sampling)):
             stamps.append(time.perf_counter())
             tokens = out.num_output_tokens
+            phases = phases or summed(out.timings)  # the stages' phases, on the first output
         per_token = (stamps[-1] - stamps[0]) * 1e3 / (tokens - 1) if tokens > 1 and len(stamps) > 1 else None
-        return Timed((stamps[0] - start) * 1e3, per_token)
+        return Timed((stamps[0] - start) * 1e3, per_token, phases)
 
     return asyncio.run(run())
 
 
-def engine_phases(engine: Engine, msgs: list[dict[str, Any]]) -> float:
-    """The in-process preprocess time (ms) of a request, the work inside the `preprocess` phase."""
-    start = time.perf_counter()
-    engine.preprocess(ChatRequest(f"phase-{time.monotonic_ns()}", msgs, SamplingParams(max_tokens=1)))
-    return (time.perf_counter() - start) * 1e3
+def summed(pairs: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """(phase, ms) pairs as a dict; NOTE: a phase marked once per image is summed over the images."""
+    out: dict[str, float] = {}
+    for name, ms in pairs:
+        out[name] = out.get(name, 0.0) + ms
+    return out
 
 
 @dataclass

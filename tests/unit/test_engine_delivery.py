@@ -4,6 +4,8 @@ a full waiting queue that refuses at once while the rest complete."""
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from mmserve.config import DecoderConfig, EngineConfig
 from mmserve.engine import Engine
 from mmserve.errors import OverloadedError
 from tests.unit.test_engine import IMAGE, chat, collect
+from tests.unit.test_parity import data_url, make_image
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +55,35 @@ def test_a_full_waiting_queue_refuses_at_once_and_the_rest_complete(tiny_ckpt_22
         assert all(outs[-1].finished and outs[-1].finish_reason in ("stop", "length") for outs in done)
         [after] = eng.generate([chat("q4", max_tokens=4)])  # and the queue has room again
         assert after.finish_reason in ("stop", "length")
+
+
+# a new image's: read, looked up by bytes and decoded, hashed, looked up by pixels and processed, kept
+IMAGE_PHASES = ("preprocess.image_read", "preprocess.image_decode", "preprocess.image_hash",
+                "preprocess.image_process", "preprocess.image_store")
+
+
+def test_a_first_output_carries_each_stage_s_phases_in_order_and_no_other_output_does(engine):
+    async def timed(request) -> tuple[list[Any], float]:
+        started = time.perf_counter()
+        outs = await collect(engine, request)
+        return outs, (time.perf_counter() - started) * 1e3
+
+    new_image = chat("t1", data_url(make_image(320, 240, seed=int.from_bytes(os.urandom(4), "little"))),
+                     max_tokens=6, ignore_eos=True)
+    outs, wall_ms = asyncio.run(timed(new_image))
+    assert all(not o.timings for o in outs[1:])
+    phases = dict(outs[0].timings)
+    assert [name for name, _ in outs[0].timings] == [
+        "preprocess.prompt", *IMAGE_PHASES, "preprocess.features", "decoder.prefix", "decoder.encode_call",
+        "encoder.pixels", "encoder.forward", "encoder.stage", "decoder.embeddings", "decoder.admit",
+        "decoder.first_output"], outs[0].timings
+    assert all(ms >= 0 for ms in phases.values())
+    # each lies inside the next: the forward in the stage's stay, that in the call, the call in the phase
+    assert phases["encoder.pixels"] + phases["encoder.forward"] <= phases["encoder.stage"]
+    assert phases["encoder.stage"] <= phases["decoder.encode_call"] <= phases["decoder.embeddings"]
+    assert sum(ms for name, ms in outs[0].timings if name.split(".")[0] in ("preprocess", "decoder")
+               and name != "decoder.encode_call") <= wall_ms
+
+    text_outs = asyncio.run(collect(engine, chat("t2", text="Hello there", max_tokens=2)))
+    assert [name for name, _ in text_outs[0].timings] == [  # no image: no prefix lookup for it, no encoder
+        "preprocess.prompt", "preprocess.features", "decoder.admit", "decoder.first_output"]

@@ -20,11 +20,11 @@ def test_an_early_encode_on_an_idle_stage_is_what_the_requests_own_call_gets() -
             assert service.encode_early("r1/early", [_spec("h", "k")])
             while service.stage.stats().forward_passes == 0:  # the early encode runs on its own
                 await asyncio.sleep(0.005)
-            (embedding,) = await service.encode("r1", [_spec("h", "k")])
+            (embedding,) = (await service.encode("r1", [_spec("h", "k")])).embeddings
             stats = service.stage.stats()
             assert stats.forward_passes == 1 and store.calls == ["k"]
             assert stats.queries == 1 and stats.hits == 0  # the request's miss, run ahead of it
-            (alone,) = await EncoderService(_stage()).encode("solo", [_spec("h", _item(1))])
+            (alone,) = (await EncoderService(_stage()).encode("solo", [_spec("h", _item(1))])).embeddings
             assert torch.equal(embedding, alone)
         finally:
             service.stop()
