@@ -133,6 +133,9 @@ class IngressArgs(StageArgs):
     # Seconds a request may take from arrival to its last token; then it ends with a 504 (or an error
     # event in a stream) and is cancelled downstream (its KV blocks freed, an encode under way dropped).
     request_timeout_s: float = Field(600.0, gt=0)
+    # Each stage's own phases in the `Server-Timing` header, beside the ingress's round trips (scripts/bench_path.py
+    # turns it on). NOTE: off by default: which phases ran tells a client whether a cache held an image.
+    stage_timing: bool = False
 
 
 class PreprocessArgs(StageArgs):

@@ -85,20 +85,21 @@ def failure_status(exc: BaseException) -> RequestStatus:
 
 
 class ServerTiming:
-    """A request's way to its first token as an HTTP `Server-Timing` header (ms per phase), for anyone's browser
-    tools and scripts/bench_path.py. The ingress's own view: `parse` (body validated), `preprocess` (the
-    Preprocess round trip), `first` (the Decoder's stream to its first output, the encoder's call inside it);
-    then the phases the stages reported with that output (`preprocess.*`, `decoder.*`, `encoder.*`: each
-    stage's own time, so that a round trip less the callee's time is the hop; mmserve/runtime/timeline.py)."""
+    """A request's way to its first token as a `Server-Timing` header (ms): `parse`, `preprocess` (that round
+    trip), `first` (the Decoder's stream to its first output), a `retry` before each attempt after a lost
+    replica; then, with `ingress.stage_timing`, each stage's own phases from that output (mmserve/runtime/
+    timeline.py). NOTE: those are off by default: they tell a client whether a cache held an image."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages: bool) -> None:
         self._timeline = Timeline()
+        self._stages = stages
 
     def mark(self, name: str) -> None:
         self._timeline.mark(name)
 
     def add(self, phases: PhaseTimes) -> None:
-        self._timeline.add(phases)
+        if self._stages:
+            self._timeline.add(phases)
 
     def header(self) -> dict[str, str]:
         return {"Server-Timing": ", ".join(f"{name};dur={ms:.3f}" for name, ms in self._timeline.phases)}
@@ -128,6 +129,7 @@ class Ingress:
         self.served: ServedModel | None = None
         self.max_body_bytes = app_args.ingress.max_body_bytes
         self.request_timeout_s = app_args.ingress.request_timeout_s
+        self.stage_timing = app_args.ingress.stage_timing
         self.replica_loss_retries = app_args.replica_loss_retries
         self.preprocess, self.hub = hold(preprocess), hold(hub)
         # NOTE: options() builds a new handle (and its router): once here, not once per request
@@ -189,7 +191,7 @@ class Ingress:
         started = time.perf_counter()
         deadline = Deadline(self.request_timeout_s)
         self.reporter.ensure_started()
-        timing = ServerTiming()
+        timing = ServerTiming(self.stage_timing)
         try:
             check_declared_size(request.headers.get("content-length"), self.max_body_bytes)
             raw = await deadline.wait(read_bounded(request.stream(), self.max_body_bytes))  # a slow drip too
@@ -218,6 +220,8 @@ class Ingress:
         each retry under a request id of its own downstream (the client still sees `chat.request_id`).
         """
         chat = replace(chat, request_id=attempt_id(chat.request_id, attempt))
+        if attempt:
+            timing.mark("retry")
         preprocessing = self.preprocess.process.remote(chat)
         try:
             answer = await self._within(deadline, preprocessing)

@@ -18,8 +18,9 @@ import numpy as np
 from mmserve.errors import InvalidSamplingError
 
 FinishReason = Literal["stop", "length", "abort"]
-# a stage's own time on one request, phase by phase in the order they ended: (`stage.phase`, milliseconds);
-# phases reported by a stage it called sit inside one of its own (mmserve/runtime/timeline.py)
+# a stage's own time on one request, phase by phase: (`stage.phase`, milliseconds). A call's phase (e.g.
+# `decoder.encode_call`) holds those its callee reported (`encoder.*`): nested by name, not by position; a
+# stage's `*.replica` comes after its own phases (mmserve/runtime/timeline.py)
 PhaseTimes = tuple[tuple[str, float], ...]
 
 
@@ -232,6 +233,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         return outputs[0]
     return replace(
         outputs[-1],
+        timings=outputs[0].timings,  # a first output's, if it is among them
         new_token_ids=[t for out in outputs for t in out.new_token_ids],
         new_text="".join(out.new_text for out in outputs),
         logprobs=None if outputs[-1].logprobs is None else [lp for out in outputs for lp in out.logprobs or []],

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     from mmserve.engine import Engine
 
     port = free_port()
-    app_args = dict(item.split("=", 1) for item in args.app)
+    app_args = {"ingress.stage_timing": "true", **dict(item.split("=", 1) for item in args.app)}  # the stages' phases
     start(port, app_args)
     engine = Engine(parse_args(dict(app_args)).engine_config())  # the app's own engine config, in this process
     client = Client(port)

@@ -198,9 +198,10 @@ class DecoderService:
         live.timeline.mark("decoder.embeddings")  # from this service's cache or the encoder
         return embeddings
 
-    async def _encode(self, live: _Live, encoder_id: str, indices: list[int]) -> list[Any]:
+    async def _encode(self, live: _Live, encoder_id: str, indices: list[int], call: str = "decoder.encode_call"
+                      ) -> list[Any]:
         """Embeddings of the features at `indices` (None elsewhere): this service's cache first, then one
-        encoder request for the rest, which the cache then keeps."""
+        encoder request for the rest, which the cache then keeps; the encoder call is timed as `call`."""
         features = live.pre.features
         embeddings: list[Any] = [None] * len(features)
         for i in indices:
@@ -212,7 +213,7 @@ class DecoderService:
             started = time.perf_counter()
             out = await live.encode(sub)
             # NOTE: the call's round trip and, inside it, the encoder's own phases (the rest is the hop)
-            live.timeline.add((("decoder.encode_call", (time.perf_counter() - started) * 1e3), *out.timings))
+            live.timeline.add(((call, (time.perf_counter() - started) * 1e3), *out.timings))
             for i, emb in zip(missing, out.embeddings, strict=True):
                 embeddings[i] = emb
                 self.embeddings.put(features[i].identifier, emb)
@@ -230,7 +231,7 @@ class DecoderService:
         live.fetches += 1
         encoder_id = f"{request_id}/late-{live.fetches}"
         try:
-            got = await self._encode(live, encoder_id, indices)
+            got = await self._encode(live, encoder_id, indices, call="decoder.late_encode_call")
             if live.ended:  # the request ended while this was in flight
                 return
         except Exception as exc:

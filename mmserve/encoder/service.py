@@ -40,7 +40,8 @@ class EncoderService:
         self.loop.submit(request_id, lambda: self.stage.add_request(request_id, features, self.resolve, early))
         try:
             async for out in self.loop.outputs(request_id):
-                return EncoderOutput(request_id, list(out.embeddings), timings=out.timings)
+                dtype = str(out.embeddings[0].dtype).removeprefix("torch.")  # NOTE: tensors here, not the wire's numpy
+                return EncoderOutput(request_id, list(out.embeddings), dtype=dtype, timings=out.timings)
         except asyncio.CancelledError:  # the caller left before its embeddings came
             self.abort(request_id)
             raise

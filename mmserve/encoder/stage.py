@@ -27,7 +27,7 @@ from mmserve.encoder.cache import EncoderCache
 from mmserve.encoder.cache_manager import EncoderCacheManager
 from mmserve.encoder.outputs import EncodedRequest, EncoderStats, EncoderStepError, Resolver, inline_pixels
 from mmserve.encoder.runner import EncoderRunner
-from mmserve.messages import MultiModalFeatureSpec, ProcessedItem
+from mmserve.messages import MultiModalFeatureSpec, PhaseTimes, ProcessedItem
 from mmserve.models.base import VisionEncoder
 
 
@@ -39,7 +39,7 @@ class _Pending:
     early: bool = False  # an early encode (`add_request`): its lookups are not counted
     next_index: int = 0  # features before it are booked (hit or allocated) for this request
     arrived: float = field(default_factory=time.perf_counter)  # added to the stage (s, perf_counter)
-    timings: list[tuple[str, float]] = field(default_factory=list)  # the steps that encoded its items (phase, ms)
+    timings: list[tuple[str, float]] = field(default_factory=list)  # steps that encoded its items, early too (ms)
 
     @property
     def done(self) -> bool:
@@ -54,7 +54,8 @@ class EncoderStage:
         self.cache = EncoderCache()
         self._pending: dict[str, _Pending] = {}  # FIFO: insertion order is arrival order
         self._live: set[str] = set()  # pending: added and not yet handed out or aborted
-        self._early: set[str] = set()  # entries an early encode made that no request has found yet
+        # entries an early encode made that no request has found yet -> the phases of the step that made them
+        self._early: dict[str, PhaseTimes] = {}
         self._queries = 0
         self._hits = 0
 
@@ -152,18 +153,19 @@ class EncoderStage:
         """The stats of one lookup (see `add_request` on early encodes)."""
         if req.early:
             if not hit:
-                self._early.add(identifier)
+                self._early[identifier] = ()  # its step's phases once it has run (`_encode`)
             return
         self._queries += 1
-        if identifier in self._early:
-            self._early.discard(identifier)  # made for this request: its miss, run ahead
+        if identifier in self._early:  # made for this request: its miss, run ahead (and timed for it)
+            req.timings += self._early.pop(identifier)
         elif hit:
             self._hits += 1
 
     def _drop_freed(self) -> None:
         """Drop the tensors of the entries the manager has just freed."""
         freed = self.manager.take_freed()
-        self._early.difference_update(freed)
+        for identifier in freed:
+            self._early.pop(identifier, None)
         self.cache.drop(freed)
 
     def _encode(self, misses: list[tuple[_Pending, MultiModalFeatureSpec]]) -> None:
@@ -192,7 +194,12 @@ class EncoderStage:
             else:
                 encoded, alone = self._forward_each(resolved)
             failures += alone
-        _time_step(misses, started, resolved_at)
+        phases = _step_phases(started, resolved_at)
+        for req in dict.fromkeys(req for req, _ in misses):  # each request once, in order
+            req.timings += phases
+            if req.early:  # NOTE: for the request it ran ahead of, unless that one already found it
+                self._early.update((spec.identifier, phases) for r, spec in misses
+                                   if r is req and spec.identifier in self._early)
         for spec, emb in encoded:
             self.cache.put(spec.identifier, emb)
         if failures:
@@ -269,12 +276,11 @@ class EncoderStage:
         )
 
 
-def _time_step(misses: list[tuple[_Pending, MultiModalFeatureSpec]], started: float, resolved_at: float) -> None:
-    """Each request of a step's misses gets the step's time reading pixels and in the vision forward (ms)."""
+def _step_phases(started: float, resolved_at: float) -> PhaseTimes:
+    """A step's time reading its misses' pixels and in the vision forward, until now (ms): the phases of each
+    request that had a miss in it."""
     now = time.perf_counter()
-    phases = [("encoder.pixels", (resolved_at - started) * 1e3), ("encoder.forward", (now - resolved_at) * 1e3)]
-    for req in dict.fromkeys(req for req, _ in misses):  # each request once, in order
-        req.timings += phases
+    return (("encoder.pixels", (resolved_at - started) * 1e3), ("encoder.forward", (now - resolved_at) * 1e3))
 
 
 def _num_tiles(spec: MultiModalFeatureSpec) -> int:

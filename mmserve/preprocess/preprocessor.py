@@ -159,29 +159,40 @@ class Preprocessor:
         wasted only when other bytes of the same pixels were processed elsewhere (a PNG, then its WebP);
         a lookup answered at once (this process's cache, a replica's own items) spares it.
         """
+        # NOTE: each phase is marked where its work ran: a work item may run beside a lookup or after it
         by_source = self.cache.find_source(source)
-        image = None if by_source.done() or earlier else self.loader.decode(data, index)
+        image = None if by_source.done() or earlier else self._decode(data, index, timeline)
         found = by_source.result()
-        timeline.mark("preprocess.image_decode")  # looked up by its bytes; decoded unless that answered at once
+        timeline.mark("preprocess.image_lookup")  # (what is left of) the wait for a lookup's answer
         if found is not None:
             return found, True
         if earlier is not None:
             return earlier, False
         if image is None:
-            image = self.loader.decode(data, index)
+            image = self._decode(data, index, timeline)
         key = hash_image(image, model_id=self.model_id, kwargs=kwargs)
-        timeline.mark("preprocess.image_hash")  # decoded if not yet, its pixels hashed
+        timeline.mark("preprocess.image_hash")
         by_key = self.cache.find(key, source)
-        processed = None if by_key.done() else self._run_image_processor(image, kwargs)
+        processed = None if by_key.done() else self._process(image, kwargs, timeline)
         item = by_key.result()
-        timeline.mark("preprocess.image_process")  # looked up by its pixels; the processor run unless answered
+        timeline.mark("preprocess.image_lookup")
         if item is not None:
             return (key, item), True
         if processed is None:
-            processed = self._run_image_processor(image, kwargs)
+            processed = self._process(image, kwargs, timeline)
         stored = self.cache.store(key, processed, source)
-        timeline.mark("preprocess.image_store")  # processed if not yet, kept in the cache
+        timeline.mark("preprocess.image_store")  # kept in the cache (the object store's put in the Ray app)
         return (key, stored), False
+
+    def _decode(self, data: bytes, index: int, timeline: Timeline) -> Image.Image:
+        image = self.loader.decode(data, index)
+        timeline.mark("preprocess.image_decode")
+        return image
+
+    def _process(self, image: Image.Image, kwargs: dict[str, Any], timeline: Timeline) -> ProcessedItem:
+        processed = self._run_image_processor(image, kwargs)
+        timeline.mark("preprocess.image_process")
+        return processed
 
     def _run_image_processor(self, image: Image.Image, kwargs: dict[str, Any]) -> ProcessedItem:
         # NOTE: every output-changing kwarg is passed explicitly, so neither Gemma3Processor's class

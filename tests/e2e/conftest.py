@@ -205,6 +205,7 @@ def e2e_server(tiny_ckpt_224: Path, tmp_path_factory: pytest.TempPathFactory) ->
         "media.allow_private_addresses": "true",
         "media.allowed_domains": json.dumps(["127.0.0.1", "localhost"]),
         "metrics_push_interval_s": "1",  # NOTE: the /metrics tests wait for counters to settle past a push
+        "ingress.stage_timing": "true",  # the stages' phases in Server-Timing (test_e2e_timing.py)
     }
     config = {
         "proxy_location": "HeadOnly",

@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_e2e_server import client_for, png_url, user
-from tests.unit.test_engine_delivery import IMAGE_PHASES
 
 pytestmark = pytest.mark.timeout(600)
+EPS_MS = 0.02  # the header's rounding (1 µs a value) over the dozen values a check adds up
 
+# served, a lookup travels to the store: the work it may spare runs meanwhile, then what is left of the wait
+IMAGE_PHASES = ["preprocess.image_read", "preprocess.image_decode", "preprocess.image_lookup", "preprocess.image_hash",
+                "preprocess.image_process", "preprocess.image_lookup", "preprocess.image_store"]
 STAGE_PHASES = ["preprocess.prompt", *IMAGE_PHASES, "preprocess.features", "preprocess.replica",
                 "decoder.prefix", "decoder.encode_call", "encoder.pixels", "encoder.forward", "encoder.stage",
                 "encoder.replica", "decoder.embeddings", "decoder.admit", "decoder.first_output"]
@@ -41,11 +44,11 @@ def test_a_new_image_s_server_timing_holds_each_stage_inside_the_round_trip_that
     assert [name for name, _ in pairs] == ["parse", "preprocess", "first", *STAGE_PHASES], pairs
     t = dict(pairs)
     assert all(ms >= 0 for ms in t.values()), pairs
-    # each callee's own time lies inside the round trip that called it
+    # each callee's own time lies inside the round trip that called it (NOTE: + the header's rounding, 1 µs each)
     work = sum(ms for name, ms in pairs if name.startswith("preprocess.") and name != "preprocess.replica")
-    assert work <= t["preprocess.replica"]
-    assert t["preprocess.replica"] <= t["preprocess"]
-    assert t["encoder.pixels"] + t["encoder.forward"] <= t["encoder.stage"] <= t["encoder.replica"]
-    assert t["encoder.replica"] <= t["decoder.encode_call"] <= t["decoder.embeddings"]
+    assert work <= t["preprocess.replica"] + EPS_MS <= t["preprocess"] + 2 * EPS_MS
+    assert t["encoder.pixels"] + t["encoder.forward"] <= t["encoder.stage"] + EPS_MS
+    assert t["encoder.stage"] <= t["encoder.replica"] + EPS_MS <= t["decoder.encode_call"] + 2 * EPS_MS
+    assert t["decoder.encode_call"] <= t["decoder.embeddings"] + EPS_MS
     decoder = t["decoder.prefix"] + t["decoder.embeddings"] + t["decoder.admit"] + t["decoder.first_output"]
-    assert decoder <= t["first"]
+    assert decoder <= t["first"] + EPS_MS
