@@ -72,11 +72,12 @@ def start(port: int, app_args: dict[str, str]) -> None:
     serve.run(build_app(dict(app_args)), name="default", route_prefix="/")
 
 
-def probes(engine: Any, client: Client, reps: int, floor: ServeFloor) -> dict[str, list[tuple[Timed, Timed]]]:
+def probes(engine: Any, client: Client, reps: int, floor: ServeFloor, first: int = 0
+           ) -> dict[str, list[tuple[Timed, Timed]]]:
     """kind -> [(in process, served)], interleaved rep by rep, each rep also sampling Serve's floor into
-    `floor`."""
+    `floor`; reps numbered from `first` (a number picks the rep's texts and image: each a new one)."""
     out: dict[str, list[tuple[Timed, Timed]]] = {"text": [], "new image": [], "repeated image": []}
-    for i in range(reps):
+    for i in range(first, first + reps):
         floor.sample(client)
         text = messages(f"Tell me about the sea, number {i}.", None)
         url = image_url(10_000 + i)
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     start(port, app_args)
     engine = Engine(parse_args(dict(app_args)).engine_config())  # the app's own engine config, in this process
     client = Client(port)
-    for _ in range(3):  # warm-up: every stage's first forward pays torch's one-time costs (the no-op app too)
-        probes(engine, client, 1, ServeFloor())
+    for k in range(3):  # warm-up: every stage's first forward pays torch's one-time costs (the no-op app too)
+        probes(engine, client, 1, ServeFloor(), first=5_000 + k)  # NOTE: images the timed reps never send
     floor = ServeFloor()
     runs = probes(engine, client, args.reps, floor)
     long = messages("Write a long story.", None)
