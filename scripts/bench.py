@@ -41,7 +41,7 @@ SYSTEMS = ("mmserve", "transformers", "generate", "engine")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--systems", type=csv, default=["mmserve", "transformers", "generate"],
+    ap.add_argument("--systems", type=system_list, default=["mmserve", "transformers", "generate"],
                     help=f"comma-separated, from {','.join(SYSTEMS)}; an HTTP system may carry extra environment "
                          "for its server process, e.g. mmserve+OMP_NUM_THREADS=2, and mmserve app arguments, "
                          "e.g. mmserve+decoder.torch_threads=1 (a variant, reported beside plain mmserve)")
@@ -69,6 +69,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.requests = args.requests or (2 if args.quick else 16)
     args.probes = args.probes or (1 if args.quick else 5)
     return args
+
+
+def system_list(text: str) -> list[str]:
+    """`--systems`, split at the commas outside a variant's JSON value (`mmserve+decoder.env={"A": "1", ...}`)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "{[") - (char in "}]")
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [item for item in [*items, text[start:]] if item]
 
 
 def replica_systems(spec: str) -> list[str]:

@@ -14,6 +14,7 @@ Owns: how each server is launched on a free port, when it is ready, what its pro
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -68,7 +69,7 @@ class HttpSystem:
         self.proc: subprocess.Popen | None = None
         self.sampler: procs.RssSampler | None = None
         self.model = ""
-        self.log = run_dir / f"{self.name.replace('+', '_').replace('=', '-')}.log"
+        self.log = run_dir / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', self.name.replace('=', '-'))}.log"
         self.startup_s = 0.0
         self.killed_on_stop: list[int] = []
 
