@@ -197,9 +197,9 @@ class EncoderStage:
         phases = _step_phases(started, resolved_at)
         for req in dict.fromkeys(req for req, _ in misses):  # each request once, in order
             req.timings += phases
-            if req.early:  # NOTE: for the request it ran ahead of, unless that one already found it
-                self._early.update((spec.identifier, phases) for r, spec in misses
-                                   if r is req and spec.identifier in self._early)
+        for req, spec in misses:  # NOTE: an early encode's, for the request it ran ahead of unless that found it
+            if req.early and spec.identifier in self._early:
+                self._early[spec.identifier] = phases
         for spec, emb in encoded:
             self.cache.put(spec.identifier, emb)
         if failures:

@@ -107,7 +107,8 @@ def in_process(engine: Engine, msgs: list[dict[str, Any]], max_tokens: int) -> T
 
     async def run() -> Timed:
         start = time.perf_counter()
-        stamps, tokens, phases = [], 0, dict[str, float]()
+        stamps, tokens = [], 0
+        phases: dict[str, float] = {}
         async for out in engine.stream(ChatRequest(f"probe-{time.monotonic_ns()}", msgs, sampling)):
             stamps.append(time.perf_counter())
             tokens = out.num_output_tokens
