@@ -7,6 +7,10 @@ kwargs change the output or what their defaults are (the model's prompt rule say
 
 Hashing decoded pixels, not the request's bytes, makes a PNG and a lossless WebP of one picture
 share a key, while any change to the pixels, the model or the processing gives a new one.
+
+A request's `cache_salt` goes into both keys: every cache keyed by them (the ProcessorCache, the encoder
+cache, the decoder's embedding cache, the prefix cache's item keys) then shares an item only between
+requests with the same salt (or none), so no timing tells one salt whether another sent an image.
 """
 
 from __future__ import annotations
@@ -23,19 +27,20 @@ DIGEST_BYTES = 32
 
 
 def hash_image(image: Image.Image, *, model_id: str, kwargs: Mapping[str, Any],
-               defaults: Mapping[str, Any] | None = None) -> str:
+               defaults: Mapping[str, Any] | None = None, salt: str | None = None) -> str:
     """Hex blake2b-256 of the image's pixels and everything that changes its processed form.
 
     `kwargs` are the request's output-changing processor kwargs; `defaults` (if given) fills the
-    ones left out, so passing a default explicitly hashes the same as leaving it out.
+    ones left out, so passing a default explicitly hashes the same as leaving it out. `salt`: the
+    request's cache salt (None: unsalted keys, as without this argument).
     """
     resolved = {**(defaults or {}), **kwargs}
-    header = {
+    header = _salted({
         "model_id": model_id,
         "mode": image.mode,
         "size": list(image.size),  # (width, height)
         "kwargs": {k: _canonical(v) for k, v in resolved.items()},
-    }
+    }, salt)
     digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
     digest.update(canonical_json(header).encode())
     palette = image.getpalette() if image.mode in ("P", "PA") else None
@@ -46,16 +51,22 @@ def hash_image(image: Image.Image, *, model_id: str, kwargs: Mapping[str, Any],
     return digest.hexdigest()
 
 
-def hash_source(data: bytes, *, model_id: str, kwargs: Mapping[str, Any]) -> str:
-    """Hex blake2b-256 of an item's encoded bytes (as the request sent them), the model id and the
-    output-changing kwargs: equal bytes decode to equal pixels, so this key may stand for the content hash
-    of what they decode to. Never equal to a `hash_image` key (another header)."""
-    header = {"source": "bytes", "model_id": model_id, "kwargs": {k: _canonical(v) for k, v in kwargs.items()}}
+def hash_source(data: bytes, *, model_id: str, kwargs: Mapping[str, Any], salt: str | None = None) -> str:
+    """Hex blake2b-256 of an item's encoded bytes (as the request sent them), the model id, the
+    output-changing kwargs and the cache salt: equal bytes decode to equal pixels, so this key may stand for
+    the content hash of what they decode to. Never equal to a `hash_image` key (another header)."""
+    header = _salted({"source": "bytes", "model_id": model_id,
+                      "kwargs": {k: _canonical(v) for k, v in kwargs.items()}}, salt)
     digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
     digest.update(canonical_json(header).encode())
     digest.update(b"\x00bytes\x00")
     digest.update(data)
     return digest.hexdigest()
+
+
+def _salted(header: dict[str, Any], salt: str | None) -> dict[str, Any]:
+    """NOTE: an unsalted header stays as it was, so unsalted keys do not change with this field."""
+    return header if salt is None else {**header, "cache_salt": salt}
 
 
 def canonical_json(value: Any) -> str:

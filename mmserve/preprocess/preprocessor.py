@@ -91,7 +91,7 @@ class Preprocessor:
         ids = self._tokenize(self.rule.expand(text, [0] * n_items))
         self._check_length(ids)
         timeline.mark("preprocess.prompt")  # rendered, tokenized, checked
-        items, hits = self._load_items(parsed.image_urls, kwargs, timeline)
+        items, hits = self._load_items(parsed.image_urls, kwargs, req.cache_salt, timeline)
         crops = [item.num_tiles - 1 for _, item in items]
         if any(crops):
             ids = self._tokenize(self.rule.expand(text, crops))
@@ -134,22 +134,22 @@ class Preprocessor:
             raise PromptTooLongError(f"the prompt is {len(ids)} tokens (images expanded); with at least "
                                      f"one output token it exceeds max_model_len {self.max_model_len}")
 
-    def _load_items(self, urls: list[str], kwargs: dict[str, Any], timeline: Timeline
+    def _load_items(self, urls: list[str], kwargs: dict[str, Any], salt: str | None, timeline: Timeline
                     ) -> tuple[list[tuple[str, CachedItem]], int]:
         """(content hash, item) per image in prompt order, and how many the ProcessorCache served; each image's
-        phases marked on `timeline` (`preprocess.image_*`)."""
+        phases marked on `timeline` (`preprocess.image_*`). Both keys carry the request's cache `salt`."""
         items: list[tuple[str, CachedItem]] = []
         local: dict[str, tuple[str, CachedItem]] = {}  # repeats inside one request, even with the cache off
         hits = 0
         for index, data in enumerate(self.loader.read_all(urls), start=1):
-            source = hash_source(data, model_id=self.model_id, kwargs=kwargs)
+            source = hash_source(data, model_id=self.model_id, kwargs=kwargs, salt=salt)
             timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
-            local[source], hit = self._item(data, index, source, kwargs, local.get(source), timeline)
+            local[source], hit = self._item(data, index, source, kwargs, salt, local.get(source), timeline)
             hits += hit
             items.append(local[source])
         return items, hits
 
-    def _item(self, data: bytes, index: int, source: str, kwargs: dict[str, Any],
+    def _item(self, data: bytes, index: int, source: str, kwargs: dict[str, Any], salt: str | None,
               earlier: tuple[str, CachedItem] | None, timeline: Timeline) -> tuple[tuple[str, CachedItem], bool]:
         """One image's (content hash, item) and whether the cache had it: by its bytes (never decoded
         then), else the same bytes `earlier` in the request, else by its pixels, else processed and stored.
@@ -170,7 +170,7 @@ class Preprocessor:
             return earlier, False
         if image is None:
             image = self._decode(data, index, timeline)
-        key = hash_image(image, model_id=self.model_id, kwargs=kwargs)
+        key = hash_image(image, model_id=self.model_id, kwargs=kwargs, salt=salt)
         timeline.mark("preprocess.image_hash")
         by_key = self.cache.find(key, source)
         processed = None if by_key.done() else self._process(image, kwargs, timeline)

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from mmserve.models.gemma3_prompt import PROCESSOR_DEFAULTS
-from mmserve.preprocess.hashing import hash_image
+from mmserve.preprocess.hashing import hash_image, hash_source
 from mmserve.preprocess.image_decode import decode_image
 
 RNG = np.random.default_rng(0)
@@ -77,3 +77,16 @@ def test_palette_is_part_of_a_paletted_image() -> None:
     a.putpalette([0, 0, 0, 255, 0, 0])
     b.putpalette([0, 0, 0, 0, 255, 0])
     assert a.tobytes() == b.tobytes() and key(a) != key(b)
+
+
+def test_a_cache_salt_gives_keys_of_its_own() -> None:
+    def both(salt: str | None) -> tuple[str, str]:
+        return (hash_image(PIXELS, model_id="m", kwargs={}, salt=salt),
+                hash_source(b"bytes", model_id="m", kwargs={}, salt=salt))
+
+    plain = both(None)
+    assert plain == (hash_image(PIXELS, model_id="m", kwargs={}), hash_source(b"bytes", model_id="m", kwargs={}))
+    salted = {salt: both(salt) for salt in ("a", "b")}
+    assert salted["a"] == both("a")  # the same salt: the same keys
+    assert len({plain[0], salted["a"][0], salted["b"][0]}) == 3
+    assert len({plain[1], salted["a"][1], salted["b"][1]}) == 3
