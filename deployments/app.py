@@ -2,8 +2,8 @@
 
 Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, Preprocess's early encodes to
 the Encoder, with the shared ProcessorCacheStore and the MetricsHub) and applying each stage's placement
-from the arguments; and one process-wide default for a Ray that `serve run` starts after building the app
-(request bodies inline, `inline_bodies_in_a_cluster_started_here`).
+from the arguments; and the process-wide defaults for a Ray that `serve run` starts after building the app
+(`CLUSTER_ENV`: request bodies inline, HAProxy in front of the Ingress; `cluster_env_started_here`).
 Does not own argument names or defaults (args.py) nor any stage's logic.
 """
 
@@ -16,7 +16,7 @@ import ray
 from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
-from deployments.args import INGRESS_INLINE_BYTES, parse_args
+from deployments.args import CLUSTER_ENV, parse_args
 from deployments.cache_store import ProcessorCacheStore
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder
@@ -35,21 +35,24 @@ def _router(config: dict[str, Any]) -> dict[str, Any]:
     return {"request_router_config": RequestRouterConfig(**config)} if config else {}
 
 
-def inline_bodies_in_a_cluster_started_here() -> None:
-    """Let a Ray cluster that this process is about to start pass request bodies of up to
-    `INGRESS_INLINE_BYTES` inline everywhere, Serve's proxy included; a value already set is kept.
+def cluster_env_started_here() -> None:
+    """Give a Ray cluster that this process is about to start mmserve's cluster environment (`CLUSTER_ENV`:
+    request bodies up to `INGRESS_INLINE_BYTES` inline everywhere, Serve's proxy included, and HAProxy in
+    front of the Ingress replicas); a value already set is kept.
 
     NOTE: `serve run <import path>` builds the app before it starts Ray, and the local cluster it starts
-    inherits this process's environment. Serve has no per-app setting for the proxy's environment, and the
-    proxy's reply to the Ingress carries the body (a data URL's image) through the object store past Ray's
-    100 KiB default. A Ray already running is left alone (`ray start` clusters: docs/deploying.md).
+    inherits this process's environment. Serve has no per-app setting for either: the proxy's reply to the
+    Ingress carries the body (a data URL's image) through the object store past Ray's 100 KiB default, and
+    HAProxy is a mode of Serve's controller. A Ray already running is left alone (`ray start` clusters and
+    config files: docs/deploying.md).
     """
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_max_direct_call_object_size", str(INGRESS_INLINE_BYTES))
+        for key, value in CLUSTER_ENV.items():
+            os.environ.setdefault(key, value)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    inline_bodies_in_a_cluster_started_here()
+    cluster_env_started_here()
     app_args = parse_args(args or {})  # NOTE: model None: each replica finds or builds the tiny checkpoint
     hub = _deployment(MetricsHub).bind()
     store = _deployment(ProcessorCacheStore).bind(app_args.engine.processor_cache.capacity_bytes, hub,

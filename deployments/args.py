@@ -59,6 +59,14 @@ DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(MM
 # ingress.max_body_bytes) still go through the object store, whose fixed cost is small beside their copies.
 INGRESS_INLINE_BYTES = 1 << 20
 INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
+# The environment mmserve wants every Ray node to start with (Serve has no per-app setting for these):
+# - bodies inline as above, in Serve's own processes too;
+# - HAProxy in front of the Ingress replicas (Ray's `RAY_SERVE_ENABLE_HA_PROXY`, which turns on Serve's direct
+#   ingress): each Ingress replica serves HTTP on a port of its own and HAProxy, a C process, balances the HTTP
+#   port over them, so a request no longer crosses Serve's Python proxy and a Ray call to reach the Ingress
+#   (~7 ms and ~1 ms per streamed message less here: docs/benchmarks.md, seventeenth session).
+#   NOTE: in that mode Serve binds HTTP on all interfaces (HAProxy on other nodes must reach the replicas).
+CLUSTER_ENV = {"RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES), "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
 class StageArgs(_Strict):

@@ -62,9 +62,9 @@ def start(port: int, app_args: dict[str, str]) -> None:
     from bench_lib.noop_app import noop_app
     from ray import serve
 
-    from deployments.app import build_app, inline_bodies_in_a_cluster_started_here
+    from deployments.app import build_app, cluster_env_started_here
 
-    inline_bodies_in_a_cluster_started_here()  # as `serve run` gets it: the app is built before Ray starts
+    cluster_env_started_here()  # as `serve run` gets it: the app is built before Ray starts
     ray.init(address="local", include_dashboard=False, logging_level=logging.ERROR,
              runtime_env={"env_vars": {"PYTHONPATH": f"{HERE}:{HERE.parent}"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})

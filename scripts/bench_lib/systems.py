@@ -26,6 +26,7 @@ import yaml
 from bench_lib import procs
 from bench_lib.images import data_url
 from bench_lib.workloads import BenchRequest, ImageSpec, openai_messages
+from deployments.args import CLUSTER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -131,8 +132,10 @@ class Mmserve(HttpSystem):
         # NOTE: a short private temp dir: a fresh Ray of our own (never someone else's cluster), and its
         # unix socket paths stay under the 107-character limit.
         self.ray_tmp = Path(f"/tmp/mmb{self.port}")
-        env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(self.ray_tmp),
-               "RAY_ADDRESS": ""}
+        # NOTE: mmserve's cluster environment, as docs/deploying.md starts a config file (a variant may override it:
+        # `mmserve+RAY_SERVE_ENABLE_HA_PROXY=0` is Serve's own proxy)
+        env = {**CLUSTER_ENV, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+               "RAY_TMPDIR": str(self.ray_tmp), "RAY_ADDRESS": ""}
         serve = str(Path(sys.executable).with_name("serve"))
         return [serve, "run", "--address", "local", str(path)], env
 

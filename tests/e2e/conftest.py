@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.args import INGRESS_INLINE_BYTES
+from deployments.args import CLUSTER_ENV
 from tests.e2e.e2e_support import (
     E2E_MAX_BODY_BYTES,
     MAX_IMAGES,
@@ -221,7 +221,7 @@ def e2e_server(tiny_ckpt_224: Path, tmp_path_factory: pytest.TempPathFactory) ->
         "RAY_AUTH_MODE": "disabled",
         "RAY_ADDRESS": "local",  # never attach to a running cluster
         "RAY_TMPDIR": ray_tmp,
-        "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES),  # as docs/deploying.md starts a config file
+        **CLUSTER_ENV,  # as docs/deploying.md starts a config file
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from deployments.args import DEFAULT_STAGE_ENV
+from deployments.args import CLUSTER_ENV, DEFAULT_STAGE_ENV
 from tests.folder_scope import FolderScope
 from tests.integration.helpers import NodeProbe, deploy, free_port
 
@@ -49,9 +49,10 @@ class ClusterInfo:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[ClusterInfo]:
-    saved = {k: os.environ.get(k) for k in ("RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE", "RAY_TMPDIR")}
+    saved = {k: os.environ.get(k) for k in ("RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE", "RAY_TMPDIR", *CLUSTER_ENV)}
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.update(CLUSTER_ENV)  # NOTE: as docs/deploying.md starts every node: HAProxy before the Ingress
     # NOTE: a private temp root (short: it holds unix sockets) so that other Ray sessions on this
     # machine neither find this cluster through /tmp/ray/ray_current_cluster nor we theirs.
     ray_tmp = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="mmit-", dir="/tmp")

@@ -1,5 +1,5 @@
-"""The app builder's one process-wide default: a Ray cluster that `serve run` starts after building the app
-passes request bodies inline up to the Ingress's limit."""
+"""The app builder's process-wide defaults: a Ray cluster that `serve run` starts after building the app gets
+mmserve's cluster environment (bodies inline up to the Ingress's limit, HAProxy in front of the Ingress)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,27 @@ import os
 import pytest
 
 from deployments import app
-from deployments.args import INGRESS_INLINE_BYTES
+from deployments.args import CLUSTER_ENV, INGRESS_INLINE_BYTES
 
 KEY = "RAY_max_direct_call_object_size"
+HA = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
-def test_a_cluster_started_after_the_build_inlines_bodies_and_a_users_value_or_a_running_ray_is_kept(
+def test_a_cluster_started_after_the_build_gets_the_cluster_env_and_a_users_value_or_a_running_ray_is_kept(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KEY, raising=False)
+    for key in CLUSTER_ENV:
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(app.ray, "is_initialized", lambda: False)
-    app.inline_bodies_in_a_cluster_started_here()
-    assert os.environ[KEY] == str(INGRESS_INLINE_BYTES)
+    app.cluster_env_started_here()
+    assert (os.environ[KEY], os.environ[HA]) == (str(INGRESS_INLINE_BYTES), "1")
 
-    monkeypatch.setenv(KEY, "4096")  # the user's own choice
-    app.inline_bodies_in_a_cluster_started_here()
-    assert os.environ[KEY] == "4096"
+    monkeypatch.setenv(KEY, "4096")  # the user's own choices
+    monkeypatch.setenv(HA, "0")
+    app.cluster_env_started_here()
+    assert (os.environ[KEY], os.environ[HA]) == ("4096", "0")
 
-    monkeypatch.delenv(KEY)
+    for key in CLUSTER_ENV:
+        monkeypatch.delenv(key)
     monkeypatch.setattr(app.ray, "is_initialized", lambda: True)  # too late: the cluster has its settings
-    app.inline_bodies_in_a_cluster_started_here()
-    assert KEY not in os.environ
+    app.cluster_env_started_here()
+    assert not set(CLUSTER_ENV) & set(os.environ)

@@ -26,7 +26,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
-from deployments.args import AppArgs, StageArgs, parse_args
+from deployments.args import CLUSTER_ENV, AppArgs, StageArgs, parse_args
 
 ROOT = Path(__file__).resolve().parents[3]
 CLUSTER_YAML = ROOT / "cluster.yaml"
@@ -397,3 +397,20 @@ def test_deploying_md_serve_run_examples_parse() -> None:
         pairs = dict(w.split("=", 1) for w in words[3:] if "=" in w)
         assert pairs, command
         parse_args(pairs)
+
+
+def test_every_node_starts_with_mmserves_cluster_env() -> None:
+    """What `serve run <import path>` gives the cluster it starts (deployments/args.py: CLUSTER_ENV), every node
+    of the launcher's and KubeRay's clusters gets from its start command or its container."""
+    wanted = {f"{key}={value}" for key, value in CLUSTER_ENV.items()}
+    config = _load(CLUSTER_YAML)
+    starts = [cmd for key in ("head_start_ray_commands", "worker_start_ray_commands") for cmd in config[key]
+              if "ray start" in cmd]
+    assert len(starts) == 2
+    for cmd in starts:
+        assert wanted <= set(shlex.split(cmd.split(";")[-1])), cmd
+    cluster = _rayservice()["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in _worker_groups())]
+    for template in templates:
+        env = {e["name"]: e["value"] for e in _container(template).get("env", [])}
+        assert {f"{k}={v}" for k, v in env.items()} >= wanted, template
