@@ -65,8 +65,12 @@ INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRE
 #   ingress): each Ingress replica serves HTTP on a port of its own and HAProxy, a C process, balances the HTTP
 #   port over them, so a request no longer crosses Serve's Python proxy and a Ray call to reach the Ingress
 #   (~7 ms and ~1 ms per streamed message less here: docs/benchmarks.md, seventeenth session).
-#   NOTE: in that mode Serve binds HTTP on all interfaces (HAProxy on other nodes must reach the replicas).
-CLUSTER_ENV = {"RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES), "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+#   NOTE: in that mode Serve binds HTTP on all interfaces where `http_options.host` names none.
+# - a stopping Ingress replica drains for 5 s, not Serve's 30: Serve holds a direct-ingress replica that long
+#   so that a load balancer outside Serve can drop it first, but here the balancer is Serve's own HAProxy,
+#   whose backends follow the controller; with 30 s, Ctrl-C of `serve run` took 33 s (docs/benchmarks.md).
+CLUSTER_ENV = {"RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES), "RAY_SERVE_ENABLE_HA_PROXY": "1",
+               "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
 
 
 class StageArgs(_Strict):
