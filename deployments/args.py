@@ -64,8 +64,9 @@ INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRE
 # - HAProxy in front of the Ingress replicas (Ray's `RAY_SERVE_ENABLE_HA_PROXY`, which turns on Serve's direct
 #   ingress): each Ingress replica serves HTTP on a port of its own and HAProxy, a C process, balances the HTTP
 #   port over them, so a request no longer crosses Serve's Python proxy and a Ray call to reach the Ingress
-#   (~7 ms and ~1 ms per streamed message less here: docs/benchmarks.md, seventeenth session).
-#   NOTE: in that mode Serve binds HTTP on all interfaces where `http_options.host` names none.
+#   (~8 ms a request and ~0.4 ms a streamed message less here: docs/benchmarks.md, seventeenth session).
+#   NOTE: in that mode Serve binds HTTP on all interfaces where `http_options.host` names none (`serve run
+#   <import path>` names 127.0.0.1 unless the variable was already set when it started: docs/deploying.md).
 # - a stopping Ingress replica drains for 5 s, not Serve's 30: Serve holds a direct-ingress replica that long
 #   so that a load balancer outside Serve can drop it first, but here the balancer is Serve's own HAProxy,
 #   whose backends follow the controller; with 30 s, Ctrl-C of `serve run` took 33 s (docs/benchmarks.md).

@@ -276,8 +276,8 @@ class Ingress:
         chunks = ChunkBuilder(request_id, self._model_id(), n=n, include_usage=include_usage)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
         try:
-            # NOTE: a message's events (a last delta, usage, [DONE]) go as one body part: each part is an
-            # item streamed from this replica to Serve's proxy, with its own cost in both
+            # NOTE: a message's events (a last delta, usage, [DONE]) go as one body part: each part is a
+            # socket write behind HAProxy, and with Serve's proxy an item streamed to it, with its own cost
             if events := chunks.events(first):
                 yield "".join(events)
             while not chunks.finished and (message := await self._next(outputs, deadline)) is not None:

@@ -100,7 +100,7 @@ class ChatRequest:
     messages: list[dict[str, Any]]  # OpenAI chat messages (role, content: str | list of parts)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. do_pan_and_scan
-    cache_salt: str | None = None  # requests with another salt share no cached KV with this one
+    cache_salt: str | None = None  # requests with another salt share no cached KV, processed image or embedding
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class PlaceholderRange:
 
 @dataclass(frozen=True)
 class MultiModalFeatureSpec:
-    identifier: str  # hex content hash: pixels + mode + size + model id + output-changing kwargs
+    identifier: str  # hex content hash: pixels + mode + size + model id + output-changing kwargs + cache salt
     modality: str  # "image"
     placeholder: PlaceholderRange  # where the item sits in the prompt
     num_embeds: int  # embedding rows the encoder yields = image-token positions in the range

@@ -125,7 +125,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
     stop: Annotated[list[str] | None, BeforeValidator(_one_or_many)] = None  # a string or a list
     ignore_eos: bool = False  # extension
     mm_processor_kwargs: dict[str, Any] | None = None  # extension, e.g. {"do_pan_and_scan": true}
-    cache_salt: str | None = Field(None, min_length=1)  # extension (vLLM's): other salts share no cached KV
+    cache_salt: str | None = Field(None, min_length=1)  # extension (vLLM's): other salts share no cache
     repetition_penalty: float | None = None  # extension (vLLM's); None = 1.0, off
     min_tokens: int | None = None  # extension (vLLM's): no end before this many tokens
     stop_token_ids: list[int] | None = None  # extension (vLLM's): token ids that end generation too

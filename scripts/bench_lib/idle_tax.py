@@ -27,7 +27,7 @@ import psutil
 
 from bench_lib.procs import tree
 
-SERVE_TITLES = ("ServeController", "ProxyActor", "ServeReplica")  # Ray's process titles for Serve's actors
+SERVE_TITLES = ("ServeController", "ProxyActor", "HAProxyManager", "ServeReplica")  # Ray's titles for Serve's actors
 STOP_SETTLE_S = 0.05  # after stopping, before timing: the signals are delivered (s)
 # NOTE: longer after resuming: the resumed processes first catch up on the timers and RPCs that came due while
 # they were stopped, which would land on a running block that starts at once
