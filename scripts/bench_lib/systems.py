@@ -132,8 +132,8 @@ class Mmserve(HttpSystem):
         # NOTE: a short private temp dir: a fresh Ray of our own (never someone else's cluster), and its
         # unix socket paths stay under the 107-character limit.
         self.ray_tmp = Path(f"/tmp/mmb{self.port}")
-        # NOTE: mmserve's cluster environment, as docs/deploying.md starts a config file (a variant may override it:
-        # `mmserve+RAY_SERVE_ENABLE_HA_PROXY=0` is Serve's own proxy)
+        # NOTE: mmserve's cluster environment, as docs/deploying.md starts a config file (a variant adds to it:
+        # `mmserve+RAY_SERVE_ENABLE_HA_PROXY=1` is HAProxy's mode; only one such server at a time: fixed ports)
         env = {**CLUSTER_ENV, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
                "RAY_TMPDIR": str(self.ray_tmp), "RAY_ADDRESS": ""}
         serve = str(Path(sys.executable).with_name("serve"))

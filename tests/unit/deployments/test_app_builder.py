@@ -18,14 +18,17 @@ def test_a_cluster_started_after_the_build_gets_the_cluster_env_and_a_users_valu
         monkeypatch: pytest.MonkeyPatch) -> None:
     for key in CLUSTER_ENV:
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv(HA, raising=False)
     monkeypatch.setattr(app.ray, "is_initialized", lambda: False)
     app.cluster_env_started_here()
-    assert (os.environ[KEY], os.environ[HA]) == (str(INGRESS_INLINE_BYTES), "1")
+    assert os.environ[KEY] == str(INGRESS_INLINE_BYTES)
+    assert HA not in os.environ  # HAProxy's mode is an opt-in (deployments/args.py: HA_PROXY_ENV)
 
     monkeypatch.setenv(KEY, "4096")  # the user's own choices
-    monkeypatch.setenv(HA, "0")
+    monkeypatch.setenv(HA, "1")
     app.cluster_env_started_here()
-    assert (os.environ[KEY], os.environ[HA]) == ("4096", "0")
+    assert (os.environ[KEY], os.environ[HA]) == ("4096", "1")
+    monkeypatch.delenv(HA)
 
     for key in CLUSTER_ENV:
         monkeypatch.delenv(key)
