@@ -59,23 +59,12 @@ DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(MM
 # ingress.max_body_bytes) still go through the object store, whose fixed cost is small beside their copies.
 INGRESS_INLINE_BYTES = 1 << 20
 INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
-# The environment mmserve wants every Ray node to start with (Serve has no per-app setting for these): bodies
-# inline as above, in Serve's own processes too. HA_PROXY_ENV, an opt-in, adds:
-# - HAProxy in front of the Ingress replicas (Ray's `RAY_SERVE_ENABLE_HA_PROXY`, which turns on Serve's direct
-#   ingress): each Ingress replica serves HTTP on a port of its own and HAProxy, a C process, balances the HTTP
-#   port over them, so a request no longer crosses Serve's Python proxy and a Ray call to reach the Ingress
-#   (~8 ms a request and ~0.4 ms a streamed message less here: docs/benchmarks.md, seventeenth session).
-#   NOTE: in that mode Serve binds HTTP on all interfaces where `http_options.host` names none (`serve run
-#   <import path>` names 127.0.0.1 unless the variable was already set when it started: docs/deploying.md).
-# - a stopping Ingress replica drains for 5 s, not Serve's 30: Serve holds a direct-ingress replica that long
-#   so that a load balancer outside Serve can drop it first, but here the balancer is Serve's own HAProxy,
-#   whose backends follow the controller; with 30 s, Ctrl-C of `serve run` took 33 s (docs/benchmarks.md).
+# The environment mmserve wants every Ray node to start with (Serve has no per-app setting for it): bodies
+# inline as above, in Serve's own processes too.
+# NOTE: HAProxy's mode (`RAY_SERVE_ENABLE_HA_PROXY=1`) is not in it: the Decoder ran slower beside it on the
+# benchmark checkpoint, and its HAProxy binds fixed ports (8404, 9101), so a second Ray in that mode on one
+# machine fails to start. docs/deploying.md has how to opt in and what it gains.
 CLUSTER_ENV = {"RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
-# NOTE: HAProxy's mode is not in it. It was the default for part of the seventeenth session and was taken out:
-# on the benchmark checkpoint the Decoder ran slower beside it, and its HAProxy binds fixed ports (8404, 9101),
-# so a second Ray in that mode on the same machine (the test suite's, beside a running `serve run`) failed to
-# start. Opt in with HA_PROXY_ENV (docs/deploying.md).
-HA_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
 
 
 class StageArgs(_Strict):

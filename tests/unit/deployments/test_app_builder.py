@@ -22,7 +22,7 @@ def test_a_cluster_started_after_the_build_gets_the_cluster_env_and_a_users_valu
     monkeypatch.setattr(app.ray, "is_initialized", lambda: False)
     app.cluster_env_started_here()
     assert os.environ[KEY] == str(INGRESS_INLINE_BYTES)
-    assert HA not in os.environ  # HAProxy's mode is an opt-in (deployments/args.py: HA_PROXY_ENV)
+    assert HA not in os.environ  # HAProxy's mode is an opt-in (docs/deploying.md)
 
     monkeypatch.setenv(KEY, "4096")  # the user's own choices
     monkeypatch.setenv(HA, "1")
