@@ -38,7 +38,8 @@ class Encoder:
         self.stage = self.service.stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.ongoing = 0  # `encode` calls in flight here (introspection)
-        self.early_encodes = 0  # early encodes started here (introspection)
+        self.early_encode_calls = 0  # early encodes asked of this replica (introspection)
+        self.early_encodes = 0  # early encodes started here: those that came while the stage was idle
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -64,6 +65,7 @@ class Encoder:
         same routing key sends that call here); answers at once: whether anything was started."""
         self.resolver.bind()
         started = self.service.encode_early(request_id, features)
+        self.early_encode_calls += 1
         self.early_encodes += started
         return started
 
@@ -82,8 +84,8 @@ class Encoder:
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered, where, the ids of the requests that
-        hold encoder-cache references here, the `encode` calls in flight, the early encodes started, this
-        replica's vision forward passes and cache lookups."""
+        hold encoder-cache references here, the `encode` calls in flight, the early encodes asked and started, this
+        replica's vision forward passes and cache lookups (and those that found an early encode)."""
         # NOTE: the books belong to the step thread; a copy taken while it mutates them may need a retry.
         for _ in range(100):
             try:
@@ -96,8 +98,8 @@ class Encoder:
         stats = self.stage.stats()
         return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "referenced_requests": referenced, "ongoing": self.ongoing,
-                "early_encodes": self.early_encodes,
+                "early_encode_calls": self.early_encode_calls, "early_encodes": self.early_encodes,
                 "forward_passes": self.stage.runner.forward_passes,
-                "cache_queries": stats.queries, "cache_hits": stats.hits,
+                "cache_queries": stats.queries, "cache_hits": stats.hits, "early_found": stats.early_found,
                 "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
                 "stage_env": {k: os.environ.get(k) for k in DEFAULT_STAGE_ENV}}

@@ -47,6 +47,7 @@ class EncoderStats:
     num_cached: int  # entries in the cache
     num_pending: int  # requests still waiting for embeddings
     batch_sizes: dict[int, int] = field(default_factory=dict)  # crops per forward -> forwards
+    early_found: int = 0  # lookups that found their item encoded early for them (misses run ahead)
 
     @property
     def hit_rate(self) -> float:

@@ -58,6 +58,7 @@ class EncoderStage:
         self._early: dict[str, PhaseTimes] = {}
         self._queries = 0
         self._hits = 0
+        self._early_found = 0
 
     @classmethod
     def build(
@@ -158,6 +159,7 @@ class EncoderStage:
         self._queries += 1
         if identifier in self._early:  # made for this request: its miss, run ahead (and timed for it)
             req.timings += self._early.pop(identifier)
+            self._early_found += 1
         elif hit:
             self._hits += 1
 
@@ -273,6 +275,7 @@ class EncoderStage:
             num_cached=self.manager.num_cached,
             num_pending=len(self._pending),
             batch_sizes=dict(sorted(self.runner.batch_sizes.items())),
+            early_found=self._early_found,
         )
 
 

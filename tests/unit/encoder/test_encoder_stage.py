@@ -122,6 +122,7 @@ def test_an_early_encode_serves_its_request_and_counts_as_that_requests_miss(tog
     stats = stage.stats()
     assert sorted(store.calls) == ["j", "k"] and stats.images_encoded == 2  # "h" encoded once
     assert stats.queries == 2 and stats.hits == 0  # both were misses for r1, one of them run ahead
+    assert stats.early_found == 1
     # r1 waited for the early encode's step (timed for it once run) and for its own step's
     step = ["encoder.pixels", "encoder.forward"]
     assert [name for name, _ in done["r1"].timings] == step * (1 if together else 2) + ["encoder.stage"]
@@ -129,6 +130,7 @@ def test_an_early_encode_serves_its_request_and_counts_as_that_requests_miss(tog
     (again,) = stage.step()
     assert [name for name, _ in again.timings] == ["encoder.stage"]  # found cached: no step of its own
     assert stage.stats().queries == 3 and stage.stats().hits == 1  # found again: a hit like any other
+    assert stage.stats().early_found == 1
     assert torch.equal(again.embeddings[0], done["r1"].embeddings[0])
     assert not stage.has_pending() and stage.manager.refcount("h") == 0
 
