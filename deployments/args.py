@@ -164,8 +164,8 @@ class AppArgs(_Strict):
     # NOTE: each push is a Serve call; at 1 s the hub replica alone took a visible share of an idle small
     # node's CPU (docs/benchmarks.md).
     metrics_push_interval_s: float = Field(5.0, gt=0)  # how often each replica reports to the MetricsHub
-    # times an idempotent call (a request's way to its first token, an encode) is made again on a live
-    # replica when the one answering it dies (deployments/retry.py)
+    # times an idempotent call (a request's way to its first token, a non-streamed one's to its end, an encode) is
+    # made again on a live replica when the one answering it dies (deployments/retry.py)
     replica_loss_retries: int = Field(2, ge=0)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     preprocess: PreprocessArgs = Field(default_factory=PreprocessArgs)

@@ -201,16 +201,16 @@ class Ingress:
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {served.model_id!r}")
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len)
             timing.mark("parse")
+            if not body.stream:
+                return await self._complete(chat, started, deadline, timing)
             first, outputs = await retrying(lambda attempt: self._first(chat, attempt, deadline, timing),
                                             retries=self.replica_loss_retries, what=f"request {chat.request_id}")
         except Exception as exc:
             self._done(failure_status(exc), started)
             return _error(exc)
         self.stats.observe_ttft(time.perf_counter() - started)
-        if body.stream:
-            stream = self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started, deadline)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
-        return await self._complete(chat.request_id, chat.sampling.n, first, outputs, started, deadline, timing)
+        stream = self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started, deadline)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
 
     async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline,
                      timing: ServerTiming) -> tuple[Any, Any]:
@@ -255,19 +255,34 @@ class Ingress:
         except StopAsyncIteration:
             return None
 
-    async def _complete(self, request_id: str, n: int, first: Any, outputs: Any, started: float,
-                        deadline: Deadline, timing: "ServerTiming") -> Response:
-        builder = CompletionBuilder(request_id, self._model_id(), n=n)
+    async def _complete(self, chat: ChatRequest, started: float, deadline: Deadline,
+                        timing: ServerTiming) -> Response:
+        """A non-streamed request's whole answer.
+
+        NOTE: the client reads nothing before the end, so the whole request is idempotent: a replica lost
+        at any point, a Decoder mid-decode too, is retried (the answer is then the retry's, from scratch).
+        """
+        builders: list[CompletionBuilder] = []  # one per attempt: the last one's tokens are counted
+
+        async def attempt(number: int) -> CompletionBuilder:
+            first, outputs = await self._first(chat, number, deadline, timing)
+            if not builders:
+                self.stats.observe_ttft(time.perf_counter() - started)
+            builders.append(builder := CompletionBuilder(chat.request_id, self._model_id(), n=chat.sampling.n))
+            try:
+                builder.add(first)
+                while not builder.finished and (message := await self._next(outputs, deadline)) is not None:
+                    builder.add(message)
+            finally:
+                if not builder.finished:  # it failed, or this handler was cancelled: abort it in the decoder
+                    cancel(outputs)
+            return builder
+
         try:
-            builder.add(first)
-            while not builder.finished and (message := await self._next(outputs, deadline)) is not None:
-                builder.add(message)
+            builder = await retrying(attempt, retries=self.replica_loss_retries, what=f"request {chat.request_id}")
         except Exception as exc:
-            self._done(failure_status(exc), started, builder.choices.tokens)
+            self._done(failure_status(exc), started, builders[-1].choices.tokens if builders else (0, 0))
             return _error(exc)
-        finally:
-            if not builder.finished:  # it failed, or this handler was cancelled: abort it in the decoder
-                cancel(outputs)
         self._done("ok", started, builder.choices.tokens)
         return JSONResponse(builder.build().model_dump(), headers=timing.header())
 

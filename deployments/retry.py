@@ -3,7 +3,8 @@
 Owns: which Ray errors mean "the replica (or the node, or the owner of an object the call read) is
 gone" rather than "the request is bad", and retrying an idempotent call on a live replica, a bounded
 number of times with a short backoff. Does not own which calls are idempotent: the callers choose
-(preprocess, encode and a request's way to its first token are; a stream already under way is not).
+(preprocess, encode, a request's way to its first token and a non-streamed request's whole way are; a stream
+already under way is not).
 """
 
 from __future__ import annotations
