@@ -139,7 +139,9 @@ def deploy_app(cluster: ClusterInfo, model: Path, routing: str) -> AppInfo:
     args = {
         "model": str(model), "metrics_push_interval_s": PUSH_S,
         "ingress": {"num_replicas": 1, "resources": {"head_node": 0.01}},
-        "preprocess": {"num_replicas": 1, "autoscaling": None, "resources": {"preprocess_node": 1}},
+        # NOTE: on the head, not a preprocess node: the session app's two Preprocess replicas take both of those
+        # whole (one per node) when a test before this one made that app
+        "preprocess": {"num_replicas": 1, "autoscaling": None, "resources": {"head_node": 0.01}},
         "encoder": {"num_replicas": 2, "resources": {"encoder_node": 0.01}, "routing": routing,
                     "routing_load_margin": MARGIN},
         "decoder": {"num_replicas": 2, "resources": {"decoder_node": 0.01}, "routing": routing,
