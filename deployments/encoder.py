@@ -39,7 +39,7 @@ class Encoder:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.ongoing = 0  # `encode` calls in flight here (introspection)
         self.early_encode_calls = 0  # early encodes asked of this replica (introspection)
-        self.early_encodes = 0  # early encodes started here: those that came while the stage was idle
+        self.early_encodes = 0  # early encodes started here, those that came while the stage was idle (introspection)
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 

@@ -32,13 +32,13 @@ from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
 from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
+from mmserve.api.server_timing import ServerTiming
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError, ReplicaLostError
-from mmserve.messages import ChatRequest, PhaseTimes, RequestFailed, ServedModel
+from mmserve.messages import ChatRequest, RequestFailed, ServedModel
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import IngressMetrics, MetricsSnapshot, RequestStatus, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
-from mmserve.runtime.timeline import Timeline
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
@@ -82,27 +82,6 @@ def failure_status(exc: BaseException) -> RequestStatus:
     whether the failure came before the first token or after (then reported in-band)."""
     status, _ = error_body(_unwrap(exc))
     return "client_error" if status < 500 else "server_error"
-
-
-class ServerTiming:
-    """A request's way to its first token as a `Server-Timing` header (ms): `parse`, `preprocess` (that round
-    trip), `first` (the Decoder's stream to its first output), a `retry` before each attempt after a lost
-    replica; then, with `ingress.stage_timing`, each stage's own phases from that output (mmserve/runtime/
-    timeline.py). NOTE: those are off by default: they tell a client whether a cache held an image."""
-
-    def __init__(self, stages: bool) -> None:
-        self._timeline = Timeline()
-        self._stages = stages
-
-    def mark(self, name: str) -> None:
-        self._timeline.mark(name)
-
-    def add(self, phases: PhaseTimes) -> None:
-        if self._stages:
-            self._timeline.add(phases)
-
-    def header(self) -> dict[str, str]:
-        return {"Server-Timing": ", ".join(f"{name};dur={ms:.3f}" for name, ms in self._timeline.phases)}
 
 
 def _raise_failed(message: Any) -> Any:
@@ -201,19 +180,20 @@ class Ingress:
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {served.model_id!r}")
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len)
             timing.mark("parse")
-            if not body.stream:
-                return await self._complete(chat, started, deadline, timing)
-            first, outputs = await retrying(lambda attempt: self._first(chat, attempt, deadline, timing),
-                                            retries=self.replica_loss_retries, what=f"request {chat.request_id}")
+            if body.stream:
+                first, outputs = await retrying(lambda attempt: self._first(chat, attempt, deadline, timing),
+                                                retries=self.replica_loss_retries, what=f"request {chat.request_id}")
         except Exception as exc:
             self._done(failure_status(exc), started)
             return _error(exc)
+        if not body.stream:
+            return await self._complete(chat, started, deadline, timing)
         self.stats.observe_ttft(time.perf_counter() - started)
         stream = self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started, deadline)
         return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
 
-    async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline,
-                     timing: ServerTiming) -> tuple[Any, Any]:
+    async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline, timing: ServerTiming,
+                     stream: bool = True) -> tuple[Any, Any]:
         """Preprocess, then the Decoder's stream up to its first output: (that output, the stream).
 
         NOTE: idempotent (nothing has reached the client yet), so a replica lost on the way is retried;
@@ -222,6 +202,8 @@ class Ingress:
         chat = replace(chat, request_id=attempt_id(chat.request_id, attempt))
         if attempt:
             timing.mark("retry")
+            if stream:  # NOTE: a non-streamed request counts its own (`_complete`: it may be past its first output)
+                self.stats.observe_retry(after_first_output=False)
         preprocessing = self.preprocess.process.remote(chat)
         try:
             answer = await self._within(deadline, preprocessing)
@@ -262,17 +244,24 @@ class Ingress:
         NOTE: the client reads nothing before the end, so the whole request is idempotent: a replica lost
         at any point, a Decoder mid-decode too, is retried (the answer is then the retry's, from scratch).
         """
-        builders: list[CompletionBuilder] = []  # one per attempt: the last one's tokens are counted
+        builders: list[CompletionBuilder] = []  # one per attempt, made as it starts
+        reached: list[bool] = []  # per attempt: whether it got its first output
 
         async def attempt(number: int) -> CompletionBuilder:
-            first, outputs = await self._first(chat, number, deadline, timing)
-            if not builders:
-                self.stats.observe_ttft(time.perf_counter() - started)
+            if reached:
+                self.stats.observe_retry(after_first_output=reached[-1])
             builders.append(builder := CompletionBuilder(chat.request_id, self._model_id(), n=chat.sampling.n))
+            reached.append(False)
+            first, outputs = await self._first(chat, number, deadline, timing, stream=False)
+            if not any(reached):
+                self.stats.observe_ttft(time.perf_counter() - started)
+            reached[-1] = True
             try:
                 builder.add(first)
                 while not builder.finished and (message := await self._next(outputs, deadline)) is not None:
                     builder.add(message)
+                if not builder.finished:
+                    raise RuntimeError(f"the decoder's stream of {chat.request_id} ended before its answer")
             finally:
                 if not builder.finished:  # it failed, or this handler was cancelled: abort it in the decoder
                     cancel(outputs)
@@ -280,11 +269,12 @@ class Ingress:
 
         try:
             builder = await retrying(attempt, retries=self.replica_loss_retries, what=f"request {chat.request_id}")
+            answer = JSONResponse(builder.build().model_dump(), headers=timing.header())
         except Exception as exc:
             self._done(failure_status(exc), started, builders[-1].choices.tokens if builders else (0, 0))
             return _error(exc)
         self._done("ok", started, builder.choices.tokens)
-        return JSONResponse(builder.build().model_dump(), headers=timing.header())
+        return answer
 
     async def _sse(self, request_id: str, n: int, include_usage: bool, first: Any, outputs: Any,
                    started: float, deadline: Deadline) -> AsyncIterator[str]:

@@ -69,8 +69,9 @@ class OverloadedError(RuntimeError):
 
 
 class ReplicaLostError(OverloadedError):
-    """A replica serving the request died and the retries on live ones did not get it through (or the
-    request was already streaming from it); 503 with `Retry-After`: the service replaces the replica."""
+    """A replica serving the request died and the retries on live ones did not get it through (or a stream
+    had begun from it: a streamed request is not retried past its first event); 503 with `Retry-After`:
+    the service replaces the replica."""
 
     code = "replica_lost"
     retry_after_s = 5

@@ -4,9 +4,10 @@ moment), the service is whole again afterwards, and nothing is left held.
 
 Non-streamed requests go through the official `openai` client with its retries off, so that every retry
 that saves one is the server's own: a non-streamed request is retried whole by the ingress, in its decode
-on a killed Decoder too. A stream that has begun cannot be sent again without repeating what the client has
-read; a request in flight on a killed Ingress gets a 5xx from Serve's proxy (the `openai` client's default
-retries would send it again)."""
+on a killed Decoder too (the Decoder is killed with long answers under way, and the ingress's retry counter
+must show one made after its first output). A stream that has begun cannot be sent again without repeating
+what the client has read; a request in flight on a killed Ingress gets a 5xx from Serve's proxy (the
+`openai` client's default retries would send it again)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import AppInfo
-from tests.integration.helpers import SSEStream, chat_body, data_url, replica_actors, replica_states, replica_suffix
-from tests.integration.test_cluster_cancellation import idle, referenced
+from tests.integration.helpers import (
+    SSEStream,
+    chat_body,
+    data_url,
+    get_text,
+    replica_actors,
+    replica_states,
+    replica_suffix,
+)
+from tests.integration.test_cluster_cancellation import decoder_state, idle, referenced
 from tests.waiting import wait_until
 
 CLIENTS = 4
@@ -38,6 +48,8 @@ ROUNDS = (("Preprocess", "Encoder", "ProcessorCacheStore"), ("Decoder",), ("Ingr
 VICTIMS = tuple(d for round_ in ROUNDS for d in round_)
 # the replicas whose death may lose what they hold: every request on the Ingress, streams on the Decoder
 MAY_LOSE_IN_FLIGHT = {"Ingress": (False, True), "Decoder": (True,)}  # deployment -> `stream` of the lost
+LONG_TOKENS = 1500  # a non-streamed answer long enough to be in its decode when its Decoder is killed
+MID_DECODE_STEPS = 40  # decoder steps after the long requests were sent: by then they are decoding
 
 
 @dataclass
@@ -103,18 +115,23 @@ BUSY: dict[str, Callable[[dict[str, Any]], bool]] = {
 CATCH_TIMEOUT_S = 90.0
 
 
+def _burst_member(app: AppInfo, body: dict[str, Any], what: str) -> Outcome:
+    """A non-streamed request of a burst the test sends to catch a replica at work (a longer timeout)."""
+    start = time.monotonic()
+    try:
+        ok, detail = _complete(app, body, HEAVY_TIMEOUT_S)
+        detail = f"{what} {detail}"
+    except Exception as exc:
+        ok, detail = False, f"{what} {exc!r}"
+    return Outcome(start, time.monotonic(), ok, detail[:300], limit_s=HEAVY_TIMEOUT_S)
+
+
 def _heavy(app: AppInfo, n: int) -> Outcome:
     """Two new 3000x1500 images with pan-and-scan: long in Preprocess (decode, crops) and the Encoder."""
-    start = time.monotonic()
     body = chat_body(data_url(seed=5000 + 2 * n, width=3000, height=1500),
                      data_url(seed=5001 + 2 * n, width=3000, height=1500),
                      max_tokens=4, mm_processor_kwargs={"do_pan_and_scan": True})
-    try:
-        ok, detail = _complete(app, body, HEAVY_TIMEOUT_S)
-        detail = f"heavy {detail}"
-    except Exception as exc:
-        ok, detail = False, f"heavy {exc!r}"
-    return Outcome(start, time.monotonic(), ok, detail[:300], limit_s=HEAVY_TIMEOUT_S)
+    return _burst_member(app, body, "heavy")
 
 
 def _busy_victim(app: AppInfo, deployment: str, out: list[Outcome], counter: itertools.count) -> dict[str, Any]:
@@ -132,6 +149,31 @@ def _busy_victim(app: AppInfo, deployment: str, out: list[Outcome], counter: ite
     return next(a for a in replica_actors(app.name, deployment) if replica_suffix(a["name"]) == replica_id)
 
 
+def _long(app: AppInfo, n: int) -> Outcome:
+    """A non-streamed request with a long answer: its Decoder killed mid-decode, the ingress retries it whole."""
+    body = chat_body(data_url(seed=300 + n % 6), max_tokens=LONG_TOKENS, ignore_eos=True, temperature=0.0)
+    return _burst_member(app, body, "long")
+
+
+def _decoding_victim(app: AppInfo, out: list[Outcome], counter: itertools.count) -> dict[str, Any]:
+    """Send two long non-streamed requests, then return the Decoder's actor once they are in their decode."""
+    steps = decoder_state(app)["steps_total"]
+    for _ in range(2):  # NOTE: named "heavy": the test waits for these to end too
+        threading.Thread(target=lambda: out.append(_long(app, next(counter))), name="heavy", daemon=True).start()
+    wait_until(lambda: decoder_state(app)["steps_total"] >= steps + MID_DECODE_STEPS, timeout=CATCH_TIMEOUT_S,
+               interval=0.01, what="the long answers' decode")
+    [victim] = replica_actors(app.name, "Decoder")
+    return victim
+
+
+def retries(app: AppInfo) -> dict[str, float]:
+    """The ingress's retries so far, by where the request had got to (`mmserve_request_retries_total`)."""
+    status, text = get_text(app.base_url, "/metrics")
+    assert status == 200
+    return {s.labels["phase"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "mmserve_request_retries_total"}
+
+
 def _exited(pid: int) -> bool:
     """Whether the local process `pid` has ended (a zombie not yet reaped runs no more)."""
     try:
@@ -146,7 +188,10 @@ def _kill_one(app: AppInfo, deployment: str, out: list[Outcome],
     """Kill one replica of `deployment`: (kill time, time its process had exited, in monotonic s; whether
     Serve has replaced it yet)."""
     alive = replica_actors(app.name, deployment)
-    victim = _busy_victim(app, deployment, out, counter) if deployment in BUSY else alive[0]
+    if deployment in BUSY:
+        victim = _busy_victim(app, deployment, out, counter)
+    else:
+        victim = _decoding_victim(app, out, counter) if deployment == "Decoder" else alive[0]
     killed = time.monotonic()
     ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
     # NOTE: ray.kill returns before the process ends (on a busy machine, long before): until then the
@@ -184,9 +229,13 @@ def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(
     for client in clients:
         client.start()
     kills: dict[str, tuple[float, float, float]] = {}
+    moved: dict[str, float] = {}  # the ingress's retries over the Decoder's round, by phase
     try:
         for round_ in ROUNDS:
+            before = retries(mm_app)
             _kill_round(mm_app, round_, outcomes, counter, kills)
+            if "Decoder" in round_:  # NOTE: read before the Ingress, which holds the counts, is killed
+                moved = {phase: n - before[phase] for phase, n in retries(mm_app).items()}
         time.sleep(STEADY_S)
         wait_until(lambda: not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("heavy")),
                    timeout=HEAVY_TIMEOUT_S, what="the heavy bursts to end")
@@ -197,20 +246,20 @@ def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(
     assert not any(client.is_alive() for client in clients), "a client is stuck past its timeout"
 
     def excused(o: Outcome) -> bool:  # in flight while a replica that may lose it was dying
-        # NOTE: from the kill to its process's exit; a request begun after that went to a live replica
-        return any(o.stream in kinds and o.start <= kills[d][1] and kills[d][0] <= o.end
+        # NOTE: a stream, from the kill to its Decoder's exit (one begun after that went to a live replica); on
+        # the Ingress, until Serve had replaced it (its proxy may route one more request to the dead replica)
+        return any(o.stream in kinds and o.start <= kills[d][1 if d == "Decoder" else 2] and kills[d][0] <= o.end
                    for d, kinds in MAY_LOSE_IN_FLIGHT.items())
 
     lost = [o for o in outcomes if not o.ok and not excused(o)]
     summary = {d: f"killed at +{k - outcomes[0].start:.1f} s, exited {e - k:.1f} s later, replaced in {b - k:.1f} s"
                for d, (k, e, b) in kills.items()}
-    killed, died = kills["Decoder"][:2]
-    print(f"{sum(not o.stream and o.start <= killed and died <= o.end for o in outcomes)} non-streamed requests "
-          "in flight across the Decoder's kill")
+    print(f"the ingress's retries over the Decoder's round: {moved}")
     print(f"{len(outcomes)} requests, {sum(not o.ok for o in outcomes)} failed "
           f"({sum(not o.ok and excused(o) for o in outcomes)} excused: on a killed Ingress or Decoder); "
           f"{summary}")
     assert not lost, [o.detail for o in lost]
+    assert moved["after_first_output"] >= 1, moved  # the long answers, killed in their decode, were retried
     slow = [(o.detail, f"{o.end - o.start:.1f} s from +{o.start - outcomes[0].start:.1f} s") for o in outcomes
             if o.end - o.start >= o.limit_s]
     assert not slow, slow  # a request this slow hung somewhere, even if a retry answered it

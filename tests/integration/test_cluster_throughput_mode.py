@@ -13,8 +13,9 @@ the variable does), every stage's replicas in that mode too, `dtype: bfloat16` a
   burst of unique images the object store goes back to what it held before.
 - bfloat16 embeddings cross from encoder to decoder as their int16 bits (`mmserve/embeddings_wire.py`):
   the answer is the in-process bfloat16 engine's, token for token.
-- Early encodes: Preprocess hands each request's new image to the Encoder before it answers; the
-  Decoder's own encode then finds it cached. The image is encoded once and counted as the request's miss.
+- Early encodes: Preprocess hands each request's new image to the Encoder before it answers; when it gets
+  there first, the Decoder's own encode finds it cached. The image is encoded once and counted as the
+  request's miss.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def test_an_early_encode_is_what_the_request_finds_and_counts_as_its_miss(grpc_a
         tried.append(answered_moves(grpc_app, bf16_engine, body))
         if tried[-1]["early_found"]:
             break
-        # came second: the request's own encode was its miss, and the early encode ran no forward
+        # came second, or was declined (a busy stage): the request's own encode was its miss, the early one ran
+        # no forward
         assert tried[-1] == {**EARLY_MISS, "early_encodes": tried[-1]["early_encodes"], "early_found": 0}, tried
     assert tried[-1] == EARLY_MISS, tried
     # The same image again: the processor cache is off here, so Preprocess sends it early once more, and the
