@@ -85,8 +85,9 @@ class Decoder:
         and the changes they made, as (kind, from, to)), and the matmul forms chosen at start-up (per
         thread count, by row count from 1), whether the layers' weights are packed for oneDNN (the layout
         chosen: the weights follow it one per step), and the layouts taken while serving (True = packed; None
-        where the layout is not chosen while serving)."""
+        where the layout is not chosen while serving), and the tokens each running request has generated."""
         threads, forms, layout = self.engine.runner.threads, self.engine.runner.model.matmul, self.engine.runner.layout
+        running = list(self.engine.scheduler.running)  # NOTE: a copy, beside the step thread that changes it
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "torch_threads": threads.available, "small_step_threads": threads.threads_for(0),
                 "heavy_decode_threads": threads.threads_for(0, threads.heavy_rows + 1) if threads.heavy_rows else None,
@@ -97,4 +98,5 @@ class Decoder:
                 "thread_measurement_voided": sorted(threads.voided),
                 "matmul_forms": {count: list(names[1:]) for count, names in forms.chosen.items()},
                 "weights_packed": forms.pack_rows is not None,
-                "weight_layout_changes": None if layout is None else list(layout.changes)}
+                "weight_layout_changes": None if layout is None else list(layout.changes),
+                "running_output_tokens": [seq.num_tokens - seq.num_prompt_tokens for seq in running]}

@@ -181,8 +181,9 @@ class Ingress:
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len)
             timing.mark("parse")
             if body.stream:
-                first, outputs = await retrying(lambda attempt: self._first(chat, attempt, deadline, timing),
-                                                retries=self.replica_loss_retries, what=f"request {chat.request_id}")
+                first, outputs = await retrying(
+                    lambda attempt: self._first(chat, attempt, deadline, timing, count_retry=True),
+                    retries=self.replica_loss_retries, what=f"request {chat.request_id}")
         except Exception as exc:
             self._done(failure_status(exc), started)
             return _error(exc)
@@ -192,8 +193,8 @@ class Ingress:
         stream = self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started, deadline)
         return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
 
-    async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline, timing: ServerTiming,
-                     stream: bool = True) -> tuple[Any, Any]:
+    async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline, timing: ServerTiming, *,
+                     count_retry: bool) -> tuple[Any, Any]:
         """Preprocess, then the Decoder's stream up to its first output: (that output, the stream).
 
         NOTE: idempotent (nothing has reached the client yet), so a replica lost on the way is retried;
@@ -202,7 +203,7 @@ class Ingress:
         chat = replace(chat, request_id=attempt_id(chat.request_id, attempt))
         if attempt:
             timing.mark("retry")
-            if stream:  # NOTE: a non-streamed request counts its own (`_complete`: it may be past its first output)
+            if count_retry:  # NOTE: `_complete` counts its own (an attempt of it may be past its first output)
                 self.stats.observe_retry(after_first_output=False)
         preprocessing = self.preprocess.process.remote(chat)
         try:
@@ -244,7 +245,9 @@ class Ingress:
         NOTE: the client reads nothing before the end, so the whole request is idempotent: a replica lost
         at any point, a Decoder mid-decode too, is retried (the answer is then the retry's, from scratch).
         """
-        builders: list[CompletionBuilder] = []  # one per attempt, made as it starts
+        # one per attempt, made as it starts: the request's tokens are its last attempt's (a lost attempt's
+        # generated tokens are not counted)
+        builders: list[CompletionBuilder] = []
         reached: list[bool] = []  # per attempt: whether it got its first output
 
         async def attempt(number: int) -> CompletionBuilder:
@@ -252,7 +255,7 @@ class Ingress:
                 self.stats.observe_retry(after_first_output=reached[-1])
             builders.append(builder := CompletionBuilder(chat.request_id, self._model_id(), n=chat.sampling.n))
             reached.append(False)
-            first, outputs = await self._first(chat, number, deadline, timing, stream=False)
+            first, outputs = await self._first(chat, number, deadline, timing, count_retry=False)
             if not any(reached):
                 self.stats.observe_ttft(time.perf_counter() - started)
             reached[-1] = True
@@ -270,6 +273,9 @@ class Ingress:
         try:
             builder = await retrying(attempt, retries=self.replica_loss_retries, what=f"request {chat.request_id}")
             answer = JSONResponse(builder.build().model_dump(), headers=timing.header())
+        except asyncio.CancelledError:  # the client left: counted as a stream that loses its client is
+            self._done("aborted", started, builders[-1].choices.tokens if builders else (0, 0))
+            raise
         except Exception as exc:
             self._done(failure_status(exc), started, builders[-1].choices.tokens if builders else (0, 0))
             return _error(exc)

@@ -1,4 +1,4 @@
-"""A request's `Server-Timing` header: where its time went on the way to its answer, as the ingress saw it.
+"""A request's `Server-Timing` header: where its time went on the way to its first output, as the ingress saw it.
 
 Owns: the header's phases and their order. Does not own the timing itself (`mmserve/runtime/timeline.py`)
 nor what each stage reports of its own phases (each stage adds its own to its answer).

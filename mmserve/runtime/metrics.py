@@ -32,7 +32,7 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 1
 LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # crops (images) per vision forward
 REQUEST_STATUSES: tuple[RequestStatus, ...] = ("ok", "client_error", "server_error", "aborted")
-RETRY_PHASES = ("before_first_output", "after_first_output")  # where a retried request had got to
+RETRY_PHASES: tuple[str, str] = ("before_first_output", "after_first_output")  # where a lost attempt had got
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ class IngressMetrics:
     def observe_retry(self, after_first_output: bool) -> None:
         """A request made again after a lost replica (a non-streamed one is retried whole, even mid-decode)."""
         with self._lock:
-            self._retries[RETRY_PHASES[after_first_output]] += 1
+            self._retries[RETRY_PHASES[1] if after_first_output else RETRY_PHASES[0]] += 1
 
     def observe_request(self, status: RequestStatus, seconds: float, prompt_tokens: int = 0,
                         generated_tokens: int = 0) -> None:
@@ -276,7 +276,7 @@ class IngressMetrics:
             prompt, generated = self._prompt_tokens, self._generated_tokens
         return snapshot_of(
             Metric("mmserve_requests_total", "counter", "Requests ended, by outcome.", ("status",), requests),
-            Metric("mmserve_request_retries_total", "counter", "Requests made again after a lost replica.",
+            Metric("mmserve_request_retries_total", "counter", "Attempts made again after a lost replica.",
                    ("phase",), retries),
             _counter("mmserve_prompt_tokens_total", "Prompt tokens of ended requests, image tokens included.",
                      prompt),

@@ -4,10 +4,10 @@ moment), the service is whole again afterwards, and nothing is left held.
 
 Non-streamed requests go through the official `openai` client with its retries off, so that every retry
 that saves one is the server's own: a non-streamed request is retried whole by the ingress, in its decode
-on a killed Decoder too (the Decoder is killed with long answers under way, and the ingress's retry counter
-must show one made after its first output). A stream that has begun cannot be sent again without repeating
-what the client has read; a request in flight on a killed Ingress gets a 5xx from Serve's proxy (the
-`openai` client's default retries would send it again)."""
+on a killed Decoder too (the Decoder is killed with two long answers in their decode: both must be
+answered, and the ingress's retry counter must show them retried after their first output). A stream that
+has begun cannot be sent again without repeating what the client has read; a request in flight on a killed
+Ingress gets a 5xx from Serve's proxy (the `openai` client's default retries would send it again)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from tests.integration.helpers import (
     replica_states,
     replica_suffix,
 )
-from tests.integration.test_cluster_cancellation import decoder_state, idle, referenced
+from tests.integration.test_cluster_cancellation import idle, referenced
 from tests.waiting import wait_until
 
 CLIENTS = 4
@@ -49,7 +49,7 @@ VICTIMS = tuple(d for round_ in ROUNDS for d in round_)
 # the replicas whose death may lose what they hold: every request on the Ingress, streams on the Decoder
 MAY_LOSE_IN_FLIGHT = {"Ingress": (False, True), "Decoder": (True,)}  # deployment -> `stream` of the lost
 LONG_TOKENS = 1500  # a non-streamed answer long enough to be in its decode when its Decoder is killed
-MID_DECODE_STEPS = 40  # decoder steps after the long requests were sent: by then they are decoding
+MID_DECODE_TOKENS = 20  # generated tokens that mark a long answer in its decode (the load's answers: 4 or 6)
 
 
 @dataclass
@@ -156,14 +156,22 @@ def _long(app: AppInfo, n: int) -> Outcome:
 
 
 def _decoding_victim(app: AppInfo, out: list[Outcome], counter: itertools.count) -> dict[str, Any]:
-    """Send two long non-streamed requests, then return the Decoder's actor once they are in their decode."""
-    steps = decoder_state(app)["steps_total"]
-    for _ in range(2):  # NOTE: named "heavy": the test waits for these to end too
-        threading.Thread(target=lambda: out.append(_long(app, next(counter))), name="heavy", daemon=True).start()
-    wait_until(lambda: decoder_state(app)["steps_total"] >= steps + MID_DECODE_STEPS, timeout=CATCH_TIMEOUT_S,
-               interval=0.01, what="the long answers' decode")
+    """Send two long non-streamed requests, then return the Decoder's actor once both are in their decode."""
+    for _ in range(2):
+        threading.Thread(target=lambda: out.append(_long(app, next(counter))), name="long", daemon=True).start()
+
+    def decoding() -> bool:
+        tokens = app.handle("Decoder").replica_info.remote().result(timeout_s=10)["running_output_tokens"]
+        return sum(n >= MID_DECODE_TOKENS for n in tokens) >= 2
+
+    wait_until(decoding, timeout=CATCH_TIMEOUT_S, interval=0.01, what="the long answers' decode")
     [victim] = replica_actors(app.name, "Decoder")
     return victim
+
+
+def _ended(name: str) -> bool:
+    """Whether the test's threads called `name` have all ended."""
+    return not any(t.is_alive() for t in threading.enumerate() if t.name == name)
 
 
 def retries(app: AppInfo) -> dict[str, float]:
@@ -232,13 +240,13 @@ def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(
     moved: dict[str, float] = {}  # the ingress's retries over the Decoder's round, by phase
     try:
         for round_ in ROUNDS:
-            before = retries(mm_app)
+            before = retries(mm_app) if "Decoder" in round_ else {}
             _kill_round(mm_app, round_, outcomes, counter, kills)
-            if "Decoder" in round_:  # NOTE: read before the Ingress, which holds the counts, is killed
+            if "Decoder" in round_:  # NOTE: all read before the Ingress, which holds the counts, is killed
+                wait_until(lambda: _ended("long"), timeout=HEAVY_TIMEOUT_S, what="the long answers to end")
                 moved = {phase: n - before[phase] for phase, n in retries(mm_app).items()}
         time.sleep(STEADY_S)
-        wait_until(lambda: not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("heavy")),
-                   timeout=HEAVY_TIMEOUT_S, what="the heavy bursts to end")
+        wait_until(lambda: _ended("heavy"), timeout=HEAVY_TIMEOUT_S, what="the heavy bursts to end")
     finally:
         stop.set()
         for client in clients:
@@ -259,7 +267,10 @@ def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(
           f"({sum(not o.ok and excused(o) for o in outcomes)} excused: on a killed Ingress or Decoder); "
           f"{summary}")
     assert not lost, [o.detail for o in lost]
-    assert moved["after_first_output"] >= 1, moved  # the long answers, killed in their decode, were retried
+    # the long answers, killed in their decode, were retried whole and answered before the Ingress was killed
+    longs = [o for o in outcomes if o.detail.startswith("long")]
+    assert len(longs) == 2 and all(o.ok and o.end < kills["Ingress"][0] for o in longs), longs
+    assert moved["after_first_output"] >= 2, moved
     slow = [(o.detail, f"{o.end - o.start:.1f} s from +{o.start - outcomes[0].start:.1f} s") for o in outcomes
             if o.end - o.start >= o.limit_s]
     assert not slow, slow  # a request this slow hung somewhere, even if a retry answered it
