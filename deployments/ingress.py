@@ -20,13 +20,12 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from deployments.args import AppArgs
 from deployments.handles import cancel, hold
 from deployments.metrics_hub import MetricsReporter
-from deployments.retry import attempt_id, replica_lost, retrying
+from deployments.retry import attempt_id, retrying, unwrapped
 from mmserve.api.body import check_declared_size, parse_json, read_bounded
 from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
@@ -34,7 +33,7 @@ from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.server_timing import ServerTiming
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
-from mmserve.errors import OverloadedError, ReplicaLostError
+from mmserve.errors import OverloadedError
 from mmserve.messages import ChatRequest, RequestFailed, ServedModel
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import IngressMetrics, MetricsSnapshot, RequestStatus, merge
@@ -58,16 +57,6 @@ api.openapi = _openapi  # type: ignore[method-assign]
 HEALTH_STATUS_TTL_S = 2.0
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """The replica's own exception, without Ray's wrapper (whose text carries a traceback); a lost
-    replica (after the retries) as a ReplicaLostError."""
-    if replica_lost(exc):
-        return ReplicaLostError(f"a serving replica was lost ({type(exc).__name__}); retry")
-    while isinstance(exc, RayTaskError) and exc.cause is not None:
-        exc = exc.cause
-    return exc
-
-
 def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
     """Deployments of `app_name` with no RUNNING replica in a `serve.status()` (all, if the app is unknown)."""
     app = status.applications.get(app_name)
@@ -80,7 +69,7 @@ def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
 def failure_status(exc: BaseException) -> RequestStatus:
     """How the request metrics count a request that failed with `exc`: by the HTTP status it gets,
     whether the failure came before the first token or after (then reported in-band)."""
-    status, _ = error_body(_unwrap(exc))
+    status, _ = error_body(unwrapped(exc))
     return "client_error" if status < 500 else "server_error"
 
 
@@ -92,7 +81,7 @@ def _raise_failed(message: Any) -> Any:
 
 
 def _error(exc: BaseException) -> JSONResponse:
-    original, exc = exc, _unwrap(exc)
+    original, exc = exc, unwrapped(exc)
     status, body = error_body(exc)
     if status == 500:  # NOTE: the client is told nothing of a server fault; the log says what it was
         log.error("request failed with a server fault", exc_info=original)
@@ -297,7 +286,7 @@ class Ingress:
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             status = failure_status(exc)
-            yield sse_error(_unwrap(exc))
+            yield sse_error(unwrapped(exc))
         finally:
             if not chunks.finished:  # the client left, or the deadline: abort it in the decoder, free its KV
                 cancel(outputs)

@@ -1,8 +1,9 @@
 """Calls that survive the loss of the replica answering them.
 
 Owns: which Ray errors mean "the replica (or the node, or the owner of an object the call read) is
-gone" rather than "the request is bad", and retrying an idempotent call on a live replica, a bounded
-number of times with a short backoff. Does not own which calls are idempotent: the callers choose
+gone" rather than "the request is bad", what such an error becomes for the client (a ReplicaLostError;
+any other a replica passed on: its own exception), and retrying an idempotent call on a live replica, a
+bounded number of times with a short backoff. Does not own which calls are idempotent: the callers choose
 (preprocess, encode, a request's way to its first token and a non-streamed request's whole way are; a stream
 already under way is not).
 """
@@ -16,6 +17,8 @@ from typing import TypeVar
 
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import ReplicaUnavailableError
+
+from mmserve.errors import ReplicaLostError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,6 +36,16 @@ def replica_lost(exc: BaseException, kinds: tuple[type[BaseException], ...] = RE
         if not isinstance(exc, RayTaskError) or exc.cause is None or exc.cause is exc:
             return False
         exc = exc.cause
+
+
+def unwrapped(exc: BaseException) -> BaseException:
+    """The replica's own exception, without Ray's wrapper (whose text carries a traceback); a lost
+    replica (after the retries) as a ReplicaLostError."""
+    if replica_lost(exc):
+        return ReplicaLostError(f"a serving replica was lost ({type(exc).__name__}); retry")
+    while isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    return exc
 
 
 def attempt_id(request_id: str, attempt: int) -> str:

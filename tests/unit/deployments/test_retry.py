@@ -8,8 +8,8 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
 
 from deployments import retry
-from deployments.retry import replica_lost, retrying
-from mmserve.errors import MediaError
+from deployments.retry import replica_lost, retrying, unwrapped
+from mmserve.errors import MediaError, ReplicaLostError
 
 
 @pytest.mark.parametrize("exc, lost", [
@@ -20,6 +20,13 @@ from mmserve.errors import MediaError
 ])
 def test_what_counts_as_a_lost_replica(exc: BaseException, lost: bool) -> None:
     assert replica_lost(exc) is lost
+
+
+def test_what_the_client_is_told_of_an_error_a_replica_passed_on() -> None:
+    bad = MediaError("bad image")
+    assert unwrapped(RayTaskError("generate", "tb", RayTaskError("process", "tb", bad))) is bad
+    assert isinstance(unwrapped(RayTaskError("generate", "tb", ActorDiedError())), ReplicaLostError)
+    assert unwrapped(bad) is bad
 
 
 def _flaky(failures: list[BaseException]):
