@@ -234,20 +234,15 @@ class Ingress:
         NOTE: the client reads nothing before the end, so the whole request is idempotent: a replica lost
         at any point, a Decoder mid-decode too, is retried (the answer is then the retry's, from scratch).
         """
-        # one per attempt, made as it starts: the request's tokens are its last attempt's (a lost attempt's
-        # generated tokens are not counted)
-        builders: list[CompletionBuilder] = []
-        reached: list[bool] = []  # per attempt: whether it got its first output
+        builders: dict[int, CompletionBuilder] = {}  # attempt number -> its builder, for those that got an output
 
         async def attempt(number: int) -> CompletionBuilder:
-            if reached:
-                self.stats.observe_retry(after_first_output=reached[-1])
-            builders.append(builder := CompletionBuilder(chat.request_id, self._model_id(), n=chat.sampling.n))
-            reached.append(False)
+            if number:
+                self.stats.observe_retry(after_first_output=number - 1 in builders)
             first, outputs = await self._first(chat, number, deadline, timing, count_retry=False)
-            if not any(reached):
+            if not builders:
                 self.stats.observe_ttft(time.perf_counter() - started)
-            reached[-1] = True
+            builders[number] = builder = CompletionBuilder(chat.request_id, self._model_id(), n=chat.sampling.n)
             try:
                 builder.add(first)
                 while not builder.finished and (message := await self._next(outputs, deadline)) is not None:
@@ -259,14 +254,17 @@ class Ingress:
                     cancel(outputs)
             return builder
 
+        def tokens() -> tuple[int, int]:  # a failed request's: its last attempt that got an output
+            return next(reversed(builders.values())).choices.tokens if builders else (0, 0)
+
         try:
             builder = await retrying(attempt, retries=self.replica_loss_retries, what=f"request {chat.request_id}")
             answer = JSONResponse(builder.build().model_dump(), headers=timing.header())
         except asyncio.CancelledError:  # the client left: counted as a stream that loses its client is
-            self._done("aborted", started, builders[-1].choices.tokens if builders else (0, 0))
+            self._done("aborted", started, tokens())
             raise
         except Exception as exc:
-            self._done(failure_status(exc), started, builders[-1].choices.tokens if builders else (0, 0))
+            self._done(failure_status(exc), started, tokens())
             return _error(exc)
         self._done("ok", started, builder.choices.tokens)
         return answer
