@@ -51,7 +51,7 @@ class Decoder:
 
     async def _encode(self, request: PreprocessedRequest) -> EncoderOutput:
         # NOTE: only a dead encoder is retried here (a RequestFailed is the encoder's verdict, and lost pixels
-        # stay lost: the ingress preprocesses such a request again); past the retries a ReplicaLostError,
+        # stay lost: the ingress preprocesses such a request again, retry.Kept); past the retries a ReplicaLostError,
         # which the ingress does not retry again
         try:
             out: EncoderOutput | RequestFailed = await retrying(

@@ -22,10 +22,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from deployments.app_health import AppHealth
 from deployments.args import AppArgs
 from deployments.handles import cancel, hold
 from deployments.metrics_hub import MetricsReporter
-from deployments.retry import attempt_id, retrying, unwrapped
+from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api.body import check_declared_size, parse_json, read_bounded
 from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
@@ -34,7 +35,7 @@ from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.server_timing import ServerTiming
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError
-from mmserve.messages import ChatRequest, RequestFailed, ServedModel
+from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import IngressMetrics, MetricsSnapshot, RequestStatus, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
@@ -52,20 +53,6 @@ def _openapi() -> dict[str, Any]:
 
 
 api.openapi = _openapi  # type: ignore[method-assign]
-# NOTE: serve.status() is an RPC to Serve's controller: probes from every load balancer and kubelet
-# share one answer for this long instead of each making one.
-HEALTH_STATUS_TTL_S = 2.0
-
-
-def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
-    """Deployments of `app_name` with no RUNNING replica in a `serve.status()` (all, if the app is unknown)."""
-    app = status.applications.get(app_name)
-    if app is None:
-        return [f"application {app_name!r}"]
-    return sorted(name for name, d in app.deployments.items()
-                  if not any(state == "RUNNING" and n > 0 for state, n in d.replica_states.items()))
-
-
 def failure_status(exc: BaseException) -> RequestStatus:
     """How the request metrics count a request that failed with `exc`: by the HTTP status it gets,
     whether the failure came before the first token or after (then reported in-band)."""
@@ -103,7 +90,7 @@ class Ingress:
         # NOTE: options() builds a new handle (and its router): once here, not once per request
         self.decoder = hold(decoder).options(stream=True)
         self.stats = IngressMetrics()
-        self._status: tuple[float, Any] | None = None  # (monotonic s, serve.status()) of the last probe
+        self.app_health = AppHealth()
         self.reporter = MetricsReporter(hub, "Ingress", self._metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -115,11 +102,7 @@ class Ingress:
         still be loading (~8 s on 2 cores): a probe that only reached the ingress said "ok" while the first
         request waited for them.
         """
-        now = time.monotonic()
-        if self._status is None or now - self._status[0] > HEALTH_STATUS_TTL_S:
-            self._status = (now, await asyncio.to_thread(serve.status))
-        waiting = deployments_without_replicas(self._status[1], serve.get_replica_context().app_name)
-        if waiting:
+        if waiting := await self.app_health.waiting_for():
             return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -170,8 +153,9 @@ class Ingress:
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len)
             timing.mark("parse")
             if body.stream:
+                kept: Kept[PreprocessedRequest] = Kept()
                 first, outputs = await retrying(
-                    lambda attempt: self._first(chat, attempt, deadline, timing, count_retry=True),
+                    lambda attempt: self._first(chat, attempt, deadline, timing, kept, count_retry=True),
                     retries=self.replica_loss_retries, what=f"request {chat.request_id}")
         except Exception as exc:
             self._done(failure_status(exc), started)
@@ -182,35 +166,44 @@ class Ingress:
         stream = self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started, deadline)
         return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
 
-    async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline, timing: ServerTiming, *,
-                     count_retry: bool) -> tuple[Any, Any]:
-        """Preprocess, then the Decoder's stream up to its first output: (that output, the stream).
+    async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline, timing: ServerTiming,
+                     kept: Kept[PreprocessedRequest], *, count_retry: bool) -> tuple[Any, Any]:
+        """Preprocess (unless the last attempt `kept` its answer), then the Decoder's stream up to its first
+        output: (that output, the stream).
 
         NOTE: idempotent (nothing has reached the client yet), so a replica lost on the way is retried;
         each retry under a request id of its own downstream (the client still sees `chat.request_id`).
         """
         chat = replace(chat, request_id=attempt_id(chat.request_id, attempt))
+        reused = kept.take()
         if attempt:
             timing.mark("retry")
             if count_retry:  # NOTE: `_complete` counts its own (an attempt of it may be past its first output)
-                self.stats.observe_retry(after_first_output=False)
+                self.stats.observe_retry(after_first_output=False, reused=reused is not None)
+        pre = await self._preprocessed(chat, deadline) if reused is None else reused
+        kept.made(pre)
+        timing.mark("preprocess")
+        timings = pre.timings if reused is None else ()  # NOTE: a kept one's phases are the attempt's that made it
+        outputs = self.decoder.generate.remote(replace(pre, request_id=chat.request_id, timings=timings))
+        try:  # errors before the first token get a 4xx/5xx status
+            first = _raise_failed(await self._within(deadline, outputs.__anext__()))
+        except BaseException as exc:
+            cancel(outputs)  # e.g. the deadline: the decoder drops the request and frees its KV blocks
+            kept.lost_after(exc)
+            raise
+        timing.mark("first")
+        timing.add(first.timings)
+        return first, outputs
+
+    async def _preprocessed(self, chat: ChatRequest, deadline: Deadline) -> PreprocessedRequest:
         preprocessing = self.preprocess.process.remote(chat)
         try:
             answer = await self._within(deadline, preprocessing)
         except BaseException:
             cancel(preprocessing)  # e.g. the deadline: the Preprocess replica stops working on it
             raise
-        pre = _raise_failed(answer)
-        timing.mark("preprocess")
-        outputs = self.decoder.generate.remote(pre)
-        try:  # errors before the first token get a 4xx/5xx status
-            first = _raise_failed(await self._within(deadline, outputs.__anext__()))
-        except BaseException:
-            cancel(outputs)  # e.g. the deadline: the decoder drops the request and frees its KV blocks
-            raise
-        timing.mark("first")
-        timing.add(first.timings)
-        return first, outputs
+        pre: PreprocessedRequest = _raise_failed(answer)
+        return pre
 
     async def _within(self, deadline: Deadline, awaitable: Any) -> Any:
         """`await awaitable` by the request's deadline; Serve's BackPressureError (a stage's queue is full)
@@ -232,14 +225,16 @@ class Ingress:
         """A non-streamed request's whole answer.
 
         NOTE: the client reads nothing before the end, so the whole request is idempotent: a replica lost
-        at any point, a Decoder mid-decode too, is retried (the answer is then the retry's, from scratch).
+        at any point, a Decoder mid-decode too, is retried (the answer is then the retry's, made from scratch
+        or, when only its Decoder was lost, from the lost attempt's preprocessed request).
         """
         builders: dict[int, CompletionBuilder] = {}  # attempt number -> its builder, for those that got an output
+        kept: Kept[PreprocessedRequest] = Kept()  # the preprocessed request, kept when the Decoder alone was lost
 
         async def attempt(number: int) -> CompletionBuilder:
             if number:
-                self.stats.observe_retry(after_first_output=number - 1 in builders)
-            first, outputs = await self._first(chat, number, deadline, timing, count_retry=False)
+                self.stats.observe_retry(after_first_output=number - 1 in builders, reused=kept.ready)
+            first, outputs = await self._first(chat, number, deadline, timing, kept, count_retry=False)
             if not builders:
                 self.stats.observe_ttft(time.perf_counter() - started)
             builders[number] = builder = CompletionBuilder(chat.request_id, self._model_id(), n=chat.sampling.n)
@@ -249,6 +244,9 @@ class Ingress:
                     builder.add(message)
                 if not builder.finished:
                     raise RuntimeError(f"the decoder's stream of {chat.request_id} ended before its answer")
+            except BaseException as exc:
+                kept.lost_after(exc)
+                raise
             finally:
                 if not builder.finished:  # it failed, or this handler was cancelled: abort it in the decoder
                     cancel(outputs)

@@ -2,8 +2,9 @@
 
 Owns: which Ray errors mean "the replica (or the node, or the owner of an object the call read) is
 gone" rather than "the request is bad", what such an error becomes for the client (a ReplicaLostError;
-any other a replica passed on: its own exception), and retrying an idempotent call on a live replica, a
-bounded number of times with a short backoff. Does not own which calls are idempotent: the callers choose
+any other a replica passed on: its own exception), retrying an idempotent call on a live replica, a
+bounded number of times with a short backoff, and which of an attempt's results the next attempt may
+start from (`Kept`). Does not own which calls are idempotent: the callers choose
 (preprocess, encode, a request's way to its first token and a non-streamed request's whole way are; a stream
 already under way is not).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import ReplicaUnavailableError
@@ -67,3 +68,37 @@ async def retrying(call: Callable[[int], Awaitable[T]], *, retries: int, what: s
             log.warning("%s: replica lost (%s); retry %d of %d", what, type(exc).__name__, attempt + 1, retries)
         await asyncio.sleep(BACKOFF_S * 2**attempt)
     raise AssertionError("unreachable")
+
+
+class Kept(Generic[T]):
+    """What an attempt made on its way (the preprocessed request), for the next attempt to start from when the
+    attempt was lost only with a replica after that point (its Decoder died): made again it would cost the
+    same work and, for an image URL, another fetch.
+
+    NOTE: kept only when no object was reported lost: the value's ObjectRefs (pixels) belong to the replica that
+    made it, and an attempt that failed with an ObjectLostError, or for any other reason, starts again from
+    scratch. A kept value whose maker died since is lost at its next use, and the attempt after that starts
+    from scratch: a replica lost with its node costs one retry more.
+    """
+
+    def __init__(self) -> None:
+        self._value: T | None = None  # the last attempt's, once it made it
+        self._ready = False  # whether the next attempt may start from it
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def take(self) -> T | None:
+        """The value kept for this attempt, or None (then it makes its own); the next attempt gets it only if
+        this one is `made` it again and is lost after."""
+        value, self._value, self._ready = (self._value if self._ready else None), None, False
+        return value
+
+    def made(self, value: T) -> None:
+        self._value = value
+
+    def lost_after(self, exc: BaseException) -> None:
+        """The attempt failed after `made` with `exc`: keep its value if a replica died and no object was lost."""
+        self._ready = (self._value is not None and replica_lost(exc, ACTOR_LOST)
+                       and not replica_lost(exc, (ObjectLostError,)))

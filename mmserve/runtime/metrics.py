@@ -10,6 +10,7 @@ exposition (metrics_prometheus.py), gathering snapshots from replicas (deploymen
 
 from __future__ import annotations
 
+import itertools
 import threading
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping
@@ -33,6 +34,7 @@ LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # crops (images) per vision forward
 REQUEST_STATUSES: tuple[RequestStatus, ...] = ("ok", "client_error", "server_error", "aborted")
 RETRY_PHASES: tuple[str, str] = ("before_first_output", "after_first_output")  # where a lost attempt had got
+RETRY_PREPROCESS: tuple[str, str] = ("again", "reused")  # whether the retry preprocessed or kept the lost one's
 
 
 @dataclass(frozen=True)
@@ -247,7 +249,7 @@ class IngressMetrics:
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.latency = Histogram(LATENCY_BUCKETS_S)
         self._requests = dict.fromkeys(REQUEST_STATUSES, 0)
-        self._retries = dict.fromkeys(RETRY_PHASES, 0)
+        self._retries = dict.fromkeys(itertools.product(RETRY_PHASES, RETRY_PREPROCESS), 0)
         self._prompt_tokens = self._generated_tokens = 0
         self._lock = threading.Lock()
 
@@ -255,10 +257,11 @@ class IngressMetrics:
         """Request arrival to its first content token."""
         self.ttft.observe(seconds)
 
-    def observe_retry(self, after_first_output: bool) -> None:
-        """A request made again after a lost replica (a non-streamed one is retried whole, even mid-decode)."""
+    def observe_retry(self, after_first_output: bool, reused: bool = False) -> None:
+        """A request made again after a lost replica (a non-streamed one is retried whole, even mid-decode),
+        from the lost attempt's preprocessed request if `reused`."""
         with self._lock:
-            self._retries[RETRY_PHASES[1] if after_first_output else RETRY_PHASES[0]] += 1
+            self._retries[RETRY_PHASES[after_first_output], RETRY_PREPROCESS[reused]] += 1
 
     def observe_request(self, status: RequestStatus, seconds: float, prompt_tokens: int = 0,
                         generated_tokens: int = 0) -> None:
@@ -272,12 +275,12 @@ class IngressMetrics:
     def snapshot(self) -> MetricsSnapshot:
         with self._lock:
             requests: dict[LabelValues, Value] = {(status,): float(n) for status, n in self._requests.items()}
-            retries: dict[LabelValues, Value] = {(phase,): float(n) for phase, n in self._retries.items()}
+            retries: dict[LabelValues, Value] = {labels: float(n) for labels, n in self._retries.items()}
             prompt, generated = self._prompt_tokens, self._generated_tokens
         return snapshot_of(
             Metric("mmserve_requests_total", "counter", "Requests ended, by outcome.", ("status",), requests),
             Metric("mmserve_request_retries_total", "counter", "Attempts made again after a lost replica.",
-                   ("phase",), retries),
+                   ("phase", "preprocess"), retries),
             _counter("mmserve_prompt_tokens_total", "Prompt tokens of ended requests, image tokens included.",
                      prompt),
             _counter("mmserve_generated_tokens_total", "Tokens generated for ended requests.", generated),

@@ -5,7 +5,8 @@ moment), the service is whole again afterwards, and nothing is left held.
 Non-streamed requests go through the official `openai` client with its retries off, so that every retry
 that saves one is the server's own: a non-streamed request is retried whole by the ingress, in its decode
 on a killed Decoder too (the Decoder is killed with two long answers in their decode: both must be
-answered, and the ingress's retry counter must show them retried after their first output). A stream that
+answered, and the ingress's retry counter must show them retried after their first output, from their
+preprocessed requests, which a lost Decoder leaves valid). A stream that
 has begun cannot be sent again without repeating what the client has read; a request in flight on a killed
 Ingress gets a 5xx from Serve's proxy (the `openai` client's default retries would send it again)."""
 
@@ -175,10 +176,11 @@ def _ended(name: str) -> bool:
 
 
 def retries(app: AppInfo) -> dict[str, float]:
-    """The ingress's retries so far, by where the request had got to (`mmserve_request_retries_total`)."""
+    """The ingress's retries so far, by where the request had got to and whether the retry preprocessed it again
+    or reused the lost attempt's ("after_first_output/reused": `mmserve_request_retries_total`)."""
     status, text = get_text(app.base_url, "/metrics")
     assert status == 200
-    return {s.labels["phase"]: s.value for family in text_string_to_metric_families(text)
+    return {f"{s.labels['phase']}/{s.labels['preprocess']}": s.value for family in text_string_to_metric_families(text)
             for s in family.samples if s.name == "mmserve_request_retries_total"}
 
 
@@ -237,7 +239,7 @@ def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(
     for client in clients:
         client.start()
     kills: dict[str, tuple[float, float, float]] = {}
-    moved: dict[str, float] = {}  # the ingress's retries over the Decoder's round, by phase
+    moved: dict[str, float] = {}  # the ingress's retries over the Decoder's round, by phase and preprocess
     try:
         for round_ in ROUNDS:
             before = retries(mm_app) if "Decoder" in round_ else {}
@@ -270,7 +272,8 @@ def test_killing_a_replica_of_each_stage_under_load_loses_nothing_it_could_keep(
     # the long answers, killed in their decode, were retried whole and answered before the Ingress was killed
     longs = [o for o in outcomes if o.detail.startswith("long")]
     assert len(longs) == 2 and all(o.ok and o.end < kills["Ingress"][0] for o in longs), longs
-    assert moved["after_first_output"] >= 2, moved
+    # ...each from its lost attempt's preprocessed request, not preprocessed again (only its Decoder died)
+    assert moved["after_first_output/reused"] >= 2, moved
     slow = [(o.detail, f"{o.end - o.start:.1f} s from +{o.start - outcomes[0].start:.1f} s") for o in outcomes
             if o.end - o.start >= o.limit_s]
     assert not slow, slow  # a request this slow hung somewhere, even if a retry answered it

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from deployments.ingress import deployments_without_replicas, failure_status
+from deployments.app_health import deployments_without_replicas
+from deployments.ingress import failure_status
 
 
 def _status(**deployments: dict[str, int]) -> SimpleNamespace:

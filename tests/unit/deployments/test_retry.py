@@ -63,3 +63,34 @@ def test_only_the_kinds_asked_for_are_retried(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(OwnerDiedError):
         asyncio.run(retrying(call, retries=2, what="t", kinds=retry.ACTOR_LOST))
     assert calls == [0]
+
+
+def _kept_after(exc: BaseException) -> str | None:
+    """What the next attempt starts from after an attempt that made "pre" then failed with `exc`."""
+    kept: retry.Kept[str] = retry.Kept()
+    assert kept.take() is None and not kept.ready  # the first attempt makes its own
+    kept.made("pre")
+    kept.lost_after(exc)
+    return kept.take()
+
+
+@pytest.mark.parametrize("exc, kept", [
+    (ActorDiedError(), True),  # the Decoder died: its request is preprocessed still
+    (ActorUnavailableError("gone", None), True),
+    (OwnerDiedError("00" * 28, None, ""), False),  # the pixels' maker died: preprocess again
+    (RayTaskError("generate", "tb", OwnerDiedError("00" * 28, None, "")), False),  # ...as a replica passed it on
+    (RayTaskError("generate", "tb", MediaError("bad image")), False), (TimeoutError(), False),
+])
+def test_a_retry_starts_from_the_lost_attempts_preprocessed_request_only_if_a_replica_alone_died(
+        exc: BaseException, kept: bool) -> None:
+    assert _kept_after(exc) == ("pre" if kept else None)
+
+
+def test_a_kept_value_serves_one_attempt_and_an_attempt_lost_before_making_its_own_keeps_none() -> None:
+    kept: retry.Kept[str] = retry.Kept()
+    kept.made("pre")
+    kept.lost_after(ActorDiedError())
+    assert kept.ready and kept.take() == "pre"
+    assert kept.take() is None  # taken: the attempt that took it must make it (or keep it) again
+    kept.lost_after(ActorDiedError())  # e.g. lost in Preprocess, before it made anything
+    assert not kept.ready and kept.take() is None

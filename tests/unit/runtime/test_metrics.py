@@ -65,7 +65,7 @@ def replica(i: int) -> list[MetricsSnapshot]:
     ingress.observe_ttft(0.04 * (i + 1))
     ingress.observe_request("ok", 1.5, prompt_tokens=300, generated_tokens=20 + i)
     ingress.observe_request("client_error", 0.01)
-    ingress.observe_retry(after_first_output=bool(i))
+    ingress.observe_retry(after_first_output=bool(i), reused=bool(i))
     return [
         preprocess_snapshot(5 + i, cache_stats(queries=10, hits=4 + i, bytes_held=100 * (i + 1))),
         encoder_snapshot(encoder_stats(queries=8, hits=2 + i, batch_sizes={1: 2, 3: 1 + i})),
@@ -112,8 +112,11 @@ def test_two_replicas_merge_and_render() -> None:
     assert requests[("mmserve_requests_total", (("status", "client_error"),))] == 2
     assert requests[("mmserve_requests_total", (("status", "server_error"),))] == 0
     retries = fams["mmserve_request_retries_total"]
-    assert retries[("mmserve_request_retries_total", (("phase", "before_first_output"),))] == 1
-    assert retries[("mmserve_request_retries_total", (("phase", "after_first_output"),))] == 1
+    before, after = (("phase", "before_first_output"),), (("phase", "after_first_output"),)
+    assert retries[("mmserve_request_retries_total", (*before, ("preprocess", "again")))] == 1
+    assert retries[("mmserve_request_retries_total", (*before, ("preprocess", "reused")))] == 0
+    assert retries[("mmserve_request_retries_total", (*after, ("preprocess", "reused")))] == 1
+    assert retries[("mmserve_request_retries_total", (*after, ("preprocess", "again")))] == 0
     assert "# TYPE mmserve_decoder_running_requests gauge" in text
     assert "# TYPE mmserve_encoder_cache_hits_total counter" in text
     assert "# TYPE mmserve_time_to_first_token_seconds histogram" in text
