@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,3 +198,24 @@ def test_masks_in_numpy_give_what_torchs_kernels_give(greedy: bool) -> None:
     allowed = ~forbid[[0, 1, 3]]
     assert all(bool(allowed[j, t_np[i]]) for j, i in enumerate((0, 2, 5)))  # picks obey their masks
     assert torch.equal(x, tied(6)) and (d_np is x) == greedy  # the caller's logits stay; copied only to draw
+
+
+def test_greedy_rows_whose_favourites_their_masks_allow_keep_them_without_a_pass_over_the_masks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    x = tied(6)
+    forbid = torch.rand(3, VOCAB, generator=torch.Generator().manual_seed(2)) < 0.7  # (3, V)
+    favourites = argmax(x)[[0, 2, 5]]  # each row's first maximum: no tie before it
+    for j, token in enumerate(favourites.tolist()):
+        forbid[j, :token] = True
+        forbid[j, token] = False
+    masks = RowMasks((0, 2, 5), forbid)
+    tokens = argmax(x)
+    _, dead = masked_by_torch(x, tokens, masks, True)  # the masks applied
+    assert tokens[[0, 2, 5]].tolist() == favourites.tolist() and dead.tolist() == []
+
+    def no_pass(*args: object) -> None:
+        raise AssertionError("a (g, V) pass over the masks")
+    monkeypatch.setattr(np, "where", no_pass)
+    fast = argmax(x)
+    drawn, dead = masked_on_cpu(x, fast, masks, True)
+    assert torch.equal(fast, tokens) and dead.tolist() == [] and drawn is x
