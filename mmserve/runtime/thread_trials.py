@@ -4,9 +4,9 @@ Owns: when to try the other count (after `period` steps of the kind, the period 
 confirming the count and starting over at `first_period` when one changes it), running a trial (the two
 counts alternating step by step in pairs, the first of each pair taking turns (ABBA), so that the
 machine's drift, the batch's slow growth and any fixed order of a request's steps fall on both alike), and
-the verdict (the faster count's median time per new token over pairs of steps of about the same size; the
-fewer threads when within `close`). Does not own applying a count, which kinds of step have trials, or the
-start-up measurement (`step_threads.py`).
+the verdict (the median ratio of the two counts' times per new token over pairs of steps of about the same
+size, neighbours first; the fewer threads when within `close`). Does not own applying a count, which kinds
+of step have trials, or the start-up measurement (`step_threads.py`).
 
 NOTE: a count measured once at start-up is measured while the other replicas on the node start too (each
 importing torch and loading weights on the same cores), which can favour one thread; and what is fastest
@@ -77,19 +77,46 @@ class ThreadTrials:
 
 
 def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float, tolerance: float = 0.0) -> int:
-    """The count to keep after a trial of alternating steps (count, size, seconds): compared by time per new
-    token over adjacent pairs whose sizes differ by at most `tolerance` of the smaller; `current` when too
-    few pairs compare."""
-    times: dict[int, list[float]] = {}
-    for (count_a, size_a, a), (count_b, size_b, b) in zip(steps[::2], steps[1::2], strict=False):
-        if count_a != count_b and _comparable(size_a, size_b, tolerance):
-            times.setdefault(count_a, []).append(a / size_a)
-            times.setdefault(count_b, []).append(b / size_b)
-    if len(times) < 2 or min(len(t) for t in times.values()) < MIN_PAIRS:
+    """The count to keep after a trial of alternating steps (count, size, seconds): by the median, over pairs of
+    steps at the two counts whose sizes differ by at most `tolerance` of the smaller (`pairs`), of the ratio of
+    their times per new token; the fewer threads when within `close`; `current` when too few pairs compare."""
+    ratios: list[float] = []  # per pair: the more threads' time per token over the fewer threads'
+    for (count_a, size_a, a), (count_b, size_b, b) in pairs(steps, tolerance):
+        more, fewer = ((a, size_a), (b, size_b)) if count_a > count_b else ((b, size_b), (a, size_a))
+        ratios.append((more[0] / more[1]) / (fewer[0] / fewer[1]))
+    if len(ratios) < MIN_PAIRS:
         return current
-    medians = {count: statistics.median(t) for count, t in times.items()}
-    best = min(medians.values())
-    return min(count for count, t in medians.items() if t <= best * (1 + close))
+    counts = sorted({count for count, _, _ in steps})
+    return counts[0] if statistics.median(ratios) * (1 + close) >= 1 else counts[-1]
+
+
+def pairs(steps: Sequence[tuple[int, int, float]],
+          tolerance: float) -> list[tuple[tuple[int, int, float], tuple[int, int, float]]]:
+    """Steps at different counts paired for comparison: each with its neighbour in the trial's ABBA order where
+    their sizes compare; then each step left with the next one left at the other count whose size compares.
+
+    NOTE: a workload of mixed requests (a short text prompt, then an image's long one) rarely puts two steps
+    of a size next to each other; a trial that compared only neighbours decided nothing under it, however
+    much one count lost. Neighbours first keep the drift of the machine and of the batch off the verdict where
+    the steps allow it.
+    """
+    matched: list[tuple[tuple[int, int, float], tuple[int, int, float]]] = []
+    left: list[int] = []
+    for i in range(0, len(steps) - 1, 2):
+        a, b = steps[i], steps[i + 1]
+        if a[0] != b[0] and _comparable(a[1], b[1], tolerance):
+            matched.append((a, b))
+        else:
+            left += [i, i + 1]
+    left += [len(steps) - 1] if len(steps) % 2 else []
+    while left:
+        i = left.pop(0)
+        j = next((j for j in left if steps[j][0] != steps[i][0] and _comparable(steps[i][1], steps[j][1], tolerance)),
+                 None)
+        if j is not None:
+            left.remove(j)
+            matched.append((steps[i], steps[j]))
+    return matched
 
 
 def _comparable(size_a: int, size_b: int, tolerance: float) -> bool:

@@ -7,7 +7,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, HEAVY, SMALL, StepThreads
-from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, verdict
+from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, pairs, verdict
 
 
 @pytest.fixture
@@ -78,6 +78,23 @@ def test_nearly_equal_steps_compare_per_token_when_allowed() -> None:
     assert verdict(per_token, 1, close=0.05, tolerance=0.25) == 2
     far = [(1, 100, 0.100), (2, 300, 0.180)] * 8  # 3x the tokens: not compared even per token
     assert verdict(far, 1, close=0.05, tolerance=0.25) == 1
+
+
+def test_steps_of_mixed_sizes_compare_with_the_nearest_step_of_their_size_at_the_other_count() -> None:
+    """A text prompt, then an image's: neighbours never compare. The image's prefill at 2 threads runs 4x slower
+    (the node's other stages are busy right after its encode), the text's as fast as on 1 thread."""
+    times = {(1, 30): 0.003, (2, 30): 0.003, (1, 290): 0.009, (2, 290): 0.036}
+    trials = ThreadTrials((1, 2), close=0.05, first_period=2, size_tolerance=0.25)
+    current = 2
+    for i in range(2 + TRIAL_STEPS):
+        size = 30 if i % 2 == 0 else 290
+        count = trials.count_for(current)
+        current = trials.observe(count, size, times[count, size], current)
+    assert trials.trials == 1 and current == 1 and trials.changes == [(2, 1)]
+    steps = [(2, 30, 0.003), (1, 290, 0.009), (1, 30, 0.003), (2, 290, 0.036)] * 4
+    assert len(pairs(steps, 0.25)) == 8  # every step compared, none twice
+    assert verdict([(c, s, 1e-4 * s) for c, s, _ in steps], 2, close=0.05) == 1  # a tie: a core saved
+    assert verdict([(c, s, 1e-4 * s / c) for c, s, _ in steps], 1, close=0.05) == 2  # twice as fast on 2
 
 
 def test_the_stage_switches_its_decode_count_while_serving_unless_the_config_fixed_it(two_threads) -> None:
