@@ -90,8 +90,8 @@ class Kept(Generic[T]):
         return self._ready
 
     def take(self) -> T | None:
-        """The value kept for this attempt, or None (then it makes its own); the next attempt gets it only if
-        this one is `made` it again and is lost after."""
+        """The value kept for this attempt, or None (then it makes its own); the next attempt gets a value only
+        if this one hands it to `made` (the kept one or its own) and then is lost as `lost_after` allows."""
         value, self._value, self._ready = (self._value if self._ready else None), None, False
         return value
 

@@ -4,9 +4,9 @@ Owns: when to try the other count (after `period` steps of the kind, the period 
 confirming the count and starting over at `first_period` when one changes it), running a trial (the two
 counts alternating step by step in pairs, the first of each pair taking turns (ABBA), so that the
 machine's drift, the batch's slow growth and any fixed order of a request's steps fall on both alike), and
-the verdict (the median ratio of the two counts' times per new token over pairs of steps of about the same
-size, neighbours first; the fewer threads when within `close`). Does not own applying a count, which kinds
-of step have trials, or the start-up measurement (`step_threads.py`).
+the verdict (the two counts' ratio of times per new token over pairs of steps of about the same size,
+neighbours first, its median weighed by time; the fewer threads when within `close`). Does not own applying
+a count, which kinds of step have trials, or the start-up measurement (`step_threads.py`).
 
 NOTE: a count measured once at start-up is measured while the other replicas on the node start too (each
 importing torch and loading weights on the same cores), which can favour one thread; and what is fastest
@@ -15,7 +15,6 @@ under load differs from what is fastest alone. A trial costs a few steps at the 
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -77,17 +76,38 @@ class ThreadTrials:
 
 
 def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float, tolerance: float = 0.0) -> int:
-    """The count to keep after a trial of alternating steps (count, size, seconds): by the median, over pairs of
-    steps at the two counts whose sizes differ by at most `tolerance` of the smaller (`pairs`), of the ratio of
-    their times per new token; the fewer threads when within `close`; `current` when too few pairs compare."""
-    ratios: list[float] = []  # per pair: the more threads' time per token over the fewer threads'
+    """The count to keep after a trial of alternating steps (count, size, seconds): by the ratio of the two
+    counts' times per new token over pairs of steps whose sizes differ by at most `tolerance` of the smaller
+    (`pairs`), its median with each pair weighed by its faster step's time; the fewer threads when within
+    `close`; `current` when too few pairs compare.
+
+    NOTE: weighed by time, since the count that serves is the one that takes less of it: a few slow steps (an
+    image's prefill losing a thread to the node's other stages) outweigh many quick ones a little faster the
+    other way; weighed by the faster step, so that one step stalled by chance (a pause of the process) moves the
+    median by one quick pair's weight at most.
+    """
+    weighed: list[tuple[float, float]] = []  # per pair: (more threads' time per token over fewer's, weight in s)
     for (count_a, size_a, a), (count_b, size_b, b) in pairs(steps, tolerance):
-        more, fewer = ((a, size_a), (b, size_b)) if count_a > count_b else ((b, size_b), (a, size_a))
-        ratios.append((more[0] / more[1]) / (fewer[0] / fewer[1]))
-    if len(ratios) < MIN_PAIRS:
+        (more, more_size), (fewer, fewer_size) = ((a, size_a), (b, size_b)) if count_a > count_b else \
+            ((b, size_b), (a, size_a))
+        if more > 0 and fewer > 0:
+            more_as_fewer = more * fewer_size / more_size  # the more threads' time at the other step's size
+            weighed.append((more_as_fewer / fewer, min(more_as_fewer, fewer)))
+    if len(weighed) < MIN_PAIRS:
         return current
     counts = sorted({count for count, _, _ in steps})
-    return counts[0] if statistics.median(ratios) * (1 + close) >= 1 else counts[-1]
+    return counts[0] if weighted_median(weighed) * (1 + close) >= 1 else counts[-1]
+
+
+def weighted_median(values: Sequence[tuple[float, float]]) -> float:
+    """The smallest value (of (value, weight) pairs) at which the weights of it and those below reach half."""
+    ordered = sorted(values)
+    half, total = sum(w for _, w in ordered) / 2, 0.0
+    for value, weight in ordered:
+        total += weight
+        if total >= half:
+            return value
+    return ordered[-1][0]
 
 
 def pairs(steps: Sequence[tuple[int, int, float]],

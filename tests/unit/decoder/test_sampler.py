@@ -219,3 +219,12 @@ def test_greedy_rows_whose_favourites_their_masks_allow_keep_them_without_a_pass
     fast = argmax(x)
     drawn, dead = masked_on_cpu(x, fast, masks, True)
     assert torch.equal(fast, tokens) and dead.tolist() == [] and drawn is x
+
+
+def test_a_row_with_no_finite_logit_is_left_without_a_token_whatever_its_mask_allows() -> None:
+    x = tied(2)
+    x[1] = float("-inf")  # e.g. every token penalised away: its first maximum, token 0, is -inf
+    masks = RowMasks((0, 1), torch.zeros(2, VOCAB, dtype=torch.bool))  # the grammars allow everything
+    for way in (masked_on_cpu, masked_by_torch):
+        _, dead = way(x, argmax(x), masks, True)
+        assert dead.tolist() == [1]
