@@ -37,7 +37,8 @@ from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.runtime import affinity
-from mmserve.runtime.metrics import IngressMetrics, MetricsSnapshot, RequestStatus, merge
+from mmserve.runtime.ingress_metrics import IngressMetrics, RequestStatus
+from mmserve.runtime.metrics import MetricsSnapshot, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 
 log = logging.getLogger(__name__)

@@ -2,16 +2,13 @@
 
 Owns: metric names, help texts, kinds and the fixed histogram bucket bounds; turning each stage's
 stats into a picklable `MetricsSnapshot` (no registry, no global state, so a Ray replica can return
-one from a method call); `Histogram` and `IngressMetrics` for what the ingress observes itself
-(time to first token, latency, request outcomes); `merge` over replicas. Does not own: the text
-exposition (metrics_prometheus.py), gathering snapshots from replicas (deployments/), nor the stats
-(each stage keeps its own).
+one from a method call); `merge` over replicas. Does not own: what the ingress observes itself
+(ingress_metrics.py), the text exposition (prometheus.py), gathering snapshots from replicas
+(deployments/), nor the stats (each stage keeps its own).
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,16 +22,10 @@ if TYPE_CHECKING:  # NOTE: type-only, so the ingress can import this module with
     from mmserve.preprocess.processor_cache import ProcessorCacheStats
 
 MetricKind = Literal["counter", "gauge", "histogram"]
-RequestStatus = Literal["ok", "client_error", "server_error", "aborted"]
 LabelValues = tuple[str, ...]
 
 # Fixed bounds shared by every replica, so histograms merge bucket by bucket.
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # crops (images) per vision forward
-REQUEST_STATUSES: tuple[RequestStatus, ...] = ("ok", "client_error", "server_error", "aborted")
-RETRY_PHASES: tuple[str, str] = ("before_first_output", "after_first_output")  # where a lost attempt had got
-RETRY_PREPROCESS: tuple[str, str] = ("again", "reused")  # whether the retry preprocessed or kept the lost one's
 
 
 @dataclass(frozen=True)
@@ -112,15 +103,15 @@ def snapshot_of(*metrics: Metric) -> MetricsSnapshot:
     return MetricsSnapshot({m.name: m for m in metrics})
 
 
-def _counter(name: str, help: str, value: float) -> Metric:
+def counter(name: str, help: str, value: float) -> Metric:
     return Metric(name, "counter", help, (), {(): float(value)})
 
 
-def _gauge(name: str, help: str, value: float) -> Metric:
+def gauge(name: str, help: str, value: float) -> Metric:
     return Metric(name, "gauge", help, (), {(): float(value)})
 
 
-def _histogram(name: str, help: str, value: HistogramValue) -> Metric:
+def histogram(name: str, help: str, value: HistogramValue) -> Metric:
     return Metric(name, "histogram", help, (), {(): value})
 
 
@@ -129,7 +120,7 @@ def _histogram(name: str, help: str, value: HistogramValue) -> Metric:
 
 def preprocess_snapshot(image_processor_calls: int, cache: ProcessorCacheStats | None = None) -> MetricsSnapshot:
     """One preprocess replica; `cache` only if the replica owns its cache index (see below)."""
-    calls = _counter("mmserve_image_processor_calls_total", "HF image processor invocations.", image_processor_calls)
+    calls = counter("mmserve_image_processor_calls_total", "HF image processor invocations.", image_processor_calls)
     return merge([snapshot_of(calls)] + ([processor_cache_snapshot(cache)] if cache is not None else []))
 
 
@@ -137,15 +128,15 @@ def processor_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
     """One ProcessorCache index. NOTE: report each index once: where replicas share one (a store
     actor), the store reports it, not every replica, or `merge` counts it once per replica."""
     return snapshot_of(
-        _counter("mmserve_processor_cache_queries_total", "Processor cache lookups.", cache.queries),
-        _counter("mmserve_processor_cache_hits_total", "Processor cache lookups that hit.", cache.hits),
-        _counter("mmserve_processor_cache_evictions_total", "Processor cache entries evicted.", cache.evictions),
-        _counter("mmserve_processor_cache_refused_total", "Items larger than the processor cache.", cache.refused),
-        _gauge("mmserve_processor_cache_bytes", "Bytes held by the processor cache.", cache.bytes_held),
-        _gauge("mmserve_processor_cache_peak_bytes", "The most bytes the processor cache ever held.",
+        counter("mmserve_processor_cache_queries_total", "Processor cache lookups.", cache.queries),
+        counter("mmserve_processor_cache_hits_total", "Processor cache lookups that hit.", cache.hits),
+        counter("mmserve_processor_cache_evictions_total", "Processor cache entries evicted.", cache.evictions),
+        counter("mmserve_processor_cache_refused_total", "Items larger than the processor cache.", cache.refused),
+        gauge("mmserve_processor_cache_bytes", "Bytes held by the processor cache.", cache.bytes_held),
+        gauge("mmserve_processor_cache_peak_bytes", "The most bytes the processor cache ever held.",
                cache.peak_bytes_held),
-        _gauge("mmserve_processor_cache_capacity_bytes", "Processor cache capacity in bytes.", cache.capacity_bytes),
-        _gauge("mmserve_processor_cache_entries", "Items held by the processor cache.", cache.entries),
+        gauge("mmserve_processor_cache_capacity_bytes", "Processor cache capacity in bytes.", cache.capacity_bytes),
+        gauge("mmserve_processor_cache_entries", "Items held by the processor cache.", cache.entries),
     )
 
 
@@ -154,48 +145,48 @@ def replica_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
     shared store, so they are added to the store's lookups and hits here: the merged hit rate stays one
     over every lookup; its misses are the store's lookups."""
     return snapshot_of(
-        _counter("mmserve_processor_cache_queries_total", "Processor cache lookups.", cache.hits),
-        _counter("mmserve_processor_cache_hits_total", "Processor cache lookups that hit.", cache.hits),
-        _counter("mmserve_processor_cache_replica_hits_total",
+        counter("mmserve_processor_cache_queries_total", "Processor cache lookups.", cache.hits),
+        counter("mmserve_processor_cache_hits_total", "Processor cache lookups that hit.", cache.hits),
+        counter("mmserve_processor_cache_replica_hits_total",
                  "Processor cache hits on the items the answering Preprocess replica made.", cache.hits),
-        _gauge("mmserve_processor_cache_replica_bytes",
+        gauge("mmserve_processor_cache_replica_bytes",
                "Bytes of the items Preprocess replicas made and still hold references to.", cache.bytes_held),
     )
 
 
 def encoder_snapshot(stats: EncoderStats) -> MetricsSnapshot:
     return snapshot_of(
-        _counter("mmserve_encoder_cache_queries_total", "Encoder cache lookups (hits + encoded misses).",
+        counter("mmserve_encoder_cache_queries_total", "Encoder cache lookups (hits + encoded misses).",
                  stats.queries),
-        _counter("mmserve_encoder_cache_hits_total", "Encoder cache lookups that hit.", stats.hits),
-        _counter("mmserve_encoder_forward_passes_total", "Vision encoder forward passes.", stats.forward_passes),
-        _counter("mmserve_encoder_items_encoded_total", "Multimodal items (images) encoded.", stats.items_encoded),
-        _counter("mmserve_encoder_crops_encoded_total", "Image crops encoded.", stats.images_encoded),
-        _gauge("mmserve_encoder_cache_tokens", "Embedding rows booked in the encoder cache.", stats.cached_tokens),
-        _gauge("mmserve_encoder_cache_peak_tokens", "The most embedding rows the encoder cache ever booked.",
+        counter("mmserve_encoder_cache_hits_total", "Encoder cache lookups that hit.", stats.hits),
+        counter("mmserve_encoder_forward_passes_total", "Vision encoder forward passes.", stats.forward_passes),
+        counter("mmserve_encoder_items_encoded_total", "Multimodal items (images) encoded.", stats.items_encoded),
+        counter("mmserve_encoder_crops_encoded_total", "Image crops encoded.", stats.images_encoded),
+        gauge("mmserve_encoder_cache_tokens", "Embedding rows booked in the encoder cache.", stats.cached_tokens),
+        gauge("mmserve_encoder_cache_peak_tokens", "The most embedding rows the encoder cache ever booked.",
                stats.peak_cached_tokens),
-        _gauge("mmserve_encoder_cache_capacity_tokens", "Encoder cache capacity in embedding rows.",
+        gauge("mmserve_encoder_cache_capacity_tokens", "Encoder cache capacity in embedding rows.",
                stats.capacity_tokens),
-        _gauge("mmserve_encoder_cache_entries", "Items in the encoder cache.", stats.num_cached),
-        _gauge("mmserve_encoder_pending_requests", "Requests waiting for embeddings.", stats.num_pending),
-        _histogram("mmserve_encoder_batch_size", "Crops (images) per vision encoder forward pass.",
+        gauge("mmserve_encoder_cache_entries", "Items in the encoder cache.", stats.num_cached),
+        gauge("mmserve_encoder_pending_requests", "Requests waiting for embeddings.", stats.num_pending),
+        histogram("mmserve_encoder_batch_size", "Crops (images) per vision encoder forward pass.",
                    HistogramValue.from_counts(BATCH_SIZE_BUCKETS, stats.batch_sizes.items())),
     )
 
 
 def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
     return snapshot_of(
-        _gauge("mmserve_decoder_running_requests", "Sequences holding KV blocks.", stats.running),
-        _gauge("mmserve_decoder_waiting_requests", "Sequences queued or preempted.", stats.waiting),
-        _gauge("mmserve_decoder_kv_blocks_free", "Free KV cache pages (one layer's block each).", stats.free_blocks),
-        _gauge("mmserve_decoder_kv_blocks_total", "KV cache pages overall (blocks x layers).", stats.total_blocks),
-        _gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
-        _counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
-        _gauge("mmserve_decoder_kv_blocks_cached", "Prefix-cache entries (a layer kind's block each).",
+        gauge("mmserve_decoder_running_requests", "Sequences holding KV blocks.", stats.running),
+        gauge("mmserve_decoder_waiting_requests", "Sequences queued or preempted.", stats.waiting),
+        gauge("mmserve_decoder_kv_blocks_free", "Free KV cache pages (one layer's block each).", stats.free_blocks),
+        gauge("mmserve_decoder_kv_blocks_total", "KV cache pages overall (blocks x layers).", stats.total_blocks),
+        gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
+        counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
+        gauge("mmserve_decoder_kv_blocks_cached", "Prefix-cache entries (a layer kind's block each).",
                stats.cached_blocks),
-        _counter("mmserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+        counter("mmserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
                  stats.prefix_queries),
-        _counter("mmserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
+        counter("mmserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
         *_embedding_cache_metrics(stats.embedding_cache),
     )
 
@@ -204,11 +195,11 @@ def _embedding_cache_metrics(stats: EmbeddingCacheStats | None) -> tuple[Metric,
     if stats is None:
         return ()
     return (
-        _counter("mmserve_decoder_embedding_cache_queries_total",
+        counter("mmserve_decoder_embedding_cache_queries_total",
                  "Items whose embeddings the decoder looked up in its own cache.", stats.queries),
-        _counter("mmserve_decoder_embedding_cache_hits_total",
+        counter("mmserve_decoder_embedding_cache_hits_total",
                  "Of those, found there (no call to the encoder).", stats.hits),
-        _gauge("mmserve_decoder_embedding_cache_bytes", "Bytes of embeddings the decoder keeps.", stats.bytes),
+        gauge("mmserve_decoder_embedding_cache_bytes", "Bytes of embeddings the decoder keeps.", stats.bytes),
     )
 
 
@@ -216,78 +207,6 @@ def engine_snapshot(stats: EngineStats) -> MetricsSnapshot:
     """The in-process engine: every stage, one replica each."""
     return merge([preprocess_snapshot(stats.image_processor_calls, stats.processor_cache),
                   encoder_snapshot(stats.encoder), decoder_snapshot(stats.decoder)])
-
-
-# --- what the ingress observes ------------------------------------------------------------------
-
-
-class Histogram:
-    """A mutable histogram over fixed bounds; thread-safe."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        if list(bounds) != sorted(set(bounds)):
-            raise ValueError(f"bounds must be strictly increasing, got {bounds}")
-        self.bounds = bounds
-        self._counts = [0] * (len(bounds) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self._counts[bisect_left(self.bounds, value)] += 1
-            self._sum += value
-
-    def value(self) -> HistogramValue:
-        with self._lock:
-            return HistogramValue(self.bounds, tuple(self._counts), self._sum)
-
-
-class IngressMetrics:
-    """Request outcomes and latencies seen at the HTTP edge; one per ingress replica, thread-safe."""
-
-    def __init__(self) -> None:
-        self.ttft = Histogram(TTFT_BUCKETS_S)
-        self.latency = Histogram(LATENCY_BUCKETS_S)
-        self._requests = dict.fromkeys(REQUEST_STATUSES, 0)
-        self._retries = dict.fromkeys(itertools.product(RETRY_PHASES, RETRY_PREPROCESS), 0)
-        self._prompt_tokens = self._generated_tokens = 0
-        self._lock = threading.Lock()
-
-    def observe_ttft(self, seconds: float) -> None:
-        """Request arrival to its first content token."""
-        self.ttft.observe(seconds)
-
-    def observe_retry(self, after_first_output: bool, reused: bool = False) -> None:
-        """A request made again after a lost replica (a non-streamed one is retried whole, even mid-decode),
-        from the lost attempt's preprocessed request if `reused`."""
-        with self._lock:
-            self._retries[RETRY_PHASES[after_first_output], RETRY_PREPROCESS[reused]] += 1
-
-    def observe_request(self, status: RequestStatus, seconds: float, prompt_tokens: int = 0,
-                        generated_tokens: int = 0) -> None:
-        """A request ended: its outcome, arrival-to-end latency and token counts."""
-        self.latency.observe(seconds)
-        with self._lock:
-            self._requests[status] += 1
-            self._prompt_tokens += prompt_tokens
-            self._generated_tokens += generated_tokens
-
-    def snapshot(self) -> MetricsSnapshot:
-        with self._lock:
-            requests: dict[LabelValues, Value] = {(status,): float(n) for status, n in self._requests.items()}
-            retries: dict[LabelValues, Value] = {labels: float(n) for labels, n in self._retries.items()}
-            prompt, generated = self._prompt_tokens, self._generated_tokens
-        return snapshot_of(
-            Metric("mmserve_requests_total", "counter", "Requests ended, by outcome.", ("status",), requests),
-            Metric("mmserve_request_retries_total", "counter", "Attempts made again after a lost replica.",
-                   ("phase", "preprocess"), retries),
-            _counter("mmserve_prompt_tokens_total", "Prompt tokens of ended requests, image tokens included.",
-                     prompt),
-            _counter("mmserve_generated_tokens_total", "Tokens generated for ended requests.", generated),
-            _histogram("mmserve_time_to_first_token_seconds", "Request arrival to first content token.",
-                       self.ttft.value()),
-            _histogram("mmserve_e2e_request_latency_seconds", "Request arrival to its end.", self.latency.value()),
-        )
 
 
 # --- merge and render ---------------------------------------------------------------------------

@@ -12,11 +12,10 @@ from mmserve.decoder.decoder import DecoderStats
 from mmserve.encoder.outputs import EncoderStats
 from mmserve.engine import EngineStats
 from mmserve.preprocess.processor_cache import ProcessorCacheStats
+from mmserve.runtime.ingress_metrics import Histogram, IngressMetrics
 from mmserve.runtime.metrics import (
     BATCH_SIZE_BUCKETS,
-    Histogram,
     HistogramValue,
-    IngressMetrics,
     Metric,
     MetricsSnapshot,
     decoder_snapshot,

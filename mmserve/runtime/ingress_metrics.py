@@ -1,0 +1,103 @@
+"""What the ingress observes of each request itself, as live counters a snapshot reads.
+
+Owns: `Histogram` (fixed bounds, thread-safe) and `IngressMetrics` (time to first token, latency,
+request outcomes, retries, tokens), with their bucket bounds and label values. Does not own the metric
+data model, the other stages' snapshots or `merge` (metrics.py), nor when the ingress observes (the
+ingress deployment).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from bisect import bisect_left
+from typing import Literal
+
+from mmserve.runtime.metrics import (
+    HistogramValue,
+    LabelValues,
+    Metric,
+    MetricsSnapshot,
+    Value,
+    counter,
+    histogram,
+    snapshot_of,
+)
+
+RequestStatus = Literal["ok", "client_error", "server_error", "aborted"]
+
+# Fixed bounds shared by every replica, so histograms merge bucket by bucket.
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+REQUEST_STATUSES: tuple[RequestStatus, ...] = ("ok", "client_error", "server_error", "aborted")
+RETRY_PHASES: tuple[str, str] = ("before_first_output", "after_first_output")  # where a lost attempt had got
+RETRY_PREPROCESS: tuple[str, str] = ("again", "reused")  # whether the retry preprocessed or kept the lost one's
+
+
+class Histogram:
+    """A mutable histogram over fixed bounds; thread-safe."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        if list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"bounds must be strictly increasing, got {bounds}")
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect_left(self.bounds, value)] += 1
+            self._sum += value
+
+    def value(self) -> HistogramValue:
+        with self._lock:
+            return HistogramValue(self.bounds, tuple(self._counts), self._sum)
+
+
+class IngressMetrics:
+    """Request outcomes and latencies seen at the HTTP edge; one per ingress replica, thread-safe."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.latency = Histogram(LATENCY_BUCKETS_S)
+        self._requests = dict.fromkeys(REQUEST_STATUSES, 0)
+        self._retries = dict.fromkeys(itertools.product(RETRY_PHASES, RETRY_PREPROCESS), 0)
+        self._prompt_tokens = self._generated_tokens = 0
+        self._lock = threading.Lock()
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Request arrival to its first content token."""
+        self.ttft.observe(seconds)
+
+    def observe_retry(self, after_first_output: bool, reused: bool = False) -> None:
+        """A request made again after a lost replica (a non-streamed one is retried whole, even mid-decode),
+        from the lost attempt's preprocessed request if `reused`."""
+        with self._lock:
+            self._retries[RETRY_PHASES[after_first_output], RETRY_PREPROCESS[reused]] += 1
+
+    def observe_request(self, status: RequestStatus, seconds: float, prompt_tokens: int = 0,
+                        generated_tokens: int = 0) -> None:
+        """A request ended: its outcome, arrival-to-end latency and token counts."""
+        self.latency.observe(seconds)
+        with self._lock:
+            self._requests[status] += 1
+            self._prompt_tokens += prompt_tokens
+            self._generated_tokens += generated_tokens
+
+    def snapshot(self) -> MetricsSnapshot:
+        with self._lock:
+            requests: dict[LabelValues, Value] = {(status,): float(n) for status, n in self._requests.items()}
+            retries: dict[LabelValues, Value] = {labels: float(n) for labels, n in self._retries.items()}
+            prompt, generated = self._prompt_tokens, self._generated_tokens
+        return snapshot_of(
+            Metric("mmserve_requests_total", "counter", "Requests ended, by outcome.", ("status",), requests),
+            Metric("mmserve_request_retries_total", "counter", "Attempts made again after a lost replica.",
+                   ("phase", "preprocess"), retries),
+            counter("mmserve_prompt_tokens_total", "Prompt tokens of ended requests, image tokens included.",
+                     prompt),
+            counter("mmserve_generated_tokens_total", "Tokens generated for ended requests.", generated),
+            histogram("mmserve_time_to_first_token_seconds", "Request arrival to first content token.",
+                       self.ttft.value()),
+            histogram("mmserve_e2e_request_latency_seconds", "Request arrival to its end.", self.latency.value()),
+        )
