@@ -95,9 +95,9 @@ class IngressMetrics:
             Metric("mmserve_request_retries_total", "counter", "Attempts made again after a lost replica.",
                    ("phase", "preprocess"), retries),
             counter("mmserve_prompt_tokens_total", "Prompt tokens of ended requests, image tokens included.",
-                     prompt),
+                    prompt),
             counter("mmserve_generated_tokens_total", "Tokens generated for ended requests.", generated),
             histogram("mmserve_time_to_first_token_seconds", "Request arrival to first content token.",
-                       self.ttft.value()),
+                      self.ttft.value()),
             histogram("mmserve_e2e_request_latency_seconds", "Request arrival to its end.", self.latency.value()),
         )

@@ -134,7 +134,7 @@ def processor_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
         counter("mmserve_processor_cache_refused_total", "Items larger than the processor cache.", cache.refused),
         gauge("mmserve_processor_cache_bytes", "Bytes held by the processor cache.", cache.bytes_held),
         gauge("mmserve_processor_cache_peak_bytes", "The most bytes the processor cache ever held.",
-               cache.peak_bytes_held),
+              cache.peak_bytes_held),
         gauge("mmserve_processor_cache_capacity_bytes", "Processor cache capacity in bytes.", cache.capacity_bytes),
         gauge("mmserve_processor_cache_entries", "Items held by the processor cache.", cache.entries),
     )
@@ -148,29 +148,29 @@ def replica_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
         counter("mmserve_processor_cache_queries_total", "Processor cache lookups.", cache.hits),
         counter("mmserve_processor_cache_hits_total", "Processor cache lookups that hit.", cache.hits),
         counter("mmserve_processor_cache_replica_hits_total",
-                 "Processor cache hits on the items the answering Preprocess replica made.", cache.hits),
+                "Processor cache hits on the items the answering Preprocess replica made.", cache.hits),
         gauge("mmserve_processor_cache_replica_bytes",
-               "Bytes of the items Preprocess replicas made and still hold references to.", cache.bytes_held),
+              "Bytes of the items Preprocess replicas made and still hold references to.", cache.bytes_held),
     )
 
 
 def encoder_snapshot(stats: EncoderStats) -> MetricsSnapshot:
     return snapshot_of(
         counter("mmserve_encoder_cache_queries_total", "Encoder cache lookups (hits + encoded misses).",
-                 stats.queries),
+                stats.queries),
         counter("mmserve_encoder_cache_hits_total", "Encoder cache lookups that hit.", stats.hits),
         counter("mmserve_encoder_forward_passes_total", "Vision encoder forward passes.", stats.forward_passes),
         counter("mmserve_encoder_items_encoded_total", "Multimodal items (images) encoded.", stats.items_encoded),
         counter("mmserve_encoder_crops_encoded_total", "Image crops encoded.", stats.images_encoded),
         gauge("mmserve_encoder_cache_tokens", "Embedding rows booked in the encoder cache.", stats.cached_tokens),
         gauge("mmserve_encoder_cache_peak_tokens", "The most embedding rows the encoder cache ever booked.",
-               stats.peak_cached_tokens),
+              stats.peak_cached_tokens),
         gauge("mmserve_encoder_cache_capacity_tokens", "Encoder cache capacity in embedding rows.",
-               stats.capacity_tokens),
+              stats.capacity_tokens),
         gauge("mmserve_encoder_cache_entries", "Items in the encoder cache.", stats.num_cached),
         gauge("mmserve_encoder_pending_requests", "Requests waiting for embeddings.", stats.num_pending),
         histogram("mmserve_encoder_batch_size", "Crops (images) per vision encoder forward pass.",
-                   HistogramValue.from_counts(BATCH_SIZE_BUCKETS, stats.batch_sizes.items())),
+                  HistogramValue.from_counts(BATCH_SIZE_BUCKETS, stats.batch_sizes.items())),
     )
 
 
@@ -183,9 +183,9 @@ def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
         gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
         counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
         gauge("mmserve_decoder_kv_blocks_cached", "Prefix-cache entries (a layer kind's block each).",
-               stats.cached_blocks),
+              stats.cached_blocks),
         counter("mmserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-                 stats.prefix_queries),
+                stats.prefix_queries),
         counter("mmserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
         *_embedding_cache_metrics(stats.embedding_cache),
     )
@@ -196,9 +196,9 @@ def _embedding_cache_metrics(stats: EmbeddingCacheStats | None) -> tuple[Metric,
         return ()
     return (
         counter("mmserve_decoder_embedding_cache_queries_total",
-                 "Items whose embeddings the decoder looked up in its own cache.", stats.queries),
+                "Items whose embeddings the decoder looked up in its own cache.", stats.queries),
         counter("mmserve_decoder_embedding_cache_hits_total",
-                 "Of those, found there (no call to the encoder).", stats.hits),
+                "Of those, found there (no call to the encoder).", stats.hits),
         gauge("mmserve_decoder_embedding_cache_bytes", "Bytes of embeddings the decoder keeps.", stats.bytes),
     )
 
