@@ -184,8 +184,7 @@ class Ingress:
         pre = await self._preprocessed(chat, deadline) if reused is None else reused
         kept.made(pre)
         timing.mark("preprocess")
-        timings = pre.timings if reused is None else ()  # NOTE: a kept one's phases are the attempt's that made it
-        outputs = self.decoder.generate.remote(replace(pre, request_id=chat.request_id, timings=timings))
+        outputs = self.decoder.generate.remote(pre.for_attempt(chat.request_id, kept=reused is not None))
         try:  # errors before the first token get a 4xx/5xx status
             first = _raise_failed(await self._within(deadline, outputs.__anext__()))
         except BaseException as exc:

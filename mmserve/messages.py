@@ -174,6 +174,11 @@ class PreprocessedRequest:
     block_hashes: tuple[bytes, ...] = ()
     timings: PhaseTimes = ()  # the Preprocess stage's own time on it (phase, ms)
 
+    def for_attempt(self, request_id: str, *, kept: bool) -> PreprocessedRequest:
+        """This request as one attempt sends it to the Decoder: under the attempt's own id; when `kept` from an
+        earlier attempt (a retry after a lost Decoder), without the Preprocess phases, which were that one's."""
+        return replace(self, request_id=request_id, timings=() if kept else self.timings)
+
 
 @dataclass(frozen=True)
 class EncoderOutput:
