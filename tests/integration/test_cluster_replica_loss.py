@@ -114,6 +114,7 @@ BUSY: dict[str, Callable[[dict[str, Any]], bool]] = {
 # working through the retried requests of the burst that caught it: on a slow 2-core runner a burst took
 # over 30 s to reach the Encoder.
 CATCH_TIMEOUT_S = 90.0
+POLLS = 6  # replica_info asks sent at once while looking for a replica at work
 
 
 def _burst_member(app: AppInfo, body: dict[str, Any], what: str) -> Outcome:
@@ -143,8 +144,12 @@ def _busy_victim(app: AppInfo, deployment: str, out: list[Outcome], counter: ite
         thread.start()
 
     def caught() -> str | None:
-        info = app.handle(deployment).replica_info.remote().result(timeout_s=10)
-        return info["replica_id"] if BUSY[deployment](info) else None
+        # NOTE: several asks at once: Serve routes each to the replica with the shorter queue, so a lone ask
+        # kept reaching the idle replica while the other one worked (the burst queued at one Preprocess
+        # replica reaches the Encoders one request at a time)
+        asks = [app.handle(deployment).replica_info.remote() for _ in range(POLLS)]
+        busy = [info for info in (ask.result(timeout_s=10) for ask in asks) if BUSY[deployment](info)]
+        return busy[0]["replica_id"] if busy else None
 
     replica_id = wait_until(caught, timeout=CATCH_TIMEOUT_S, interval=0.01, what=f"a {deployment} replica at work")
     return next(a for a in replica_actors(app.name, deployment) if replica_suffix(a["name"]) == replica_id)
