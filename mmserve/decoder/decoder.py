@@ -25,9 +25,10 @@ from mmserve.decoder.kept_gather import KeptGathers
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.model_runner import ModelRunner, StepLogits, step_size
 from mmserve.decoder.prefix_cache import BlockHasher
-from mmserve.decoder.sampler import Sampler, make_generator, token_logprobs
+from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
+from mmserve.decoder.step_logprobs import step_logprobs
 from mmserve.decoder.thread_calibration import calibrate_threads
 from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
@@ -177,7 +178,7 @@ class Decoder:
             self.grammar_step.finish(masks, ids),
         )  # (n,)
         tokens = sampled.tolist()
-        logprobs = self._logprobs(result, sampled, tokens)
+        logprobs = step_logprobs(result.logits, sampled, tokens, [seq.sampling for seq in result.seqs], self._text)
         ended, broken = self.grammar_step.advance(ids, tokens, [self._states[rid].matcher for rid in ids])
         failed += [self._fail(self._states[rid].seq, exc) for rid, exc in broken.items()]  # before update
         finished = {seq.request_id for seq in self.scheduler.update(plan, dict(zip(ids, tokens, strict=True)))}
@@ -189,22 +190,6 @@ class Decoder:
         finished |= ended
         return [*(self._emit(rid, tok, rid in finished, logprobs.get(i))
                   for i, (rid, tok) in enumerate(zip(ids, tokens, strict=True)) if rid not in broken), *failed]
-
-    def _logprobs(self, result: StepLogits, sampled: torch.Tensor, tokens: list[int]) -> dict[int, TokenLogprob]:
-        """Row -> its token's log-prob (and top alternatives), for the rows whose request asked."""
-        rows = [i for i, seq in enumerate(result.seqs) if seq.sampling.logprobs is not None and tokens[i] >= 0]
-        if not rows:
-            return {}
-        top = max(result.seqs[i].sampling.logprobs or 0 for i in rows)
-        index = torch.tensor(rows, device=result.logits.device)
-        chosen, best, best_ids = (t.tolist() for t in token_logprobs(result.logits[index], sampled[index], top))
-        out = {}
-        for j, i in enumerate(rows):
-            k = result.seqs[i].sampling.logprobs or 0
-            token = tokens[i]
-            alternatives = tuple((t, self._text(t), lp) for t, lp in zip(best_ids[j][:k], best[j][:k], strict=True))
-            out[i] = TokenLogprob(token, self._text(token), chosen[j], alternatives)
-        return out
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

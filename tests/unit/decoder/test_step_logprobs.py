@@ -1,0 +1,34 @@
+"""A step's reported log-probs: only the rows that asked and got a token, each with its own number of
+alternatives, from the raw logits' log-softmax."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mmserve.decoder.step_logprobs import step_logprobs
+from mmserve.messages import SamplingParams
+
+
+def test_rows_that_asked_get_their_token_and_own_top_k():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])  # (3, 4)
+    sampled = torch.tensor([2, 0, 1])
+    sampling = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0)]
+    out = step_logprobs(logits, sampled, sampled.tolist(), sampling, text=lambda t: f"<{t}>")
+    assert sorted(out) == [0, 2]  # row 1 did not ask
+    first = out[0]
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert first.token_id == 2 and first.token == "<2>"
+    assert math.isclose(first.logprob, float(expected[2]), rel_tol=1e-6)
+    assert [(t, text) for t, text, _ in first.top] == [(3, "<3>"), (2, "<2>")]  # best first
+    assert math.isclose(out[2].logprob, math.log(0.25), rel_tol=1e-6)
+    assert out[2].top == ()
+
+
+def test_a_row_left_without_a_token_reports_nothing():
+    logits = torch.zeros(2, 5)
+    sampled = torch.tensor([-1, 3])
+    out = step_logprobs(logits, sampled.clamp(min=0), sampled.tolist(), [SamplingParams(logprobs=1)] * 2,
+                        text=str)
+    assert list(out) == [1]
