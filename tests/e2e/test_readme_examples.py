@@ -11,8 +11,8 @@ import re
 import subprocess
 import sys
 
-from tests.e2e.conftest import REPO
 from tests.e2e.e2e_support import Server
+from tests.e2e.serve_process import REPO
 
 README = (REPO / "README.md").read_text()
 
