@@ -1,8 +1,9 @@
 """End-to-end fixtures: the real app started with `serve run` in a subprocess, on a private local Ray.
 
 Owns: `e2e_server` (session scope): the app with the e2e tests' arguments (`serve_process.py` starts and
-stops it), up from the first e2e test to the last, after one warm-up request through every stage. Also
-`image_host`: a local `http.server` thread on 127.0.0.1.
+stops it), up from the first e2e test to the last, after one warm-up request through every stage; `client`
+(module scope): the official `openai` client on it. Also `image_host`: a local `http.server` thread on
+127.0.0.1.
 
 All traffic stays on 127.0.0.1.
 """
@@ -19,8 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
 from tests.e2e import serve_process
+from tests.e2e.chat_client import client_for
 from tests.e2e.e2e_support import (
     E2E_MAX_BODY_BYTES,
     MAX_IMAGES,
@@ -88,6 +91,13 @@ def e2e_server(tiny_ckpt_224: Path, tmp_path_factory: pytest.TempPathFactory) ->
         yield server
     finally:
         stop_once()
+
+
+@pytest.fixture(scope="module")
+def client(e2e_server: Server) -> Iterator[OpenAI]:
+    """The official `openai` client on the session's server, with no retries (`chat_client.client_for`)."""
+    with client_for(e2e_server) as c:
+        yield c
 
 
 @pytest.hookimpl(trylast=True)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from tests.e2e.chat_client import client_for, user
 from tests.e2e.e2e_support import Server
-from tests.e2e.test_e2e_server import client_for, user
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -5,27 +5,33 @@ One server for the session; tests that read counters compare deltas, since other
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 import typing
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
+from tests.e2e.chat_client import (
+    METRICS_SETTLE_S,
+    METRICS_TIMEOUT_S,
+    answer,
+    client_for,
+    complete,
+    delta,
+    png_url,
+    settled,
+    stream,
+    user,
+)
 from tests.e2e.e2e_support import (
-    E2E_MAX_BODY_BYTES,
-    MAX_IMAGES,
     MAX_MODEL_LEN,
     ImageHost,
     Server,
@@ -37,22 +43,6 @@ from tests.e2e.e2e_support import (
 
 pytestmark = pytest.mark.timeout(600)
 
-# NOTE: > a replica's push period: its 1 s interval plus the push itself (a snapshot and a round trip to the
-# hub), which takes seconds on a busy CI machine; two scrapes closer than that can agree before a push
-METRICS_SETTLE_S = 3.0
-METRICS_TIMEOUT_S = 30.0
-
-
-def client_for(server: Server, **kwargs: Any) -> OpenAI:
-    # NOTE: no retries: a retried request would hide a flaky server and double counters.
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120.0, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def client(e2e_server: Server) -> Iterator[OpenAI]:
-    with client_for(e2e_server) as c:
-        yield c
-
 
 @pytest.fixture(scope="module")
 def engine(e2e_server: Server) -> Iterator[Engine]:
@@ -62,55 +52,10 @@ def engine(e2e_server: Server) -> Iterator[Engine]:
     eng.shutdown()
 
 
-def user(text: str, *image_urls: str) -> list[dict[str, Any]]:
-    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def complete(client: OpenAI, server: Server, messages: list[dict[str, Any]], max_tokens: int = 12,
-             **kwargs: Any) -> Any:
-    return client.chat.completions.create(model=server.model_name, messages=typing.cast(Any, messages),
-                                          max_tokens=max_tokens, temperature=0, **kwargs)
-
-
-def stream(client: OpenAI, server: Server, messages: list[dict[str, Any]], max_tokens: int = 12) -> dict[str, Any]:
-    """Text, finish reason and usage assembled from a streamed completion (usage requested)."""
-    text, finish, usage, roles, ids = [], [], [], [], set()
-    with client.chat.completions.create(model=server.model_name, messages=typing.cast(Any, messages),
-                                        max_tokens=max_tokens, temperature=0, stream=True,
-                                        stream_options={"include_usage": True}) as chunks:
-        for chunk in chunks:
-            ids.add(chunk.id)
-            if chunk.usage is not None:
-                assert chunk.choices == [], "the usage chunk carries no choices"
-                usage.append(chunk.usage)
-            for choice in chunk.choices:
-                if choice.delta.role:
-                    roles.append(choice.delta.role)
-                if choice.delta.content:
-                    text.append(choice.delta.content)
-                if choice.finish_reason is not None:
-                    finish.append(choice.finish_reason)
-    assert len(ids) == 1, f"one completion id per stream, got {ids}"
-    assert roles == ["assistant"], roles
-    assert len(finish) == 1, f"exactly one finish_reason, got {finish}"
-    assert len(usage) == 1, f"exactly one usage chunk, got {len(usage)}"
-    return {"text": "".join(text), "finish_reason": finish[0], "usage": usage[0]}
-
-
 def engine_run(engine: Engine, messages: list[dict[str, Any]], max_tokens: int = 12) -> Any:
     request = ChatRequest(f"e2e-{uuid.uuid4().hex}", messages, SamplingParams(max_tokens=max_tokens, temperature=0))
     [out] = engine.generate([request])
     return out
-
-
-def answer(response: Any) -> tuple[str, str, int, int]:
-    choice = response.choices[0]
-    return choice.message.content, choice.finish_reason, response.usage.prompt_tokens, response.usage.completion_tokens
-
-
-def png_url(seed: int) -> str:
-    return data_url(encode_image(make_image(seed)))
 
 
 # --- 1. streaming vs not vs the in-process engine ------------------------------------------------------
@@ -246,37 +191,6 @@ CACHE_COUNTERS = (
 )
 
 
-def scrape(server: Server) -> dict[str, float]:
-    """Unlabelled sample name -> value (histogram samples keep their _bucket/_sum/_count names)."""
-    status, _, body = http_get(server.base_url + "/metrics")
-    assert status == 200
-    out = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            if not sample.labels:
-                out[sample.name] = sample.value
-    return out
-
-
-def settled(server: Server, names: tuple[str, ...], after: dict[str, float] | None = None) -> dict[str, float]:
-    """Counters once they stopped moving for a push interval (and, given `after`, moved past it)."""
-    deadline = time.monotonic() + METRICS_TIMEOUT_S
-    previous = None
-    while time.monotonic() < deadline:
-        now = scrape(server)
-        values = {n: now.get(n) for n in names}
-        moved = after is None or any(values[n] != after[n] for n in names)
-        if values == previous and moved and None not in values.values():
-            return {n: v for n, v in values.items() if v is not None}
-        previous = values
-        time.sleep(METRICS_SETTLE_S)
-    pytest.fail(f"metrics did not settle within {METRICS_TIMEOUT_S:.0f} s: {previous}")
-
-
-def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {n: b[n] - a[n] for n in a}
-
-
 def test_same_image_twice_hits_the_caches(client, e2e_server, engine):
     image = png_url(int.from_bytes(os.urandom(4), "little") + 10_000)  # unique to this test and this run
     before = settled(e2e_server, CACHE_COUNTERS)
@@ -326,131 +240,7 @@ def test_a_repeated_chat_turn_reports_its_cached_tokens(client, e2e_server):
     assert salted.choices[0].message.content == again.choices[0].message.content  # the same answer
 
 
-# --- 5. bad requests ------------------------------------------------------------------------------------
-
-
-def expect_error(fn, status: int, code: str, *words: str) -> None:
-    exc_type = openai.NotFoundError if status == 404 else openai.BadRequestError
-    with pytest.raises(exc_type) as info:
-        fn()
-    err = info.value
-    assert err.status_code == status
-    raw = err.response.json()
-    assert set(raw) == {"error"} and {"message", "type", "code"} <= set(raw["error"]), raw
-    assert raw["error"]["type"] == "invalid_request_error", raw
-    assert raw["error"]["code"] == code, raw
-    assert err.code == code and err.body == raw["error"]
-    message = raw["error"]["message"]
-    assert "Traceback" not in message and "RayTaskError" not in message, message
-    for word in words:
-        assert word in message, f"{word!r} not in {message!r}"
-
-
-def request_outcomes(server: Server) -> dict[str, float]:
-    """mmserve_requests_total by status; the ingress pushes its own counts right before answering."""
-    _, _, body = http_get(server.base_url + "/metrics")
-    return {sample.labels["status"]: sample.value
-            for family in text_string_to_metric_families(body.decode()) if family.name == "mmserve_requests"
-            for sample in family.samples if sample.name == "mmserve_requests_total"}
-
-
-def test_bad_requests_get_openai_errors(client, e2e_server, image_host: ImageHost):
-    s = e2e_server
-    outcomes_before = request_outcomes(s)
-    log_start = s.log_path.stat().st_size
-
-    def ask(messages, **kwargs):
-        kwargs.setdefault("max_tokens", 4)
-        kwargs.setdefault("temperature", 0)
-        return lambda: client.chat.completions.create(model=kwargs.pop("model", s.model_name),
-                                                      messages=messages, **kwargs)
-
-    random_bytes = os.urandom(2048)
-    expect_error(ask(user("Describe.", data_url(random_bytes))), 400, "invalid_image", "image 1", "decodable")
-    expect_error(ask(user("Describe.", data_url(b"hello, I am plain text", "text/plain"))), 400, "invalid_image",
-                 "not an image")
-    expect_error(ask(user("Describe.", data_url(b"hello, I am plain text", "image/png"))), 400, "invalid_image",
-                 "decodable")
-    expect_error(ask(user("Hi"), temperature=-1), 400, "invalid_sampling_params", "temperature")
-    expect_error(ask(user("Hi"), top_p=0), 400, "invalid_sampling_params", "top_p")
-    expect_error(ask(user("Hi"), max_tokens=0), 400, "invalid_sampling_params", "max_tokens")
-
-    # too many images: refused before any is fetched
-    paths = [f"/many-{uuid.uuid4().hex[:8]}-{i}.png" for i in range(MAX_IMAGES + 1)]
-    urls = [image_host.add(p, encode_image(make_image(400 + i))) for i, p in enumerate(paths)]
-    expect_error(ask(user("Compare.", *urls)), 400, "too_many_images", str(MAX_IMAGES))
-    assert all(image_host.hits(p) == 0 for p in paths), "images were fetched before the count was checked"
-
-    expect_error(ask(user("word " * 600)), 400, "context_length_exceeded", str(MAX_MODEL_LEN))
-    expect_error(ask(user("Describe.", "ftp://127.0.0.1/x.png")), 400, "unsupported_url", "ftp")
-    expect_error(ask(user("Hi"), model="no-such-model"), 404, "model_not_found", "no-such-model")
-
-    # the server is still fine
-    marker = f"e2e-after-bad-{uuid.uuid4().hex[:8]}"
-    ok = complete(client, s, user("Describe.", png_url(501)), max_tokens=4, extra_headers={"x-request-id": marker})
-    assert ok.choices[0].finish_reason in ("stop", "length") and ok.usage.completion_tokens >= 1
-
-    outcomes = request_outcomes(s)
-    assert {k: outcomes[k] - outcomes_before[k] for k in outcomes} == \
-        {"ok": 1, "client_error": 10, "server_error": 0, "aborted": 0}
-
-    # the client's faults are not logged as the stages' failures (an ERROR line with a traceback each)
-    log = _serve_log_until(s, log_start, f"{marker} -- CALL generate OK")
-    failed = [line for line in log.splitlines() if "Request failed" in line or "Traceback" in line]
-    assert not failed, failed[:3]
-
-
-def _post_raw(url: str, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-def test_hostile_bodies_get_4xx_naming_the_problem(client, e2e_server):
-    s = e2e_server
-    url = s.base_url + "/v1/chat/completions"
-    outcomes_before = request_outcomes(s)
-    good = {"model": s.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    cases = [
-        (b'{"model": "x", "messages": [', 400, "not valid JSON"),
-        (b"\xff\xfe not utf-8", 400, "not UTF-8"),
-        (b"", 400, "empty"),
-        (b"[" * 50_000, 400, "nested too deeply"),
-        (b"[1, 2]", 400, "valid dictionary"),
-        (json.dumps({**good, "pad": "x" * (E2E_MAX_BODY_BYTES + 1)}).encode(), 413, "limit"),
-        (json.dumps({**good, "stop": [f"s{i}" for i in range(17)]}).encode(), 400, "16"),
-        (json.dumps({**good, "stop": ["y" * 300]}).encode(), 400, "256"),
-    ]
-    for data, status, says in cases:
-        got, body = _post_raw(url, data)
-        assert got == status and says in body["error"]["message"], (data[:40], got, body)
-        assert body["error"]["type"] == "invalid_request_error", body
-    ok = complete(client, s, user("Hi"), max_tokens=2)  # and the server still serves
-    assert ok.usage.completion_tokens >= 1
-    outcomes = request_outcomes(s)
-    assert {k: outcomes[k] - outcomes_before[k] for k in outcomes} == \
-        {"ok": 1, "client_error": len(cases), "server_error": 0, "aborted": 0}
-
-
-def _serve_log_until(s: Server, start: int, line: str, timeout_s: float = 30.0) -> str:
-    """The server's log from byte `start` once `line` is in it: Ray ships each replica's lines in order,
-    so the lines a replica logged before it are there too."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with s.log_path.open("rb") as f:
-            f.seek(start)
-            text = f.read().decode(errors="replace")
-        if line in text:
-            return text
-        assert time.monotonic() < deadline, f"{line!r} not in the server log after {timeout_s:.0f} s"
-        time.sleep(0.5)
-
-
-# --- 6. models, health, metrics -------------------------------------------------------------------------
+# --- 5. models, health, metrics -------------------------------------------------------------------------
 
 REQUIRED_FAMILIES = {
     "mmserve_processor_cache_queries": "counter",

@@ -14,8 +14,8 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
+from tests.e2e.chat_client import client_for, user
 from tests.e2e.e2e_support import Server, data_url, encode_image, make_image
-from tests.e2e.test_e2e_server import client_for, user
 
 pytestmark = pytest.mark.timeout(600)
 

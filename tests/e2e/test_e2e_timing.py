@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_e2e_server import client_for, png_url, user
+from tests.e2e.chat_client import client_for, png_url, user
 
 pytestmark = pytest.mark.timeout(600)
 EPS_MS = 0.02  # the header's rounding (1 µs a value) over the dozen values a check adds up

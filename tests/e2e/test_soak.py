@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.runtime.process_memory import RESIDENT_BYTES
+from tests.e2e.chat_client import client_for, scrape, user
 from tests.e2e.e2e_support import MAX_IMAGES, Server, data_url, encode_image, http_get, make_image
-from tests.e2e.test_e2e_server import client_for, scrape, user
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(900)
