@@ -161,13 +161,14 @@ def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
     dispatch takes tens (a step's sampler runs once per token). `tokens` must be writable in place."""
     rows = np.asarray(masks.rows, dtype=np.int64)  # (g,)
     forbid = masks.forbid.numpy()  # (g, V) bool
+    values = logits.detach().numpy()  # (n, V) float32, the logits' own memory
     if greedy:
         picks = tokens.numpy()[rows]  # (g,) each row's first maximum
-        if not forbid[np.arange(len(rows)), picks].any() and (logits.detach().numpy()[rows, picks] > -np.inf).all():
+        if not forbid[np.arange(len(rows)), picks].any() and (values[rows, picks] > -np.inf).all():
             # NOTE: each row's first maximum is allowed (and finite), so it is also the first maximum of its allowed
             # tokens: the usual case for a trained model following its grammar, and no (g, V) pass is needed
             return logits, torch.from_numpy(rows[:0])  # (0,): no row left without a token
-    sub = np.where(forbid, np.float32(-np.inf), logits.detach().numpy()[rows])  # (g, V) float32
+    sub = np.where(forbid, np.float32(-np.inf), values[rows])  # (g, V) float32
     picks = sub.argmax(axis=-1).astype(np.int64, copy=False)  # (g,): the first of tied maxima, as torch's
     tokens.numpy()[rows] = picks
     left_none = sub[np.arange(len(rows)), picks] == -np.inf  # (g,)
