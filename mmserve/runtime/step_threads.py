@@ -117,10 +117,16 @@ class StepThreads:
         trial = self._trial(num_new_tokens, attended)
         if trial is not None:
             trials, current = trial
+            finished = trials.trials
             chosen = trials.observe(count, num_new_tokens, seconds, current)
+            if trials.trials == finished:
+                return
+            kind, ratio = self.kind(num_new_tokens, attended), trials.last_ratio
+            # NOTE: every trial's figure, not only a change's: what the served steps showed is the evidence
+            log.info("step threads: %d for %s steps, measured while serving (was %d; %s)", chosen, kind, current,
+                     "too few steps of a size to compare" if ratio is None else
+                     f"{self.available} threads took {ratio:.2f}x 1 thread's time per token")
             if chosen != current:
-                kind = self.kind(num_new_tokens, attended)
-                log.info("step threads: %d for %s steps, measured while serving (was %d)", chosen, kind, current)
                 setattr(self, kind, chosen)
 
     def _is_small(self, num_new_tokens: int) -> bool:

@@ -36,6 +36,8 @@ class ThreadTrials:
     _trial: list[tuple[int, int, float]] | None = None  # (count, step size, seconds) of the trial so far
     trials: int = 0  # trials finished (for stats and tests)
     changes: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of each trial that changed it
+    # the last trial's weighted median of (more threads' time per token / fewer's); None if too few pairs compared
+    last_ratio: float | None = None
 
     def __post_init__(self) -> None:
         self.period = self.first_period
@@ -65,6 +67,7 @@ class ThreadTrials:
         self._trial.append((count, size, seconds))
         if len(self._trial) < TRIAL_STEPS:
             return current
+        self.last_ratio = more_over_fewer(self._trial, self.size_tolerance)
         chosen = verdict(self._trial, current, self.close, self.size_tolerance)
         self._trial, self._since, self.trials = None, 0, self.trials + 1
         if chosen == current:  # NOTE: a period shortened by `soon` doubles from `first_period` on
@@ -76,10 +79,19 @@ class ThreadTrials:
 
 
 def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float, tolerance: float = 0.0) -> int:
-    """The count to keep after a trial of alternating steps (count, size, seconds): by the ratio of the two
-    counts' times per new token over pairs of steps whose sizes differ by at most `tolerance` of the smaller
-    (`pairs`), its median with each pair weighed by its faster step's time; the fewer threads when within
-    `close`; `current` when too few pairs compare.
+    """The count to keep after a trial of alternating steps (count, size, seconds): by `more_over_fewer`, the
+    fewer threads when within `close`; `current` when too few pairs compare."""
+    ratio = more_over_fewer(steps, tolerance)
+    if ratio is None:
+        return current
+    counts = sorted({count for count, _, _ in steps})
+    return counts[0] if ratio * (1 + close) >= 1 else counts[-1]
+
+
+def more_over_fewer(steps: Sequence[tuple[int, int, float]], tolerance: float = 0.0) -> float | None:
+    """The more threads' time per new token over the fewer's, in a trial of alternating steps (count, size,
+    seconds): over pairs of steps whose sizes differ by at most `tolerance` of the smaller (`pairs`), the
+    median with each pair weighed by its faster step's time; None when fewer than MIN_PAIRS pairs compare.
 
     NOTE: weighed by time, since the count that serves is the one that takes less of it: a few slow steps (an
     image's prefill losing a thread to the node's other stages) outweigh many quick ones a little faster the
@@ -93,10 +105,7 @@ def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float,
         if more > 0 and fewer > 0:
             more_as_fewer = more * fewer_size / more_size  # the more threads' time at the other step's size
             weighed.append((more_as_fewer / fewer, min(more_as_fewer, fewer)))
-    if len(weighed) < MIN_PAIRS:
-        return current
-    counts = sorted({count for count, _, _ in steps})
-    return counts[0] if weighted_median(weighed) * (1 + close) >= 1 else counts[-1]
+    return weighted_median(weighed) if len(weighed) >= MIN_PAIRS else None
 
 
 def weighted_median(values: Sequence[tuple[float, float]]) -> float:

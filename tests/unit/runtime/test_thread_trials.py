@@ -7,7 +7,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, HEAVY, SMALL, StepThreads
-from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, pairs, verdict
+from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, more_over_fewer, pairs, verdict
 
 
 @pytest.fixture
@@ -150,3 +150,15 @@ def test_prefill_chunks_chosen_badly_at_start_up_are_measured_again_after_a_few_
     assert used[:BIG_FIRST_PERIOD] == [1] * BIG_FIRST_PERIOD and 2 in used[BIG_FIRST_PERIOD:]
     assert threads.big == 2 and threads.changes() == [(BIG, 1, 2)]
     assert list(threads.trials) == [BIG]  # a configured decode count is never tried
+
+
+def test_each_trial_keeps_its_measured_ratio_for_the_log() -> None:
+    """The figure behind a verdict: more threads' time per token over fewer's, or None where nothing compared."""
+    assert more_over_fewer([(2, 8, 0.015), (1, 8, 0.010)] * 8) == pytest.approx(1.5)
+    assert more_over_fewer([(2, 8, 0.010), (1, 9, 0.030)] * 8) is None
+    trials = ThreadTrials((1, 2), close=0.05, first_period=2)
+    current = 2
+    for _ in range(2 + TRIAL_STEPS):
+        count = trials.count_for(current)
+        current = trials.observe(count, 1, 0.012 if count == 2 else 0.008, current)  # 2 threads slower served
+    assert trials.trials == 1 and current == 1 and trials.last_ratio == pytest.approx(1.5)
