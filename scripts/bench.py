@@ -7,7 +7,8 @@ Engine is always probed for the pipeline-overhead target when mmserve runs.
 
 By default cells are interleaved (for each workload and concurrency, every system in turn) with all
 servers up, so that the machine's drift hits every system alike; only ratios taken in one run mean
-anything. `--order sequential` runs one system at a time instead (no idle server beside the busy one).
+anything. `--order sequential` runs one system at a time instead (no idle server beside the busy one; the
+in-process Engine's cells first, right after its probes, and it is freed before any server starts).
 
   python scripts/bench.py --requests 16                       # all systems, workloads, concurrencies
   python scripts/bench.py --quick --systems generate --workloads text --concurrency 1 --requests 2
@@ -95,10 +96,11 @@ def _sigterm(*_: Any) -> None:
 
 def sequential_groups(systems: list[str]) -> list[list[str]]:
     """One system per group, the in-process Engine's first: it is up from its probes on (loaded in this process),
-    so its cells run then and it is taken down before any server starts.
+    so its cells run then and it is taken down (stopped and freed) before any server starts.
 
-    NOTE: an Engine kept loaded in this process while a server's cells ran slowed that server's first 7-11
-    vision forwards by ~100 ms, in every such run (docs/benchmarks.md); "sequential" means one system up."""
+    NOTE: an Engine kept loaded in this process while a server's cells ran went with ~100 ms slower first 7-11
+    vision forwards of that server in each such run measured, and with none in the runs without it; why is not
+    found (docs/benchmarks.md). "Sequential" means one system up."""
     return [[s] for s in sorted(systems, key=lambda s: s != "engine")]
 
 

@@ -36,7 +36,8 @@ class ThreadTrials:
     _trial: list[tuple[int, int, float]] | None = None  # (count, step size, seconds) of the trial so far
     trials: int = 0  # trials finished (for stats and tests)
     changes: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of each trial that changed it
-    # the last trial's weighted median of (more threads' time per token / fewer's); None if too few pairs compared
+    # the last trial's weighted median of (more threads' time per token / fewer's); None before the first trial
+    # ends, or when too few of its pairs compared
     last_ratio: float | None = None
 
     def __post_init__(self) -> None:

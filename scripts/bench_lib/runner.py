@@ -181,6 +181,8 @@ class Bench:
             model = self.inproc.pop(name)
             if hasattr(model, "shutdown"):
                 model.shutdown()
+            if hasattr(model, "engine"):
+                model.engine = None  # NOTE: frees the model (`self.engine` keeps the timers), as probe_engine does
             del model
             gc.collect()
 
