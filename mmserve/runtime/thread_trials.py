@@ -69,7 +69,7 @@ class ThreadTrials:
         if len(self._trial) < TRIAL_STEPS:
             return current
         self.last_ratio = more_over_fewer(self._trial, self.size_tolerance)
-        chosen = verdict(self._trial, current, self.close, self.size_tolerance)
+        chosen = choose(self.last_ratio, self.counts, current, self.close)
         self._trial, self._since, self.trials = None, 0, self.trials + 1
         if chosen == current:  # NOTE: a period shortened by `soon` doubles from `first_period` on
             self.period = min(max(2 * self.period, self.first_period), LONGEST_PERIOD)
@@ -82,11 +82,15 @@ class ThreadTrials:
 def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float, tolerance: float = 0.0) -> int:
     """The count to keep after a trial of alternating steps (count, size, seconds): by `more_over_fewer`, the
     fewer threads when within `close`; `current` when too few pairs compare."""
-    ratio = more_over_fewer(steps, tolerance)
+    return choose(more_over_fewer(steps, tolerance), tuple(sorted({count for count, _, _ in steps})), current, close)
+
+
+def choose(ratio: float | None, counts: tuple[int, ...], current: int, close: float) -> int:
+    """By a trial's `more_over_fewer` ratio: the fewer of `counts` when the more threads are within `close` of
+    it or slower, else the more; `current` when the trial compared too little (None)."""
     if ratio is None:
         return current
-    counts = sorted({count for count, _, _ in steps})
-    return counts[0] if ratio * (1 + close) >= 1 else counts[-1]
+    return min(counts) if ratio * (1 + close) >= 1 else max(counts)
 
 
 def more_over_fewer(steps: Sequence[tuple[int, int, float]], tolerance: float = 0.0) -> float | None:
