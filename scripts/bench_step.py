@@ -38,6 +38,7 @@ from bench_lib.step import (
     most_long_sequences,
     our_step_ms,
     prompts,
+    twin_decoder,
     uniform_pages,
 )
 
@@ -131,14 +132,7 @@ def fastest_rounds(hf: Any, ours: Decoder, batches: list[int], contexts: list[in
 def grammar_of(ours: Decoder, ckpt: Path, ids: torch.Tensor) -> GrammarCost:
     """Structured-output rows' cost to their batch, against a twin Decoder with the same thread counts and
     matmul forms."""
-    twin = engine_decoder(ckpt, max_num_seqs=ids.shape[0], num_blocks=1024, measure_forms=False, settle=False)
-    for name in ("small", "big", "heavy", "heavy_rows"):
-        setattr(twin.runner.threads, name, getattr(ours.runner.threads, name))
-    forms, theirs = twin.runner.model.matmul, ours.runner.model.matmul
-    forms.chosen = dict(theirs.chosen)
-    forms.packing(theirs.pack_rows)
-    twin.runner.model.pack_weights()
-    return grammar_cost(ours, twin, ids)
+    return grammar_cost(ours, twin_decoder(ours, ckpt, max_num_seqs=ids.shape[0]), ids)
 
 
 def report(results: dict) -> None:

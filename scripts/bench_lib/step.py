@@ -82,6 +82,28 @@ def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measu
     return decoder
 
 
+def twin_decoder(ours: Decoder, model_dir: Path, *, max_num_seqs: int, num_blocks: int = 1024) -> Decoder:
+    """A second Decoder of `model_dir` that steps as `ours` does: its threads (the cores it may use and the count
+    of each kind of step), its matmul forms, and its weights' layout."""
+    # NOTE: a Decoder takes the threads it may use from torch's count when it is built (`StepThreads.available`),
+    # and the steps before leave that at 1 at times (transformers' one-thread steps, the tiny model's): a twin
+    # built then ran every step on one thread, ~1.4x slower than `ours` (docs/benchmarks.md)
+    before = torch.get_num_threads()
+    torch.set_num_threads(ours.runner.threads.available)
+    try:
+        twin = engine_decoder(model_dir, max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_forms=False,
+                              settle=False)
+    finally:
+        torch.set_num_threads(before)
+    for name in ("small", "big", "heavy", "heavy_rows"):
+        setattr(twin.runner.threads, name, getattr(ours.runner.threads, name))
+    forms, theirs = twin.runner.model.matmul, ours.runner.model.matmul
+    forms.chosen = dict(theirs.chosen)
+    forms.packing(theirs.pack_rows)
+    twin.runner.model.pack_weights()
+    return twin
+
+
 def settle_threads(decoder: Decoder, most_requests: int = 64, most_heavy_steps: int = 600) -> None:
     """Serve requests until each open thread count's trial has run once, as a serving Decoder's would after
     its first requests: short ones (one 128-token prefill chunk and 24 decodes each) for the light decodes
