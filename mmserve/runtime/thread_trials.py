@@ -79,12 +79,6 @@ class ThreadTrials:
         return chosen
 
 
-def verdict(steps: Sequence[tuple[int, int, float]], current: int, close: float, tolerance: float = 0.0) -> int:
-    """The count to keep after a trial of alternating steps (count, size, seconds): by `more_over_fewer`, the
-    fewer threads when within `close`; `current` when too few pairs compare."""
-    return choose(more_over_fewer(steps, tolerance), tuple(sorted({count for count, _, _ in steps})), current, close)
-
-
 def choose(ratio: float | None, counts: tuple[int, ...], current: int, close: float) -> int:
     """By a trial's `more_over_fewer` ratio: the fewer of `counts` when the more threads are within `close` of
     it or slower, else the more; `current` when the trial compared too little (None)."""

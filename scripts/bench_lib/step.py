@@ -64,10 +64,13 @@ def hf_step_ms(model: Any, ids: torch.Tensor, new_tokens: int, threads: int) -> 
 
 
 def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measure_forms: bool = True,
-                   settle: bool = True) -> Decoder:
-    """A Decoder as the engine builds it; `settle`: with its thread counts measured again (`settle_threads`).
-    Leaves torch's thread count in the calling thread as it found it (the next Decoder built takes it)."""
+                   settle: bool = True, threads: int | None = None) -> Decoder:
+    """A Decoder as the engine builds it, in a process of `threads` torch threads (default: the calling thread's
+    count now; a Decoder keeps it as the most it may use, `StepThreads.available`); `settle`: with its thread
+    counts measured again (`settle_threads`). Leaves torch's thread count in the calling thread as it found it."""
     before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     config = EngineConfig(model=str(model_dir), decoder=DecoderConfig(
         max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_matmul_forms=measure_forms))
     stages = StageFactory(config)
@@ -83,18 +86,13 @@ def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measu
 
 
 def twin_decoder(ours: Decoder, model_dir: Path, *, max_num_seqs: int, num_blocks: int = 1024) -> Decoder:
-    """A second Decoder of `model_dir` that steps as `ours` does: its threads (the cores it may use and the count
-    of each kind of step), its matmul forms, and its weights' layout."""
-    # NOTE: a Decoder takes the threads it may use from torch's count when it is built (`StepThreads.available`),
-    # and the steps before leave that at 1 at times (transformers' one-thread steps, the tiny model's): a twin
-    # built then ran every step on one thread, ~1.4x slower than `ours` (docs/benchmarks.md)
-    before = torch.get_num_threads()
-    torch.set_num_threads(ours.runner.threads.available)
-    try:
-        twin = engine_decoder(model_dir, max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_forms=False,
-                              settle=False)
-    finally:
-        torch.set_num_threads(before)
+    """A second Decoder of `model_dir` that steps as `ours` does: the same threads (the most it may use and the
+    count of each kind of step), matmul forms and weights' layout."""
+    # NOTE: built at `ours`' thread count, not torch's of the moment: the steps before leave that at 1 at times
+    # (transformers' one-thread steps, the tiny model's), and a twin built then ran every step on one thread,
+    # ~1.4x slower than `ours` (docs/benchmarks.md)
+    twin = engine_decoder(model_dir, max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_forms=False,
+                          settle=False, threads=ours.runner.threads.available)
     for name in ("small", "big", "heavy", "heavy_rows"):
         setattr(twin.runner.threads, name, getattr(ours.runner.threads, name))
     forms, theirs = twin.runner.model.matmul, ours.runner.model.matmul

@@ -7,7 +7,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, HEAVY, SMALL, StepThreads
-from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, more_over_fewer, pairs, verdict
+from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, choose, more_over_fewer, pairs
 
 
 @pytest.fixture
@@ -61,6 +61,11 @@ def test_steps_that_come_in_a_fixed_order_do_not_favour_the_count_tried_first() 
         count = trials.count_for(current)
         current = trials.observe(count, 4096, 0.9 if i % 2 == 0 else 1.1, current)  # first / second chunk
     assert trials.trials == 1 and current == 1 and trials.changes == []
+
+
+def verdict(steps: list[tuple[int, int, float]], current: int, close: float, tolerance: float = 0.0) -> int:
+    """The count a finished trial of `steps` (count, size, seconds) keeps, as `ThreadTrials.observe` decides it."""
+    return choose(more_over_fewer(steps, tolerance), tuple(sorted({count for count, _, _ in steps})), current, close)
 
 
 def test_a_tie_goes_to_fewer_threads_and_unequal_steps_decide_nothing() -> None:
