@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import ray
 from ray.serve import Application, Deployment
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from deployments.args import CLUSTER_ENV, parse_args
 from deployments.cache_store import ProcessorCacheStore
@@ -23,6 +23,7 @@ from deployments.encoder import Encoder
 from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.preprocess import Preprocess
+from mmserve.errors import OverloadedError
 
 
 def _deployment(decorated: Any) -> Deployment:
@@ -65,5 +66,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options(), **_router(
         app_args.decoder.router("deployments.routers:DecoderAffinityRouter",
                                 index_blocks=app_args.engine.decoder.num_blocks))).bind(app_args, encoder, hub)
-    ingress = _deployment(Ingress).options(**app_args.ingress.deployment_options())
+    # NOTE: Serve's own refusals at the Ingress (its probe slots full too) carry a Retry-After as well
+    ingress = _deployment(Ingress).options(**app_args.ingress.deployment_options(), backpressure_config=(
+        BackpressureConfig(retry_after_s=OverloadedError.retry_after_s)))
     return ingress.bind(app_args, preprocess, decoder, hub)

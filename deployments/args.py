@@ -67,6 +67,11 @@ INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRE
 CLUSTER_ENV = {"RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
 
 
+# Requests on the ingress's other routes (/health, /metrics, /v1/models) a replica takes beside a full load of
+# chat requests (requests)
+INGRESS_PROBE_SLOTS = 16
+
+
 class StageArgs(_Strict):
     """Placement and scale of one deployment."""
 
@@ -131,8 +136,8 @@ class RoutedStageArgs(StageArgs):
 
 
 class IngressArgs(StageArgs):
-    # NOTE: the ingress only awaits other stages: it holds many requests at once. Past its queue Serve's
-    # proxy answers 503 itself.
+    # Chat requests one replica serves at once; one more gets a 503 `overloaded` with Retry-After at once
+    # (mmserve.api.admission). NOTE: the ingress only awaits other stages: it holds many requests at once.
     max_ongoing_requests: int = Field(1024, ge=1)
     env: dict[str, str] = Field(default_factory=lambda: dict(INGRESS_ENV))  # replica environment
     max_body_bytes: int = Field(64 << 20, ge=1)  # bytes of one request body (inline images included); more: 413
@@ -142,6 +147,14 @@ class IngressArgs(StageArgs):
     # Each stage's own phases in the `Server-Timing` header, beside the ingress's round trips (scripts/bench_path.py
     # turns it on). NOTE: off by default: which phases ran tells a client whether a cache held an image.
     stage_timing: bool = False
+
+    def deployment_options(self) -> dict[str, Any]:
+        """As a stage's, with Serve's bound on the replica above mmserve's own (`max_ongoing_requests`), so that
+        a chat request past it gets mmserve's answer, not Serve's, and health, metrics and model probes get
+        through while chat requests fill the replica."""
+        options = super().deployment_options()
+        options["max_ongoing_requests"] = self.max_ongoing_requests + INGRESS_PROBE_SLOTS
+        return options
 
 
 class PreprocessArgs(StageArgs):

@@ -27,6 +27,7 @@ from deployments.args import AppArgs
 from deployments.handles import cancel, hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
+from mmserve.api.admission import Admission, AdmissionMiddleware
 from mmserve.api.body import check_declared_size, parse_json, read_bounded
 from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
@@ -43,13 +44,17 @@ from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
+CHAT_ROUTE = "/v1/chat/completions"
+# NOTE: one per process, as `api` is: the replica's Ingress sets its bound (`ingress.max_ongoing_requests`)
+admission = Admission()
+api.add_middleware(AdmissionMiddleware, admission=admission, paths=frozenset({CHAT_ROUTE}))
 
 
 def _openapi() -> dict[str, Any]:
     """FastAPI's document plus the chat body, which the handler parses itself (mmserve.api.openapi)."""
     if api.openapi_schema is None:
         document = get_openapi(title=api.title, version=api.version, routes=api.routes)
-        api.openapi_schema = with_request_body(document, "/v1/chat/completions", "post", ChatCompletionRequest)
+        api.openapi_schema = with_request_body(document, CHAT_ROUTE, "post", ChatCompletionRequest)
     return api.openapi_schema
 
 
@@ -94,6 +99,8 @@ class Ingress:
         self.app_health = AppHealth()
         self.reporter = MetricsReporter(hub, "Ingress", self._metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
+        admission.limit = app_args.ingress.max_ongoing_requests
+        admission.on_refused = lambda: self._done("server_error", time.perf_counter())
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -138,7 +145,7 @@ class Ingress:
         merged = await self.hub.collect.remote()
         return Response(render_prometheus(merged), media_type=CONTENT_TYPE)
 
-    @api.post("/v1/chat/completions")
+    @api.post(CHAT_ROUTE)
     async def chat(self, request: Request) -> Response:
         started = time.perf_counter()
         deadline = Deadline(self.request_timeout_s)

@@ -1,10 +1,11 @@
-"""Overload and deadlines over HTTP on a second, tightly sized app: past the decoder's small queue a
-request gets a 503 with `Retry-After` at once while the admitted ones complete, and a request past its
-deadline ends (504, or an error event in a stream) with its KV blocks freed."""
+"""Overload and deadlines over HTTP on a second, tightly sized app: past the decoder's small queue, or past
+the ingress's own bound, a request gets a 503 with `Retry-After` at once while the admitted ones complete,
+and a request past its deadline ends (504, or an error event in a stream) with its KV blocks freed."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -24,6 +25,7 @@ APP, ROUTE = "mm_tight", "/tight"
 DEADLINE_S = 6.0  # ingress.request_timeout_s of this app: the overload test's holders must outlast its burst
 BURST = 8  # requests sent at once while the decoder runs 2: its callers queue 1, the rest are refused
 LONG = {"max_tokens": 8000, "ignore_eos": True}  # >= 8 s at the engine's fastest step: past any deadline here
+INGRESS_SLOTS = 4  # chat requests the ingress serves at once: the burst test's 2 holders leave 2 for its burst
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,8 @@ def tight_app(ray_cluster: ClusterInfo, tiny_ckpt_224: Path) -> Iterator[AppInfo
 
     args = {
         "model": str(tiny_ckpt_224),
-        "ingress": {"num_replicas": 1, "request_timeout_s": DEADLINE_S, "resources": {"head_node": 0.01}},
+        "ingress": {"num_replicas": 1, "request_timeout_s": DEADLINE_S, "resources": {"head_node": 0.01},
+                    "max_ongoing_requests": INGRESS_SLOTS},
         "preprocess": {"num_replicas": 1, "autoscaling": None},
         "encoder": {"num_replicas": 1},
         "decoder": {"num_replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 1},
@@ -86,6 +89,39 @@ def test_past_the_queue_a_503_with_retry_after_at_once_and_the_admitted_complete
         else:
             assert body["usage"]["completion_tokens"] == 64, body
     wait_until(lambda: idle(tight_app), timeout=30, what="the decoder to hold nothing")
+
+
+def test_past_the_ingress_bound_its_own_503_at_once_and_probes_still_answered(tight_app: AppInfo):
+    # NOTE: each slot is held by a request whose body never ends: the ingress waits for it (until the deadline)
+    slow = [slow_body(tight_app) for _ in range(INGRESS_SLOTS)]
+    try:
+        refused: list[tuple[int, Any, Any, float]] = []
+
+        def one_refused() -> bool:  # NOTE: a request sent before every slow one is in is served (a 200)
+            result = post(tight_app, chat_body(text="One more.", max_tokens=4))
+            refused.extend([result] if result[0] == 503 else [])
+            return bool(refused)
+
+        wait_until(one_refused, timeout=DEADLINE_S - 2, interval=0.05, what="a refusal by the ingress")
+        _, headers, body, seconds = refused[0]
+        assert headers.get("Retry-After") == "1" and seconds < 2.0, (headers, seconds)
+        assert body["error"]["type"] == "service_unavailable_error" and body["error"]["code"] == "overloaded", body
+        assert f"{INGRESS_SLOTS} per ingress replica" in body["error"]["message"], body
+        with urllib.request.urlopen(tight_app.base_url + ROUTE + "/health", timeout=10) as probe:
+            assert probe.status == 200  # the probe slots: a full ingress still says it is up
+    finally:
+        for sock in slow:
+            sock.close()
+    wait_until(lambda: post(tight_app, chat_body(text="Again.", max_tokens=4))[0] == 200, timeout=30,
+               what="the ingress's slots to come back")
+
+
+def slow_body(app: AppInfo) -> socket.socket:
+    """A chat request whose headers promise a body that never comes in full (the socket, to close)."""
+    sock = socket.create_connection(("127.0.0.1", app.cluster.http_port), timeout=10)
+    sock.sendall((f"POST {ROUTE}/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"messages\": ").encode())
+    return sock
 
 
 def burst_while_full(app: AppInfo, holder: SSEStream) -> list[tuple[int, Any, Any, float]]:

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from deployments.args import DEFAULT_STAGE_ENV, StageArgs, parse_args
+from deployments.args import DEFAULT_STAGE_ENV, INGRESS_PROBE_SLOTS, StageArgs, parse_args
 from mmserve.config import EngineConfig
 
 
@@ -62,3 +62,12 @@ def test_decoder_small_step_threads_reach_the_engine_config() -> None:
     assert (threads.small_step_tokens, threads.small_step_threads, threads.big_step_threads) == (8, 1, None)
     default = parse_args({}).engine_config().decoder  # unset: measured at start-up (step_threads.py)
     assert (default.small_step_threads, default.big_step_threads) == (None, None)
+
+
+def test_serve_bounds_the_ingress_above_its_own_chat_bound() -> None:
+    # mmserve's admission answers the chat request past the bound (an OpenAI 503); Serve's bound leaves room
+    # for health and metrics probes beside a full load
+    options = parse_args({"ingress": {"max_ongoing_requests": 8}}).ingress.deployment_options()
+    assert options["max_ongoing_requests"] == 8 + INGRESS_PROBE_SLOTS
+    assert parse_args({"decoder": {"max_ongoing_requests": 8}}).decoder.deployment_options()[
+        "max_ongoing_requests"] == 8
