@@ -9,7 +9,6 @@ through here: the ingress holds only small specs with ObjectRefs.
 # NOTE: no `from __future__ import annotations` here: FastAPI reads handler annotations at runtime.
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,24 +24,31 @@ from ray.serve.exceptions import BackPressureError
 from deployments.app_health import AppHealth
 from deployments.args import AppArgs
 from deployments.handles import cancel, hold
+from deployments.ingress_failures import (
+    CLIENT_CLOSED_REQUEST,
+    ClientGone,
+    error_response,
+    failure_status,
+    raise_failed,
+    read_body,
+)
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api.admission import Admission, AdmissionMiddleware
-from mmserve.api.body import check_declared_size, parse_json, read_bounded
+from mmserve.api.body import check_declared_size, parse_json
 from mmserve.api.deadline import Deadline
-from mmserve.api.errors import ModelNotFoundError, error_body, error_headers
+from mmserve.api.errors import ModelNotFoundError
 from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.server_timing import ServerTiming
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError
-from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
+from mmserve.messages import ChatRequest, PreprocessedRequest, ServedModel
 from mmserve.runtime import affinity
 from mmserve.runtime.ingress_metrics import IngressMetrics, RequestStatus
 from mmserve.runtime.metrics import MetricsSnapshot, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 
-log = logging.getLogger(__name__)
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 CHAT_ROUTE = "/v1/chat/completions"
 # NOTE: one per process, as `api` is: the replica's Ingress sets its bound (`ingress.max_ongoing_requests`)
@@ -59,26 +65,6 @@ def _openapi() -> dict[str, Any]:
 
 
 api.openapi = _openapi  # type: ignore[method-assign]
-def failure_status(exc: BaseException) -> RequestStatus:
-    """How the request metrics count a request that failed with `exc`: by the HTTP status it gets,
-    whether the failure came before the first token or after (then reported in-band)."""
-    status, _ = error_body(unwrapped(exc))
-    return "client_error" if status < 500 else "server_error"
-
-
-def _raise_failed(message: Any) -> Any:
-    """`message`, unless a stage answered with the client's fault as a RequestFailed: then raise it."""
-    if isinstance(message, RequestFailed):
-        raise message.error
-    return message
-
-
-def _error(exc: BaseException) -> JSONResponse:
-    original, exc = exc, unwrapped(exc)
-    status, body = error_body(exc)
-    if status == 500:  # NOTE: the client is told nothing of a server fault; the log says what it was
-        log.error("request failed with a server fault", exc_info=original)
-    return JSONResponse(body, status_code=status, headers=error_headers(exc))
 
 
 @serve.deployment
@@ -119,7 +105,7 @@ class Ingress:
         try:
             served = await self._served_model()
         except Exception as exc:
-            return _error(exc)
+            return error_response(exc)
         return JSONResponse(ModelList(data=[ModelCard(id=served.model_id, max_model_len=served.max_model_len)])
                             .model_dump())
 
@@ -153,7 +139,7 @@ class Ingress:
         timing = ServerTiming(self.stage_timing)
         try:
             check_declared_size(request.headers.get("content-length"), self.max_body_bytes)
-            raw = await deadline.wait(read_bounded(request.stream(), self.max_body_bytes))  # a slow drip too
+            raw = await deadline.wait(read_body(request, self.max_body_bytes))  # a slow drip too
             body = ChatCompletionRequest.model_validate(parse_json(raw))
             served = await deadline.wait(self._served_model())
             if body.model not in (None, served.model_id):
@@ -165,9 +151,15 @@ class Ingress:
                 first, outputs = await retrying(
                     lambda attempt: self._first(chat, attempt, deadline, timing, kept, count_retry=True),
                     retries=self.replica_loss_retries, what=f"request {chat.request_id}")
+        except asyncio.CancelledError:  # NOTE: Serve cancels the handler of a client that left
+            self._done("aborted", started)
+            raise
+        except ClientGone:
+            self._done("aborted", started)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # NOTE: nobody reads it
         except Exception as exc:
             self._done(failure_status(exc), started)
-            return _error(exc)
+            return error_response(exc)
         if not body.stream:
             return await self._complete(chat, started, deadline, timing)
         self.stats.observe_ttft(time.perf_counter() - started)
@@ -193,7 +185,7 @@ class Ingress:
         timing.mark("preprocess")
         outputs = self.decoder.generate.remote(pre.for_attempt(chat.request_id, kept=reused is not None))
         try:  # errors before the first token get a 4xx/5xx status
-            first = _raise_failed(await self._within(deadline, outputs.__anext__()))
+            first = raise_failed(await self._within(deadline, outputs.__anext__()))
         except BaseException as exc:
             cancel(outputs)  # e.g. the deadline: the decoder drops the request and frees its KV blocks
             kept.lost_after(exc)
@@ -209,7 +201,7 @@ class Ingress:
         except BaseException:
             cancel(preprocessing)  # e.g. the deadline: the Preprocess replica stops working on it
             raise
-        pre: PreprocessedRequest = _raise_failed(answer)
+        pre: PreprocessedRequest = raise_failed(answer)
         return pre
 
     async def _within(self, deadline: Deadline, awaitable: Any) -> Any:
@@ -270,7 +262,7 @@ class Ingress:
             raise
         except Exception as exc:
             self._done(failure_status(exc), started, tokens())
-            return _error(exc)
+            return error_response(exc)
         self._done("ok", started, builder.choices.tokens)
         return answer
 

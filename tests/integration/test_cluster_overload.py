@@ -1,10 +1,12 @@
 """Overload and deadlines over HTTP on a second, tightly sized app: past the decoder's small queue, or past
 the ingress's own bound, a request gets a 503 with `Retry-After` at once while the admitted ones complete,
-and a request past its deadline ends (504, or an error event in a stream) with its KV blocks freed."""
+and a request past its deadline ends (504, or an error event in a stream) with its KV blocks freed; a client
+that leaves while its body is read is counted as aborted, not as a server fault."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -122,6 +124,26 @@ def slow_body(app: AppInfo) -> socket.socket:
     sock.sendall((f"POST {ROUTE}/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                   "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"messages\": ").encode())
     return sock
+
+
+def test_a_client_that_leaves_while_its_body_is_read_is_counted_aborted_not_as_a_fault(tight_app: AppInfo):
+    before = request_counts(tight_app)
+    for _ in range(3):
+        sock = slow_body(tight_app)
+        time.sleep(1.0)  # NOTE: its handler now waits for the rest of the body
+        sock.close()
+    wait_until(lambda: request_counts(tight_app)["aborted"] >= before["aborted"] + 3, timeout=30,
+               what="three aborted requests")
+    after = request_counts(tight_app)
+    assert after["aborted"] == before["aborted"] + 3, (before, after)
+    assert after["server_error"] == before["server_error"], (before, after)
+
+
+def request_counts(app: AppInfo) -> dict[str, float]:
+    """The app's `mmserve_requests_total` by status (its /metrics: the Ingress pushes its own first)."""
+    with urllib.request.urlopen(app.base_url + ROUTE + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r'^mmserve_requests_total\{status="(\w+)"\} (\S+)$', text, re.M)}
 
 
 def burst_while_full(app: AppInfo, holder: SSEStream) -> list[tuple[int, Any, Any, float]]:

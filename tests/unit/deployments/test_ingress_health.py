@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from deployments.app_health import deployments_without_replicas
-from deployments.ingress import failure_status
+from deployments.ingress_failures import failure_status
 
 
 def _status(**deployments: dict[str, int]) -> SimpleNamespace:

@@ -1,0 +1,64 @@
+"""How the ingress answers and counts a request that fails or whose client leaves before its answer.
+
+Owns: a failure's HTTP answer (OpenAI-shaped; a server fault is logged and never told) and its status in the
+request metrics, what a stage's `RequestFailed` value means, and reading a body whose client may leave
+(`ClientGone`). Does not own: the error bodies themselves (mmserve.api.errors), bounding and decoding a body
+(mmserve.api.body), nor which failures are retried (retry.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from ray.exceptions import TaskCancelledError
+from starlette.requests import ClientDisconnect
+
+from deployments.retry import unwrapped
+from mmserve.api.body import read_bounded
+from mmserve.api.errors import error_body, error_headers
+from mmserve.messages import RequestFailed
+from mmserve.runtime.ingress_metrics import RequestStatus
+
+log = logging.getLogger(__name__)
+# How a client that left while its body was read shows: Starlette's own error, or Serve's when its proxy
+# cancels the replica's fetch of the body from it
+CLIENT_LEFT = (ClientDisconnect, TaskCancelledError)
+CLIENT_CLOSED_REQUEST = 499  # the status access logs give a request whose client left first (nginx's)
+
+
+class ClientGone(Exception):
+    """The client left before its request was read; nobody is left to answer (counted as aborted)."""
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, up to `max_bytes` (mmserve.api.body); ClientGone if its client leaves meanwhile."""
+    try:
+        return await read_bounded(request.stream(), max_bytes)
+    except CLIENT_LEFT as exc:
+        raise ClientGone(f"the client left while its body was read ({type(exc).__name__})") from None
+
+
+def failure_status(exc: BaseException) -> RequestStatus:
+    """How the request metrics count a request that failed with `exc`: by the HTTP status it gets,
+    whether the failure came before the first token or after (then reported in-band)."""
+    status, _ = error_body(unwrapped(exc))
+    return "client_error" if status < 500 else "server_error"
+
+
+def raise_failed(message: Any) -> Any:
+    """`message`, unless a stage answered with the client's fault as a RequestFailed: then raise it."""
+    if isinstance(message, RequestFailed):
+        raise message.error
+    return message
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The answer to a request that failed with `exc`, before its response began."""
+    original, exc = exc, unwrapped(exc)
+    status, body = error_body(exc)
+    if status == 500:  # NOTE: the client is told nothing of a server fault; the log says what it was
+        log.error("request failed with a server fault", exc_info=original)
+    return JSONResponse(body, status_code=status, headers=error_headers(exc))
