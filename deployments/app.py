@@ -3,7 +3,7 @@
 Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, Preprocess's early encodes to
 the Encoder, with the shared ProcessorCacheStore and the MetricsHub) and applying each stage's placement
 from the arguments; and the process-wide defaults for a Ray that `serve run` starts after building the app
-(`CLUSTER_ENV`: request bodies inline, HAProxy in front of the Ingress; `cluster_env_started_here`).
+(`CLUSTER_ENV`: request bodies inline; `cluster_env_started_here`).
 Does not own argument names or defaults (args.py) nor any stage's logic.
 """
 
@@ -38,13 +38,13 @@ def _router(config: dict[str, Any]) -> dict[str, Any]:
 
 def cluster_env_started_here() -> None:
     """Give a Ray cluster that this process is about to start mmserve's cluster environment (`CLUSTER_ENV`:
-    request bodies up to `INGRESS_INLINE_BYTES` inline everywhere, Serve's proxy included, and HAProxy in
-    front of the Ingress replicas); a value already set is kept.
+    request bodies up to `INGRESS_INLINE_BYTES` inline everywhere, Serve's proxy included); a value already
+    set is kept. (HAProxy in front of the Ingress is an opt-in of the same kind: docs/deploying.md.)
 
     NOTE: `serve run <import path>` builds the app before it starts Ray, and the local cluster it starts
-    inherits this process's environment. Serve has no per-app setting for either: the proxy's reply to the
-    Ingress carries the body (a data URL's image) through the object store past Ray's 100 KiB default, and
-    HAProxy is a mode of Serve's controller. A Ray already running is left alone (`ray start` clusters and
+    inherits this process's environment. Serve has no per-app setting for it: the proxy's reply to the
+    Ingress carries the body (a data URL's image) through the object store past Ray's 100 KiB default. A Ray
+    already running is left alone (`ray start` clusters and
     config files: docs/deploying.md).
     """
     if not ray.is_initialized():

@@ -19,7 +19,7 @@ import typing
 from dataclasses import replace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from mmserve.config import EngineConfig
 
@@ -147,6 +147,16 @@ class IngressArgs(StageArgs):
     # Each stage's own phases in the `Server-Timing` header, beside the ingress's round trips (scripts/bench_path.py
     # turns it on). NOTE: off by default: which phases ran tells a client whether a cache held an image.
     stage_timing: bool = False
+
+    @model_validator(mode="after")
+    def _can_scale_up(self) -> IngressArgs:
+        """NOTE: past `max_ongoing_requests` chat requests are refused, not queued, so a replica never counts
+        more: a target at or above it would never scale the ingress up."""
+        target = self.autoscaling.target_ongoing_requests if self.autoscaling is not None else None
+        if target is not None and target >= self.max_ongoing_requests:
+            raise ValueError(f"autoscaling.target_ongoing_requests ({target}) must be below max_ongoing_requests "
+                             f"({self.max_ongoing_requests}): a replica refuses chat requests past the latter")
+        return self
 
     def deployment_options(self) -> dict[str, Any]:
         """As a stage's, with Serve's bound on the replica above mmserve's own (`max_ongoing_requests`), so that

@@ -11,30 +11,23 @@ through here: the ingress holds only small specs with ObjectRefs.
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from deployments import ingress_failures as failures
 from deployments.app_health import AppHealth
 from deployments.args import AppArgs
 from deployments.handles import cancel, hold
-from deployments.ingress_failures import (
-    CLIENT_CLOSED_REQUEST,
-    ClientGone,
-    error_response,
-    failure_status,
-    raise_failed,
-    read_body,
-)
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
-from mmserve.api.admission import Admission, AdmissionMiddleware
+from mmserve.api.admission import AdmissionMiddleware, bound
 from mmserve.api.body import check_declared_size, parse_json
 from mmserve.api.deadline import Deadline
 from mmserve.api.errors import ModelNotFoundError
@@ -51,9 +44,8 @@ from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 CHAT_ROUTE = "/v1/chat/completions"
-# NOTE: one per process, as `api` is: the replica's Ingress sets its bound (`ingress.max_ongoing_requests`)
-admission = Admission()
-api.add_middleware(AdmissionMiddleware, admission=admission, paths=frozenset({CHAT_ROUTE}))
+CHAT_BOUND = "ingress.chat"  # the replica's Ingress sets it (`ingress.max_ongoing_requests`)
+api.add_middleware(AdmissionMiddleware, name=CHAT_BOUND, paths=frozenset({CHAT_ROUTE}))
 
 
 def _openapi() -> dict[str, Any]:
@@ -85,8 +77,9 @@ class Ingress:
         self.app_health = AppHealth()
         self.reporter = MetricsReporter(hub, "Ingress", self._metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
-        admission.limit = app_args.ingress.max_ongoing_requests
-        admission.on_refused = lambda: self._done("server_error", time.perf_counter())
+        chat = bound(CHAT_BOUND)
+        chat.limit = app_args.ingress.max_ongoing_requests
+        chat.on_refused = lambda: self._done("server_error", time.perf_counter())  # as other 503s are
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -105,7 +98,7 @@ class Ingress:
         try:
             served = await self._served_model()
         except Exception as exc:
-            return error_response(exc)
+            return failures.error_response(exc)
         return JSONResponse(ModelList(data=[ModelCard(id=served.model_id, max_model_len=served.max_model_len)])
                             .model_dump())
 
@@ -139,7 +132,7 @@ class Ingress:
         timing = ServerTiming(self.stage_timing)
         try:
             check_declared_size(request.headers.get("content-length"), self.max_body_bytes)
-            raw = await deadline.wait(read_body(request, self.max_body_bytes))  # a slow drip too
+            raw = await deadline.wait(failures.read_body(request, self.max_body_bytes))  # a slow drip too
             body = ChatCompletionRequest.model_validate(parse_json(raw))
             served = await deadline.wait(self._served_model())
             if body.model not in (None, served.model_id):
@@ -154,17 +147,20 @@ class Ingress:
         except asyncio.CancelledError:  # NOTE: Serve cancels the handler of a client that left
             self._done("aborted", started)
             raise
-        except ClientGone:
+        except failures.ClientGone:
             self._done("aborted", started)
-            return Response(status_code=CLIENT_CLOSED_REQUEST)  # NOTE: nobody reads it
+            return Response(status_code=failures.CLIENT_CLOSED_REQUEST)  # NOTE: nobody reads it
         except Exception as exc:
-            self._done(failure_status(exc), started)
-            return error_response(exc)
+            self._done(failures.failure_status(exc), started)
+            return failures.error_response(exc)
         if not body.stream:
             return await self._complete(chat, started, deadline, timing)
         self.stats.observe_ttft(time.perf_counter() - started)
-        stream = self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started, deadline)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=timing.header())
+        return failures.GuardedStream(
+            lambda start: self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started,
+                                    deadline, start),
+            unstarted=lambda: self._abandoned(outputs, started), media_type="text/event-stream",
+            headers=timing.header())
 
     async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline, timing: ServerTiming,
                      kept: Kept[PreprocessedRequest], *, count_retry: bool) -> tuple[Any, Any]:
@@ -185,7 +181,7 @@ class Ingress:
         timing.mark("preprocess")
         outputs = self.decoder.generate.remote(pre.for_attempt(chat.request_id, kept=reused is not None))
         try:  # errors before the first token get a 4xx/5xx status
-            first = raise_failed(await self._within(deadline, outputs.__anext__()))
+            first = failures.raise_failed(await self._within(deadline, outputs.__anext__()))
         except BaseException as exc:
             cancel(outputs)  # e.g. the deadline: the decoder drops the request and frees its KV blocks
             kept.lost_after(exc)
@@ -201,7 +197,7 @@ class Ingress:
         except BaseException:
             cancel(preprocessing)  # e.g. the deadline: the Preprocess replica stops working on it
             raise
-        pre: PreprocessedRequest = raise_failed(answer)
+        pre: PreprocessedRequest = failures.raise_failed(answer)
         return pre
 
     async def _within(self, deadline: Deadline, awaitable: Any) -> Any:
@@ -261,13 +257,19 @@ class Ingress:
             self._done("aborted", started, tokens())
             raise
         except Exception as exc:
-            self._done(failure_status(exc), started, tokens())
-            return error_response(exc)
+            self._done(failures.failure_status(exc), started, tokens())
+            return failures.error_response(exc)
         self._done("ok", started, builder.choices.tokens)
         return answer
 
+    def _abandoned(self, outputs: Any, started: float) -> None:
+        """A stream whose client left before its first event: abort it in the decoder, count it."""
+        cancel(outputs)
+        self._done("aborted", started)
+
     async def _sse(self, request_id: str, n: int, include_usage: bool, first: Any, outputs: Any,
-                   started: float, deadline: Deadline) -> AsyncIterator[str]:
+                   started: float, deadline: Deadline, start: Callable[[], None]) -> AsyncIterator[str]:
+        start()  # NOTE: from here on this generator's `finally` cleans up (see GuardedStream)
         chunks = ChunkBuilder(request_id, self._model_id(), n=n, include_usage=include_usage)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
         try:
@@ -280,7 +282,7 @@ class Ingress:
                     yield "".join(events)
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-            status = failure_status(exc)
+            status = failures.failure_status(exc)
             yield sse_error(unwrapped(exc))
         finally:
             if not chunks.finished:  # the client left, or the deadline: abort it in the decoder, free its KV

@@ -1,20 +1,23 @@
 """How the ingress answers and counts a request that fails or whose client leaves before its answer.
 
 Owns: a failure's HTTP answer (OpenAI-shaped; a server fault is logged and never told) and its status in the
-request metrics, what a stage's `RequestFailed` value means, and reading a body whose client may leave
-(`ClientGone`). Does not own: the error bodies themselves (mmserve.api.errors), bounding and decoding a body
-(mmserve.api.body), nor which failures are retried (retry.py).
+request metrics, what a stage's `RequestFailed` value means, reading a body whose client may leave
+(`ClientGone`), and a stream that hears of a client gone before its first event (`GuardedStream`). Does not
+own: the error bodies themselves (mmserve.api.errors), bounding and decoding a body (mmserve.api.body), nor
+which failures are retried (retry.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from deployments.retry import unwrapped
 from mmserve.api.body import read_bounded
@@ -62,3 +65,29 @@ def error_response(exc: BaseException) -> JSONResponse:
     if status == 500:  # NOTE: the client is told nothing of a server fault; the log says what it was
         log.error("request failed with a server fault", exc_info=original)
     return JSONResponse(body, status_code=status, headers=error_headers(exc))
+
+
+class GuardedStream(StreamingResponse):
+    """A streamed answer whose body is made by `body(start)` (which calls `start()` on its first step) and
+    that calls `unstarted()` if that step never came.
+
+    NOTE: a body's own cleanup (its generator's `finally`: cancel the decoder's stream, count the request)
+    runs only once the generator has started; a client that leaves between the handler's answer and the
+    response's first event cancels the response first, and the generator is then never run at all.
+    """
+
+    def __init__(self, body: Callable[[Callable[[], None]], AsyncIterator[str]], unstarted: Callable[[], None],
+                 **kwargs: Any) -> None:
+        self._started = False
+        self._unstarted = unstarted
+        super().__init__(body(self._start), **kwargs)
+
+    def _start(self) -> None:
+        self._started = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._started:
+                self._unstarted()

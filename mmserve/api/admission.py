@@ -34,26 +34,38 @@ class Admission:
 
     limit: int | None = None  # requests served at once on the bounded routes; None = no bound (not configured)
     in_flight: int = 0  # requests on the bounded routes now (requests)
-    refused: int = 0  # requests refused so far (requests)
     on_refused: Callable[[], None] = field(default=lambda: None)  # told of each refusal (the request metrics)
 
     def full(self) -> bool:
         return self.limit is not None and self.in_flight >= self.limit
 
 
-class AdmissionMiddleware:
-    """ASGI middleware; on FastAPI: `app.add_middleware(AdmissionMiddleware, admission=..., paths=...)`."""
+_BOUNDS: dict[str, Admission] = {}  # this process's bounds, by name
 
-    def __init__(self, app: ASGIApp, admission: Admission, paths: frozenset[str]) -> None:
-        self.app, self.admission, self.paths = app, admission, paths
+
+def bound(name: str) -> Admission:
+    """This process's bound called `name` (unbounded until its `limit` is set).
+
+    NOTE: found by name in this module, not handed to the middleware as an object: Serve copies an ingress's
+    FastAPI app (its middleware's arguments too) when the deployment is declared and again into each
+    replica, so an object given to `add_middleware` is not the one the replica's constructor would set.
+    """
+    return _BOUNDS.setdefault(name, Admission())
+
+
+class AdmissionMiddleware:
+    """ASGI middleware; on FastAPI: `app.add_middleware(AdmissionMiddleware, name=..., paths=...)`, and the
+    bound set in the serving process through `bound(name)`."""
+
+    def __init__(self, app: ASGIApp, name: str, paths: frozenset[str]) -> None:
+        self.app, self.name, self.paths = app, name, paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
-        admission = self.admission
+        admission = bound(self.name)
         if admission.full():
-            admission.refused += 1
             admission.on_refused()
             await _refuse(send, admission.limit)
             return

@@ -4,14 +4,27 @@ body at once; a slot is held until the response has ended, however it ends; othe
 from __future__ import annotations
 
 import asyncio
+import copy
+import itertools
 import json
 from typing import Any
 
 import pytest
 
-from mmserve.api.admission import Admission, AdmissionMiddleware
+from mmserve.api.admission import AdmissionMiddleware, bound
 
 CHAT = "/v1/chat/completions"
+_names = itertools.count()
+
+
+def bounded(app: Any, limit: int | None, paths: frozenset[str] = frozenset({CHAT}), **kwargs: Any) -> Any:
+    """`app` behind a bound of its own (a fresh name) at `limit` -> (the middleware, the bound)."""
+    name = f"test-{next(_names)}"
+    admission = bound(name)
+    admission.limit = limit
+    for key, value in kwargs.items():
+        setattr(admission, key, value)
+    return AdmissionMiddleware(app, name, paths), admission
 
 
 class SlowApp:
@@ -58,15 +71,14 @@ async def until(condition: Any) -> None:
 def test_past_the_bound_a_503_with_retry_after_and_an_openai_body_at_once() -> None:
     async def scenario() -> None:
         inner, refusals = SlowApp(), []
-        admission = Admission(limit=2, on_refused=lambda: refusals.append(1))
-        app = AdmissionMiddleware(inner, admission, frozenset({CHAT}))
+        app, admission = bounded(inner, 2, on_refused=lambda: refusals.append(1))
         held = [asyncio.create_task(call(app, CHAT)) for _ in range(2)]
         await until(lambda: inner.started == 2)
         status, headers, body = await call(app, CHAT)  # answered while both slots are held
         assert status == 503 and headers["retry-after"] == "1", (status, headers)
         assert body["error"]["type"] == "service_unavailable_error" and body["error"]["code"] == "overloaded"
         assert "2 per ingress replica" in body["error"]["message"]
-        assert inner.started == 2 and admission.refused == 1 and refusals == [1]
+        assert inner.started == 2 and refusals == [1]
         inner.release.set()
         assert [s for s, _, _ in await asyncio.gather(*held)] == [200, 200]
         assert admission.in_flight == 0
@@ -78,8 +90,7 @@ def test_past_the_bound_a_503_with_retry_after_and_an_openai_body_at_once() -> N
 def test_other_routes_are_not_counted_and_the_route_is_matched_below_the_mount_point() -> None:
     async def scenario() -> None:
         inner = SlowApp()
-        admission = Admission(limit=1)
-        app = AdmissionMiddleware(inner, admission, frozenset({CHAT}))
+        app, admission = bounded(inner, 1)
         held = asyncio.create_task(call(app, CHAT, root_path="/tight"))  # Serve's route prefix
         await until(lambda: inner.started == 1)
         assert admission.in_flight == 1
@@ -97,8 +108,7 @@ def test_other_routes_are_not_counted_and_the_route_is_matched_below_the_mount_p
 def test_a_request_that_fails_or_is_cancelled_gives_its_slot_back(ending: str) -> None:
     async def scenario() -> None:
         inner = SlowApp()
-        admission = Admission(limit=1)
-        app = AdmissionMiddleware(inner, admission, frozenset({CHAT, "/fail"}))
+        app, admission = bounded(inner, 1, frozenset({CHAT, "/fail"}))
         task = asyncio.create_task(call(app, "/fail" if ending == "failed" else CHAT))
         await until(lambda: inner.started == 1)
         assert admission.full()
@@ -119,9 +129,25 @@ def test_no_bound_until_configured() -> None:
     async def scenario() -> None:
         inner = SlowApp()
         inner.release.set()
-        admission = Admission()
-        app = AdmissionMiddleware(inner, admission, frozenset({CHAT}))
+        app, _ = bounded(inner, None)
         assert [s for s, _, _ in await asyncio.gather(*(call(app, CHAT) for _ in range(5)))] == [200] * 5
-        assert admission.refused == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_of_the_middleware_counts_against_the_same_bound() -> None:
+    # Serve copies an ingress's app, its middleware's arguments too, before the replica's constructor sets the
+    # bound: the copy must find the bound that constructor sets, by name
+    async def scenario() -> None:
+        inner = SlowApp()
+        app, admission = bounded(inner, None)
+        served = copy.deepcopy(app)
+        served.app = inner  # NOTE: the copy's own app, to watch it; the middleware is what is copied here
+        admission.limit = 1  # set after the copy, as Ingress.__init__ does
+        held = asyncio.create_task(call(served, CHAT))
+        await until(lambda: inner.started == 1)
+        assert (await call(app, CHAT))[0] == 503  # the original and the copy share the bound
+        inner.release.set()
+        assert (await held)[0] == 200 and admission.in_flight == 0
 
     asyncio.run(scenario())

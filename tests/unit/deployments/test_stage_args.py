@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from deployments.args import DEFAULT_STAGE_ENV, INGRESS_PROBE_SLOTS, StageArgs, parse_args
@@ -71,3 +72,10 @@ def test_serve_bounds_the_ingress_above_its_own_chat_bound() -> None:
     assert options["max_ongoing_requests"] == 8 + INGRESS_PROBE_SLOTS
     assert parse_args({"decoder": {"max_ongoing_requests": 8}}).decoder.deployment_options()[
         "max_ongoing_requests"] == 8
+
+
+def test_an_ingress_that_could_never_scale_up_is_refused() -> None:
+    # past its bound the ingress refuses chat requests, so a replica never counts more than that many
+    with pytest.raises(ValueError, match=r"target_ongoing_requests \(8.0\) must be below max_ongoing_requests \(8\)"):
+        parse_args({"ingress": {"max_ongoing_requests": 8, "autoscaling": {"target_ongoing_requests": 8}}})
+    assert parse_args({"ingress": {"max_ongoing_requests": 8, "autoscaling": {"target_ongoing_requests": 7}}})

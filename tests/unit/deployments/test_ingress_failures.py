@@ -1,0 +1,82 @@
+"""The ingress's endings: a stream whose client leaves before its first event still cleans up (its
+generator never runs then), and a body whose client leaves is a ClientGone, not a server fault."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from typing import Any
+
+import pytest
+from ray.exceptions import TaskCancelledError
+
+from deployments.ingress_failures import ClientGone, GuardedStream, read_body
+
+
+def sse(events: list[str], cleaned: list[str]) -> Callable[[Callable[[], None]], AsyncIterator[str]]:
+    """A body as the ingress's `_sse` makes it: `start()` first, its own cleanup in `finally`."""
+    async def body(start: Callable[[], None]) -> AsyncIterator[str]:
+        start()
+        try:
+            for event in events:
+                yield event
+        finally:
+            cleaned.append("body")
+
+    return body
+
+
+def test_a_client_gone_before_the_first_event_is_cleaned_up_by_the_response() -> None:
+    async def scenario() -> list[str]:
+        cleaned: list[str] = []
+        never = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.disconnect"}  # the client has left
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            await never.wait()  # a slow socket: the disconnect wins before the body's first step
+
+        response = GuardedStream(sse(["data: 1\n\n"], cleaned), unstarted=lambda: cleaned.append("unstarted"))
+        await response({"type": "http"}, receive, send)
+        return cleaned
+
+    assert asyncio.run(scenario()) == ["unstarted"]  # the body's own `finally` never ran: it never started
+
+
+def test_a_stream_that_ran_cleans_up_once_by_its_body() -> None:
+    async def scenario() -> tuple[list[str], list[MutableMapping[str, Any]]]:
+        cleaned: list[str] = []
+        sent: list[MutableMapping[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()  # the client stays
+            return {}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(message)
+
+        response = GuardedStream(sse(["data: 1\n\n", "data: 2\n\n"], cleaned),
+                                 unstarted=lambda: cleaned.append("unstarted"))
+        await response({"type": "http"}, receive, send)
+        return cleaned, sent
+
+    cleaned, sent = asyncio.run(scenario())
+    assert cleaned == ["body"]
+    assert b"".join(m.get("body", b"") for m in sent) == b"data: 1\n\ndata: 2\n\n"
+
+
+@pytest.mark.parametrize("left", [TaskCancelledError(), "starlette"])
+def test_a_body_whose_client_left_is_client_gone(left: Any) -> None:
+    from starlette.requests import ClientDisconnect, Request
+
+    error = ClientDisconnect() if left == "starlette" else left
+
+    async def receive() -> dict[str, Any]:
+        raise error  # Serve's receive proxy raises its cancel; Starlette raises on http.disconnect itself
+
+    async def scenario() -> None:
+        await read_body(Request({"type": "http", "method": "POST", "headers": []}, receive), 1 << 20)
+
+    with pytest.raises(ClientGone, match=type(error).__name__):
+        asyncio.run(scenario())
