@@ -38,7 +38,7 @@ from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, ServedModel
 from mmserve.runtime import affinity
-from mmserve.runtime.ingress_metrics import IngressMetrics, RequestStatus
+from mmserve.runtime.ingress_metrics import IngressMetrics, RequestStatus, admission_snapshot
 from mmserve.runtime.metrics import MetricsSnapshot, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 
@@ -115,8 +115,10 @@ class Ingress:
         return self.served.model_id
 
     def _metrics(self) -> MetricsSnapshot:
-        """What this replica pushes: its requests, and its Decoder router's decisions."""
-        return merge([self.stats.snapshot(), affinity.DECISIONS.snapshot()])
+        """What this replica pushes: its requests, its bound's use, and its Decoder router's decisions."""
+        chat = bound(CHAT_BOUND)
+        return merge([self.stats.snapshot(), admission_snapshot(chat.in_flight, chat.limit),
+                      affinity.DECISIONS.snapshot()])
 
     @api.get("/metrics")
     async def metrics(self) -> Response:

@@ -1,7 +1,8 @@
 """What the ingress observes of each request itself, as live counters a snapshot reads.
 
 Owns: `Histogram` (fixed bounds, thread-safe) and `IngressMetrics` (time to first token, latency,
-request outcomes, retries, tokens), with their bucket bounds and label values. Does not own the metric
+request outcomes, retries, tokens), with their bucket bounds and label values; and the gauges of the
+ingress's bound on chat requests (`admission_snapshot`). Does not own the metric
 data model, the other stages' snapshots or `merge` (metrics.py), nor when the ingress observes (the
 ingress deployment).
 """
@@ -20,6 +21,7 @@ from mmserve.runtime.metrics import (
     MetricsSnapshot,
     Value,
     counter,
+    gauge,
     histogram,
     snapshot_of,
 )
@@ -101,3 +103,12 @@ class IngressMetrics:
                       self.ttft.value()),
             histogram("mmserve_e2e_request_latency_seconds", "Request arrival to its end.", self.latency.value()),
         )
+
+
+def admission_snapshot(in_flight: int, limit: int | None) -> MetricsSnapshot:
+    """The ingress's bound on chat requests (mmserve.api.admission) as gauges; `merge` sums them over replicas."""
+    metrics = [gauge("mmserve_ingress_requests_in_flight", "Chat requests the ingress is serving now.", in_flight)]
+    if limit is not None:
+        metrics.append(gauge("mmserve_ingress_requests_limit",
+                             "Chat requests the ingress serves at once at most; past it a 503.", limit))
+    return snapshot_of(*metrics)

@@ -113,6 +113,9 @@ def test_past_the_ingress_bound_its_own_503_at_once_and_probes_still_answered(ti
         assert f"{INGRESS_SLOTS} per ingress replica" in body["error"]["message"], body
         with urllib.request.urlopen(tight_app.base_url + ROUTE + "/health", timeout=10) as probe:
             assert probe.status == 200  # the probe slots: a full ingress still says it is up
+        metrics = metric_lines(tight_app)
+        assert metrics["mmserve_ingress_requests_in_flight"] == INGRESS_SLOTS, metrics  # the slow ones
+        assert metrics["mmserve_ingress_requests_limit"] == INGRESS_SLOTS, metrics
     finally:
         for sock in slow:
             sock.close()
@@ -154,10 +157,16 @@ def settled_counts(app: AppInfo) -> dict[str, float]:
 
 
 def request_counts(app: AppInfo) -> dict[str, float]:
-    """The app's `mmserve_requests_total` by status (its /metrics: the Ingress pushes its own first)."""
+    """The app's `mmserve_requests_total` by status."""
+    status = re.compile(r'mmserve_requests_total\{status="(\w+)"\}')
+    return {m[1]: value for name, value in metric_lines(app).items() if (m := status.fullmatch(name))}
+
+
+def metric_lines(app: AppInfo) -> dict[str, float]:
+    """Sample (name and labels, as written) -> value, from the app's /metrics (the Ingress pushes its own first)."""
     with urllib.request.urlopen(app.base_url + ROUTE + "/metrics", timeout=30) as response:
         text = response.read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r'^mmserve_requests_total\{status="(\w+)"\} (\S+)$', text, re.M)}
+    return {name: float(value) for name, value in re.findall(r"^(mmserve_\S+) (\S+)$", text, re.M)}
 
 
 def burst_while_full(app: AppInfo, holder: SSEStream) -> list[tuple[int, Any, Any, float]]:

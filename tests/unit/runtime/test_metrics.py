@@ -12,7 +12,7 @@ from mmserve.decoder.decoder import DecoderStats
 from mmserve.encoder.outputs import EncoderStats
 from mmserve.engine import EngineStats
 from mmserve.preprocess.processor_cache import ProcessorCacheStats
-from mmserve.runtime.ingress_metrics import Histogram, IngressMetrics
+from mmserve.runtime.ingress_metrics import Histogram, IngressMetrics, admission_snapshot
 from mmserve.runtime.metrics import (
     BATCH_SIZE_BUCKETS,
     HistogramValue,
@@ -70,6 +70,7 @@ def replica(i: int) -> list[MetricsSnapshot]:
         encoder_snapshot(encoder_stats(queries=8, hits=2 + i, batch_sizes={1: 2, 3: 1 + i})),
         decoder_snapshot(decoder_stats(running=3 + i, waiting=i)),
         ingress.snapshot(),
+        admission_snapshot(in_flight=2 + i, limit=64),
     ]
 
 
@@ -95,6 +96,8 @@ def test_two_replicas_merge_and_render() -> None:
     assert scalar(fams, "mmserve_processor_cache_queries_total") == 20
     assert scalar(fams, "mmserve_processor_cache_hits_total") == 4 + 5
     assert scalar(fams, "mmserve_processor_cache_bytes") == 100 + 200
+    assert scalar(fams, "mmserve_ingress_requests_in_flight") == 2 + 3  # the ingress's bound, over replicas
+    assert scalar(fams, "mmserve_ingress_requests_limit") == 64 + 64
     assert scalar(fams, "mmserve_image_processor_calls_total") == 5 + 6
     assert scalar(fams, "mmserve_encoder_cache_queries_total") == 16
     assert scalar(fams, "mmserve_encoder_cache_hits_total") == 2 + 3
