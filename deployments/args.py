@@ -152,8 +152,8 @@ class IngressArgs(StageArgs):
     def _can_scale_up(self) -> IngressArgs:
         """NOTE: past `max_ongoing_requests` chat requests are refused, not queued, so a replica never counts
         more: a target at or above it would never scale the ingress up."""
-        target = self.autoscaling.target_ongoing_requests if self.autoscaling is not None else None
-        if target is not None and target >= self.max_ongoing_requests:
+        target = self.autoscaling.target_ongoing_requests if self.autoscaling is not None else 0.0
+        if target >= self.max_ongoing_requests:
             raise ValueError(f"autoscaling.target_ongoing_requests ({target}) must be below max_ongoing_requests "
                              f"({self.max_ongoing_requests}): a replica refuses chat requests past the latter")
         return self

@@ -77,9 +77,9 @@ class Ingress:
         self.app_health = AppHealth()
         self.reporter = MetricsReporter(hub, "Ingress", self._metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
-        chat = bound(CHAT_BOUND)
-        chat.limit = app_args.ingress.max_ongoing_requests
-        chat.on_refused = lambda: self._done("server_error", time.perf_counter())  # as other 503s are
+        self.chat_bound = bound(CHAT_BOUND)
+        self.chat_bound.limit = app_args.ingress.max_ongoing_requests
+        self.chat_bound.on_refused = lambda: self._done("server_error", time.perf_counter())  # as other 503s are
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -116,8 +116,7 @@ class Ingress:
 
     def _metrics(self) -> MetricsSnapshot:
         """What this replica pushes: its requests, its bound's use, and its Decoder router's decisions."""
-        chat = bound(CHAT_BOUND)
-        return merge([self.stats.snapshot(), admission_snapshot(chat.in_flight, chat.limit),
+        return merge([self.stats.snapshot(), admission_snapshot(self.chat_bound.in_flight, self.chat_bound.limit),
                       affinity.DECISIONS.snapshot()])
 
     @api.get("/metrics")
