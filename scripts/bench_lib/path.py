@@ -15,7 +15,7 @@ import io
 import json
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,10 +88,14 @@ class Client:
         return (time.perf_counter() - start) * 1e3
 
 
-def served(client: Client, msgs: list[dict[str, Any]], max_tokens: int) -> Timed:
-    body = {"messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+def chat_body(msgs: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    """The streamed, greedy chat request `served` sends."""
+    return {"messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    start, events, headers = client.stream("/v1/chat/completions", body)
+
+
+def served(client: Client, msgs: list[dict[str, Any]], max_tokens: int) -> Timed:
+    start, events, headers = client.stream("/v1/chat/completions", chat_body(msgs, max_tokens))
     chunks = [(t, json.loads(d)) for t, d in events if d != "[DONE]"]
     content = [t for t, c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None]
     tokens = next((c["usage"]["completion_tokens"] for _, c in chunks if c.get("usage")), max_tokens)
@@ -136,19 +140,27 @@ class ServeFloor:
     hop: list[float] = field(default_factory=list)  # the same plus one handle hop (ms)
     first: list[float] = field(default_factory=list)  # the same plus a streamed hop, to its first item (ms)
     per_item: list[float] = field(default_factory=list)  # each further streamed item (ms)
+    # the path (proxy, ingress reading the JSON body, a hop carrying it, a streamed hop's first item) with
+    # a request's own body, by the name of the request it copies (ms)
+    with_body: dict[str, list[float]] = field(default_factory=dict)
 
-    def sample(self, client: Client) -> None:
+    def sample(self, client: Client, bodies: Mapping[str, dict[str, Any]] | None = None) -> None:
+        """One sample of each: the small-body hops, and the path with each of `bodies` (name -> body)."""
         self.ping.append(client.get("/noop/ping"))
         self.hop.append(client.post("/noop/hop", {"x": 1}))
         start, events, _ = client.stream("/noop/chat?n=33", {"x": 1})
         items = [t for t, d in events if d != "[DONE]"]
         self.first.append((items[0] - start) * 1e3)
         self.per_item.append((items[-1] - items[0]) * 1e3 / (len(items) - 1))
+        for name, body in (bodies or {}).items():
+            start, events, _ = client.stream("/noop/chat?n=1", body)
+            self.with_body.setdefault(name, []).append((events[0][0] - start) * 1e3)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         """Medians (ms): the proxy to the ingress, one handle hop, a streamed hop's first item, each further
-        streamed item, and the text path (proxy, hop, streamed hop)."""
+        streamed item, the text path (proxy, hop, streamed hop) with a small body, and that path with each
+        sampled request's own body."""
         m = statistics.median
         return {"proxy_to_ingress": m(self.ping), "handle_hop": m(self.hop) - m(self.ping),
                 "streamed_hop_first": m(self.first) - m(self.hop), "streamed_item": m(self.per_item),
-                "text_path": m(self.first)}
+                "text_path": m(self.first), "path_with_body": {k: m(v) for k, v in self.with_body.items()}}
