@@ -7,6 +7,7 @@ answered, so any replica may serve any call and none has to be told when a reque
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from typing import Any
@@ -55,7 +56,12 @@ class Encoder:
             return RequestFailed(request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
         finally:
             self.ongoing -= 1
-        arrays, dtype = to_wire(encoded.embeddings)
+        if any(e.device.type != "cpu" for e in encoded.embeddings):
+            # NOTE: a device-to-host copy waits for the device's queue, the next batch's forward included:
+            # not on the event loop, which serves this replica's other calls meanwhile
+            arrays, dtype = await asyncio.to_thread(to_wire, encoded.embeddings)
+        else:
+            arrays, dtype = to_wire(encoded.embeddings)
         timeline.add(encoded.timings)
         timeline.since_start("encoder.replica")  # the call's whole time here: its round trip less this is the hop
         return EncoderOutput(request_id, arrays, dtype=dtype, timings=timeline.phases)

@@ -12,8 +12,9 @@ the blocks of its window) into (B, rows) keys and values; a lone sequence then s
 attends to and needs no mask unless its chunk is causal past position 0 or holds an image.
 NOTE: one grid for a whole mixed step would pad every decode to the longest prefill chunk.
 NOTE: a decode's query heads that share a kv head go in as that head's query rows, so its GQA needs no
-expansion and no `enable_gqa` (which with a boolean mask falls back to the math kernel on CUDA). A
-prefill chunk uses `enable_gqa`: on CUDA, PyTorch's FlexAttention is the kernel to move to
+expansion and no `enable_gqa` (which with a mask falls back to the math kernel on CUDA). A prefill chunk
+uses `enable_gqa` on the CPU, and off it where it has no mask; a masked chunk off the CPU repeats its K/V
+heads instead (`expands_masked_gqa`). On CUDA, PyTorch's FlexAttention is the kernel to move to
 (docs/benchmarks.md has why not on the CPU).
 """
 
@@ -30,6 +31,7 @@ from mmserve.decoder.kept_gather import KeptGathers, Refresh
 from mmserve.decoder.kv_blocks import KindTable, LayerKind
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.models.base import AttentionPattern
+from mmserve.runtime.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_siz
     groups = [_group([steps[i] for i in idx], offsets[idx], kinds, block_size, pattern, device, dtype,
                      whole=len(members) == 1, kept=kept) for idx in members]
     # NOTE: per-layer rows split off in one call here, not indexed out once per layer
-    return AttentionMetadata(torch.from_numpy(slots).to(device).unbind(0), groups, kind_of, rank_of,
+    return AttentionMetadata(to_device(slots, device).unbind(0), groups, kind_of, rank_of,
                              max(s.start + s.num_new for s in steps) - 1)
 
 
@@ -118,11 +120,11 @@ def _lone_decode(s: SeqStep, kinds: tuple[LayerKind, ...], block_size: int, devi
         lo = first_key // block_size
         held = np.ascontiguousarray(table.pages[lo : block + 1].T)  # (layers, blocks)
         keys = (first_key - lo * block_size, position + 1 - lo * block_size)
-        reads.append(KindRead(torch.from_numpy(held).to(device).unbind(0), (block + 1 - lo) * block_size, keys, None,
+        reads.append(KindRead(to_device(held, device).unbind(0), (block + 1 - lo) * block_size, keys, None,
                               False, kept.plan(kind.layers, held, None, device) if kept is not None else None))
     slots = written[:, None] * block_size + within  # (layers, 1)
     group = AttentionGroup(None, 1, 1, tuple(reads))
-    return AttentionMetadata(torch.from_numpy(slots).to(device).unbind(0), [group], kind_of, rank_of, position)
+    return AttentionMetadata(to_device(slots, device).unbind(0), [group], kind_of, rank_of, position)
 
 
 @functools.cache
@@ -143,7 +145,7 @@ def _group(steps: list[SeqStep], offsets: np.ndarray, kinds: tuple[LayerKind, ..
     index = np.concatenate([np.arange(o, o + s.num_new) for s, o in zip(steps, offsets, strict=True)])
     reads = tuple(_read(steps, k, kind, block_size, pattern, device, dtype, kept if q == 1 else None)
                   for k, kind in enumerate(kinds))
-    return AttentionGroup(None if whole else torch.from_numpy(index).to(device), len(steps), q, reads)
+    return AttentionGroup(None if whole else to_device(index, device), len(steps), q, reads)
 
 
 def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, pattern: AttentionPattern,
@@ -160,14 +162,14 @@ def _read(steps: list[SeqStep], k: int, kind: LayerKind, block_size: int, patter
         pages[:, i, held.shape[1] :] = held[:, -1:]  # padding: any page the sequence holds; masked
     rows = blocks * block_size
     per_layer = pages.reshape(len(kind.layers), -1)  # (layers, B * blocks)
-    flat = torch.from_numpy(per_layer).to(device).unbind(0)
+    flat = to_device(per_layer, device).unbind(0)
     if len(steps) > 1:  # decodes: a mask per sequence over its rows
         base = np.asarray(lo)[:, None] * block_size + np.arange(rows)[None]  # (B, rows) positions
         ends = np.asarray([s.start + 1 for s in steps])[:, None]
         valid = (base >= np.asarray(first_key)[:, None]) & (base < ends)
         read = np.arange(blocks)[None, :] < (np.asarray(hi) - np.asarray(lo))[:, None]  # (B, blocks): not padding
         plans = None if kept is None else kept.plan(kind.layers, per_layer, read.ravel(), device)
-        return KindRead(flat, rows, (0, rows), _additive(torch.from_numpy(valid[:, None, None]).to(device), dtype),
+        return KindRead(flat, rows, (0, rows), _additive(to_device(valid[:, None, None], device), dtype),
                         False, plans)
     s = steps[0]
     a, b = first_key[0] - lo[0] * block_size, s.start + s.num_new - lo[0] * block_size
@@ -195,7 +197,7 @@ def _chunk_mask(s: SeqStep, first_key: int, window: int | None, images: bool,
     allowed = k_pos <= q_pos
     if images:
         assert s.image_runs is not None
-        runs = torch.from_numpy(_runs_at(s.image_runs, first_key, s.start + s.num_new)).to(device)
+        runs = to_device(_runs_at(s.image_runs, first_key, s.start + s.num_new), device)
         q_runs = runs[s.start - first_key :][:, None]
         allowed = allowed | ((q_runs == runs[None, :]) & (q_runs >= 0))  # an image's tokens see each other
     if window is not None:
@@ -254,6 +256,10 @@ def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead,
     keys = _attended(gathered_keys, b, read.rows, lo, hi)  # (B, kv_heads, hi - lo, d)
     values = _attended(gathered_values, b, read.rows, lo, hi)
     gqa = n > 1 and kv_heads != heads
+    if gqa and (pattern.softcap is not None or (read.mask is not None and expands_masked_gqa(q.device))):
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)  # (1, heads, hi - lo, d)
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+        gqa = False
     # decodes: (B, kv_heads, heads per kv head, d), each kv head's query heads as its query rows;
     # one prefill chunk: (1, heads, Q, d)
     queries = q.reshape(b, kv_heads, heads // kv_heads, d) if n == 1 else q.transpose(0, 1)[None]
@@ -261,13 +267,21 @@ def _attend(q: torch.Tensor, kv: KVCache, group: AttentionGroup, read: KindRead,
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=read.mask, is_causal=read.causal,
                                              scale=pattern.scaling, enable_gqa=gqa)
     else:
-        if gqa:
-            keys = keys.repeat_interleave(heads // kv_heads, dim=1)
-            values = values.repeat_interleave(heads // kv_heads, dim=1)
         out = _softcapped_attention(queries, keys, values, read.mask, read.causal, pattern.scaling, pattern.softcap)
     if n == 1:
         return out.reshape(b, heads * d)
     return out[0].transpose(0, 1).reshape(n, heads * d)
+
+
+def expands_masked_gqa(device: torch.device) -> bool:
+    """Whether a masked prefill chunk's K/V heads are repeated to its query heads before SDPA on `device`.
+
+    NOTE: on CUDA no fused SDPA kernel takes both an attention mask and `enable_gqa` (flash attention takes
+    no mask, the memory-efficient kernel no GQA), so SDPA would fall back to its math kernel and hold the
+    whole score matrix; with the heads repeated, the memory-efficient kernel takes the chunk. The CPU's
+    flash kernel takes both. Decodes need neither: their query heads go in as rows of their kv head.
+    """
+    return device.type != "cpu"
 
 
 def _attended(gathered: torch.Tensor, b: int, rows: int, lo: int, hi: int) -> torch.Tensor:

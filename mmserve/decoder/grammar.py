@@ -8,6 +8,7 @@ decoder's step) nor sampling (sampler.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -26,7 +27,6 @@ from mmserve.messages import StructuredOutput
 log = logging.getLogger(__name__)
 
 PARALLEL_ROWS = 32  # constrained rows in a step from which their masks are computed on llguidance's pool
-_BITS = torch.arange(32, dtype=torch.int32)  # (32,): bit k of a mask word is token 32 * word + k
 
 
 class GrammarViolationError(RuntimeError):
@@ -167,5 +167,12 @@ def forbidden(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.
 
 def _forbidden_on(device: torch.device, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """`forbidden` unpacked by torch kernels on `device`."""
-    bits = (bitmask.to(device, non_blocking=True)[:, :, None] >> _BITS.to(device)) & 1  # (g, words, 32)
+    bits = (bitmask.to(device, non_blocking=True)[:, :, None] >> _bits_on(device)) & 1  # (g, words, 32)
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab] == 0
+
+
+@functools.cache
+def _bits_on(device: torch.device) -> torch.Tensor:
+    """(32,) int32 0..31 on `device`: bit k of a mask word is token 32 * word + k. NOTE: made once per device;
+    a copy per call would wait on the grammar thread for the forward queued on the device's stream."""
+    return torch.arange(32, dtype=torch.int32, device=device)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from mmserve.decoder.kv_cache import KVCache
+from mmserve.runtime.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class KeptGathers:
             return None
         sizes = [len(p[2]) for p in plans if p is not None]
         # NOTE: one host-to-device copy for the kind's layers: (positions | pages, each layer's to copy)
-        sent = torch.from_numpy(np.concatenate([np.stack(p[1:]) for p in plans if p is not None], axis=1)).to(device)
+        sent = to_device(np.concatenate([np.stack(p[1:]) for p in plans if p is not None], axis=1), device)
         parts = iter(sent.split(sizes, dim=1))
         refreshes: list[Refresh | None] = []
         for plan in plans:

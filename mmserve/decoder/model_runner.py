@@ -21,6 +21,7 @@ from mmserve.decoder.kv_blocks import LayerKind
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.sequence import Sequence
 from mmserve.models.base import ModelSpec, TextDecoder
+from mmserve.runtime.host_copy import ints_to_device, to_device
 from mmserve.runtime.step_threads import StepThreads
 from mmserve.runtime.weight_layout import WeightLayout
 
@@ -74,12 +75,12 @@ class ModelRunner:
         sample = [(seq, int(end)) for (seq, n), end in zip(scheduled, ends, strict=True)
                   if seq.num_computed_tokens + n == seq.num_tokens]
         # NOTE: every host-to-device copy of the step goes before the forward is queued
-        picked = torch.tensor([e for _, e in sample], device=self.device) if len(sample) < len(ids) else None
-        embeds = self.model.embed(torch.from_numpy(ids).to(self.device))  # (T, hidden)
+        picked = ints_to_device([e for _, e in sample], self.device) if len(sample) < len(ids) else None
+        embeds = self.model.embed(to_device(ids, self.device))  # (T, hidden)
         self._merge_images(embeds, scheduled, steps)
         meta = build_metadata(steps, self.kinds, self.kv.block_size, self.spec.attention, self.device,
                               self.kv.keys.dtype, self.kept)
-        hidden = self.model.forward(embeds, torch.from_numpy(positions).to(self.device), meta, self.kv)  # (T, hidden)
+        hidden = self.model.forward(embeds, to_device(positions, self.device), meta, self.kv)  # (T, hidden)
         if not sample:
             return StepLogits([], hidden.new_zeros((0, self.spec.vocab_size)))
         rows = hidden if picked is None else hidden.index_select(0, picked)
@@ -103,7 +104,7 @@ class ModelRunner:
                     rows.append(torch.as_tensor(seq.embeddings[f])[int(mine[0]) : int(mine[-1]) + 1])
             offset += s.num_new
         if rows:
-            gathered = torch.cat(rows).to(device=self.device, dtype=embeds.dtype)  # (n_image_tokens, hidden)
+            gathered = to_device(torch.cat(rows), self.device).to(embeds.dtype)  # (n_image_tokens, hidden)
             if gathered.shape[0] != int(mask.sum()):
                 raise RuntimeError(f"{int(mask.sum())} image positions in the step, {gathered.shape[0]} rows")
-            embeds.masked_scatter_(torch.from_numpy(mask).to(self.device)[:, None], gathered)
+            embeds.masked_scatter_(to_device(mask, self.device)[:, None], gathered)

@@ -12,13 +12,16 @@ frequency penalty subtracts `frequency_penalty` times a token's count in the out
 output tokens the end-of-sequence and stop token ids are masked.
 
 NOTE: a loop over the rows that ask (each a few vector ops on its own row), not one batched kernel.
+Nothing here reads a device value back.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mmserve.messages import SamplingParams
+from mmserve.runtime.host_copy import floats_to_device, ints_to_device, to_device
 
 
 def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
@@ -35,19 +38,28 @@ def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[
 
 def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: list[int],
             eos_token_ids: tuple[int, ...]) -> None:
-    """Adjust one (vocab,) row in place."""
+    """Adjust one (vocab,) row in place.
+
+    NOTE: which tokens and by how much is worked out on the host (numpy over the token lists) and sent in
+    non-blocking copies: on an accelerator, `unique`, `bincount` and indexing with a Python list each
+    wait for the device.
+    """
     vocab, device = row.shape[0], row.device
-    for token, bias in p.logit_bias:
-        if 0 <= token < vocab:
-            row[token] += bias
-    out = torch.tensor(output, dtype=torch.int64, device=device)  # (t,)
+    bias = [(token, value) for token, value in p.logit_bias if 0 <= token < vocab]
+    if bias:
+        row.index_add_(0, ints_to_device([t for t, _ in bias], device), floats_to_device([v for _, v in bias], device))
     if p.repetition_penalty != 1.0:
-        seen = torch.unique(torch.cat([torch.tensor(prompt, dtype=torch.int64, device=device), out]))  # (u,)
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        seen = np.unique(np.asarray([*prompt, *output], dtype=np.int64))  # (u,)
+        index = to_device(seen[(seen >= 0) & (seen < vocab)], device)
+        values = row[index]
+        row.index_copy_(0, index, torch.where(values > 0, values / p.repetition_penalty,
+                                              values * p.repetition_penalty))
     if (p.frequency_penalty or p.presence_penalty) and len(output):
-        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # (vocab,)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        ids, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)  # (u,) each
+        kept = (ids >= 0) & (ids < vocab)
+        # NOTE: float32, as the whole-row form computed it: frequency times count, plus presence once
+        cost = np.float32(p.frequency_penalty) * counts[kept].astype(np.float32) + np.float32(p.presence_penalty)
+        row.index_add_(0, to_device(ids[kept], device), to_device(-cost, device).to(row.dtype))
     if len(output) < p.min_tokens:
         ends = [t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-        row[ends] = float("-inf")
+        row.index_fill_(0, ints_to_device(ends, device), float("-inf"))

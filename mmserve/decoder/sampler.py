@@ -24,6 +24,7 @@ import torch
 
 from mmserve.decoder.penalties import penalized
 from mmserve.messages import SamplingParams
+from mmserve.runtime.host_copy import floats_to_device, ints_to_device, to_device
 
 CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort only if its nucleus is wider
 
@@ -75,12 +76,17 @@ class Sampler:
                 raise ValueError("penalties need each row's output and prompt token ids")
             logits = penalized(logits, params, outputs, prompts, self._eos)
         never = self._never_on(logits.device)  # (k,)
-        tokens = argmax(logits)  # (n,): each row's pick before any filtering; the rows below replace theirs
+        on_host = _numpy_can(logits)
+        # NOTE: off the host the never-sampled tokens are filtered out before the pick, in a (n, V) copy on the
+        # device: fixing the picks after it (`_avoiding_never`) would read them back, a second host sync
+        # (n,): each row's pick; the drawn and the masked rows below replace theirs
+        tokens = argmax(logits if on_host or not len(never) else logits.index_fill(1, never, float("-inf")))
         dead = None
         if forbidden is not None:
             logits, dead = self._masked(logits, tokens, params, forbidden)
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        tokens = self._avoiding_never(logits, tokens, never, (rows, forbidden.rows if forbidden else ()))
+        if on_host:
+            tokens = self._avoiding_never(logits, tokens, never, (rows, forbidden.rows if forbidden else ()))
         if rows:
             self._draw(logits, tokens, rows, params, generators, never)
         return _dead_as_minus_one(tokens, dead)
@@ -98,7 +104,7 @@ class Sampler:
 
         NOTE: a model almost never prefers such a token (Gemma 3's image placeholder), so the rows are fixed
         after the pick rather than filtered before it: no (n, V) copy of the logits on the common path.
-        `tolist` waits for an accelerator's picks, which the step reads right after anyway.
+        On the host only: `tolist` would wait for an accelerator's picks.
         """
         if not self._never_ids:
             return tokens
@@ -106,30 +112,31 @@ class Sampler:
         hit = [i for i in hit if not any(i in rows for rows in skip)]
         if not hit:
             return tokens
-        index = torch.tensor(hit, device=tokens.device)  # (h,)
+        index = torch.tensor(hit)  # (h,), on the host as the logits are
         return tokens.index_copy(0, index, argmax(logits[index].index_fill_(1, never, float("-inf"))))
 
     @staticmethod
     def _draw(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list[SamplingParams],
               generators: list[torch.Generator | None], never: torch.Tensor) -> None:
         """Draw the tokens of the sampled `rows` into `tokens`, never a never-sampled one."""
-        u = _uniforms([generators[i] for i in rows]).to(logits.device)  # (m,): one draw per sampled row
-        vocab = logits.shape[-1]
+        u = _uniforms([generators[i] for i in rows])  # (m,) on the host: one draw per sampled row
+        vocab, device = logits.shape[-1], logits.device
         full = [j for j, i in enumerate(rows) if not _truncates(params[i], vocab)]
         cut = [j for j, i in enumerate(rows) if _truncates(params[i], vocab)]
         for group, draw in ((full, _draw_full), (cut, _draw_truncated)):
             if group:
-                index = torch.tensor([rows[j] for j in group], device=logits.device)  # (g,)
-                scaled = logits[index] / _temperatures([params[rows[j]] for j in group], logits.device)  # (g, V)
+                index = ints_to_device([rows[j] for j in group], device)  # (g,)
+                scaled = logits[index] / _temperatures([params[rows[j]] for j in group], device)  # (g, V)
                 if len(never):
                     scaled.index_fill_(1, never, float("-inf"))
-                tokens[index] = draw(scaled, [params[rows[j]] for j in group], u[group])
+                drawn = draw(scaled, [params[rows[j]] for j in group], to_device(u[group], device))  # (g,)
+                tokens.index_copy_(0, index, drawn)
 
     @staticmethod
     def _masked(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
-                masks: RowMasks) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply `masks` -> (logits for the draws, (d,) rows left no token); `tokens` gets the masked rows'
-        greedy picks.
+                masks: RowMasks) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Apply `masks` -> (logits for the draws, (n,) bool: the rows left no token, or None where the host
+        knows there are none); `tokens` gets the masked rows' greedy picks.
 
         NOTE: only the masked rows are touched (a 262k vocabulary makes each pass over a row cost), and the
         logits are copied with them only when one of them draws: a greedy row needs only its masked max.
@@ -141,14 +148,14 @@ class Sampler:
 
 
 def masked_by_torch(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
-                    greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`Sampler._masked` in torch kernels, for logits on any device."""
-    rows = torch.tensor(masks.rows, device=logits.device)  # (g,)
+                    greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`Sampler._masked` in torch kernels, for logits on any device; nothing read back."""
+    rows = ints_to_device(masks.rows, logits.device)  # (g,)
     sub = logits.index_select(0, rows).masked_fill_(masks.forbid, float("-inf"))  # (g, V)
     best, picks = sub.max(dim=-1)  # (g,) each: NOTE: the first of tied maxima, as argmax
     tokens.index_copy_(0, rows, picks)
     left_none = best == float("-inf")  # (g,)
-    dead = rows[left_none]  # (d,)
+    dead = torch.zeros_like(tokens, dtype=torch.bool).index_copy_(0, rows, left_none)  # (n,)
     if greedy:
         return logits, dead
     sub.masked_fill_(left_none[:, None], 0.0)  # NOTE: so that the draws stay defined
@@ -156,7 +163,7 @@ def masked_by_torch(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
 
 
 def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
-                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`Sampler._masked` for float32 CPU logits, in numpy: the same results in a few µs of calls where torch's
     dispatch takes tens (a step's sampler runs once per token). `tokens` must be writable in place."""
     rows = np.asarray(masks.rows, dtype=np.int64)  # (g,)
@@ -167,18 +174,19 @@ def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
         if not forbid[np.arange(len(rows)), picks].any() and (values[rows, picks] > -np.inf).all():
             # NOTE: each row's first maximum is allowed (and finite), so it is also the first maximum of its allowed
             # tokens: the usual case for a trained model following its grammar, and no (g, V) pass is needed
-            return logits, torch.from_numpy(rows[:0])  # (0,): no row left without a token
+            return logits, None  # no row left without a token
     sub = np.where(forbid, np.float32(-np.inf), values[rows])  # (g, V) float32
     picks = sub.argmax(axis=-1).astype(np.int64, copy=False)  # (g,): the first of tied maxima, as torch's
     tokens.numpy()[rows] = picks
     left_none = sub[np.arange(len(rows)), picks] == -np.inf  # (g,)
-    dead = torch.from_numpy(rows[left_none])  # (d,)
+    dead = np.zeros(len(values), dtype=bool)  # (n,)
+    dead[rows[left_none]] = True
     if greedy:
-        return logits, dead
+        return logits, torch.from_numpy(dead)
     sub[left_none] = 0.0  # NOTE: so that the draws stay defined
     drawn = logits.detach().clone()  # (n, V): the caller's logits stay as they were
     drawn.numpy()[rows] = sub
-    return drawn, dead
+    return drawn, torch.from_numpy(dead)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -203,7 +211,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tupl
 
 
 def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
-                    candidates: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+                    candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, V) temperature-scaled logits -> ((g, K) probabilities after top-k then top-p, (g, K) ids).
 
     The probabilities are renormalised over the kept tokens.
@@ -214,8 +222,10 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
     or CANDIDATES, widened to the whole vocabulary only when some row's nucleus is wider than that.
     """
     vocab, device = scaled.shape[-1], scaled.device
-    top_k = torch.tensor([_top_k(p, vocab) or vocab for p in params], device=device)  # (g,)
-    top_p = torch.tensor([p.top_p for p in params], device=device)  # (g,)
+    if candidates is None:  # NOTE: off the CPU a full sort is cheap, and the widening check would read back
+        candidates = CANDIDATES if device.type == "cpu" else vocab
+    top_k = ints_to_device([_top_k(p, vocab) or vocab for p in params], device)  # (g,)
+    top_p = floats_to_device([p.top_p for p in params], device)  # (g,)
     k = min(vocab, max(candidates, *(_top_k(p, vocab) for p in params)))
     if k < vocab:
         values, order = scaled.topk(k, dim=-1)  # (g, K) each, sorted
@@ -223,7 +233,7 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
         values, order = scaled.sort(dim=-1, descending=True)  # (g, V) each
     in_k = torch.arange(k, device=device)[None, :] < top_k[:, None]  # (g, K)
     lse = values.masked_fill(~in_k, float("-inf")).logsumexp(dim=-1)  # (g,): top-k rows' normaliser
-    if bool((top_k == vocab).any()):  # top-p-only rows normalise over the whole vocabulary
+    if any(not _top_k(p, vocab) for p in params):  # top-p-only rows normalise over the whole vocabulary
         lse = torch.where(top_k == vocab, scaled.logsumexp(dim=-1), lse)
     probs = (values - lse[:, None]).exp().masked_fill(~in_k, 0.0)  # (g, K)
     if k < vocab and bool((probs.sum(dim=-1) < top_p).any()):
@@ -261,8 +271,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _dead_as_minus_one(tokens: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
-    """(n,) tokens with the rows in `dead` (d,) set to -1, in place."""
-    return tokens if dead is None or not len(dead) else tokens.index_fill_(0, dead, -1)
+    """(n,) tokens with the rows where `dead` (n,) bool is True set to -1, in place."""
+    return tokens if dead is None else tokens.masked_fill_(dead, -1)
 
 
 def _top_k(p: SamplingParams, vocab: int) -> int:
@@ -276,7 +286,7 @@ def _truncates(p: SamplingParams, vocab: int) -> bool:
 
 def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
     """(g, 1) temperatures; NOTE: greedy rows never get here, the floor only guards tiny values."""
-    return torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)[:, None]
+    return floats_to_device([max(p.temperature, 1e-5) for p in params], device)[:, None]
 
 
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from mmserve.decoder.sampler import token_logprobs
 from mmserve.messages import SamplingParams, TokenLogprob
+from mmserve.runtime.host_copy import ints_to_device
 
 
 def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, tokens: list[int], sampling: Sequence[SamplingParams],
@@ -24,7 +25,7 @@ def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, tokens: list[int]
     if not rows:
         return {}
     top = max(sampling[i].logprobs or 0 for i in rows)
-    index = torch.tensor(rows, device=logits.device)  # (r,)
+    index = ints_to_device(rows, logits.device)  # (r,)
     chosen, best, best_ids = (t.tolist() for t in token_logprobs(logits[index], sampled[index], top))
     out = {}
     for j, i in enumerate(rows):

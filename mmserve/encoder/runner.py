@@ -16,6 +16,7 @@ import torch
 
 from mmserve.messages import ProcessedItem
 from mmserve.models.base import VisionEncoder  # (n_images, 3, H, W) -> (n_images, mm_tokens, hidden)
+from mmserve.runtime.host_copy import to_device
 from mmserve.runtime.passing_thread import in_passing_thread
 from mmserve.runtime.step_threads import StepThreads
 
@@ -90,7 +91,7 @@ class EncoderRunner:
         # the Ray object store) never reach torch.from_numpy, which warns on them.
         batch = torch.from_numpy(np.stack(crops))  # (n, 3, H, W) uint8, host
         # NOTE: moved as uint8 (a quarter of float32's bytes); the vision callable normalizes and casts.
-        out = self.encode_images(batch.to(self.device))  # (n, mm_tokens, hidden)
+        out = self.encode_images(to_device(batch, self.device))  # (n, mm_tokens, hidden)
         if out.dim() != 3 or out.shape[0] != len(crops):
             raise RuntimeError(
                 f"vision callable returned shape {tuple(out.shape)} for {len(crops)} images; "

@@ -5,10 +5,12 @@ causal / image / window mask."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
 from mmserve.config import DecoderConfig
+from mmserve.decoder import attention
 from mmserve.decoder.attention import SeqStep, build_metadata, paged_attention
 from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.kv_blocks import KVBlockManager
@@ -56,7 +58,10 @@ def test_decodes_share_one_group_and_each_prefill_chunk_has_its_own() -> None:
     assert decodes is not None and ((decodes == 0).sum(dim=-1).flatten().tolist() == [7, 4, 10])
 
 
-def test_grouped_attention_equals_each_sequence_alone() -> None:
+@pytest.mark.parametrize("expanded", [False, True], ids=["enable_gqa", "repeated_heads"])
+def test_grouped_attention_equals_each_sequence_alone(expanded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: `repeated_heads` is an accelerator's form of a masked GQA chunk (`expands_masked_gqa`), run here
+    monkeypatch.setattr(attention, "expands_masked_gqa", lambda device: expanded)
     gen = torch.Generator().manual_seed(0)
     kv, manager = _cache()
     steps, history = [], []

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import mmserve.decoder.sampler as sampler_module
 from mmserve.decoder.sampler import (
     CANDIDATES,
     RowMasks,
@@ -193,7 +194,7 @@ def test_masks_in_numpy_give_what_torchs_kernels_give(greedy: bool) -> None:
         drawn, dead = way(x, tokens, masks, greedy)
         results.append((tokens, drawn, dead))
     (t_np, d_np, dead_np), (t_torch, d_torch, dead_torch) = results
-    assert torch.equal(t_np, t_torch) and torch.equal(dead_np, dead_torch) and dead_np.tolist() == [3]
+    assert torch.equal(t_np, t_torch) and dead_rows(dead_np) == dead_rows(dead_torch) == [3]
     assert torch.equal(d_np, d_torch)
     allowed = ~forbid[[0, 1, 3]]
     assert all(bool(allowed[j, t_np[i]]) for j, i in enumerate((0, 2, 5)))  # picks obey their masks
@@ -211,14 +212,14 @@ def test_greedy_rows_whose_favourites_their_masks_allow_keep_them_without_a_pass
     masks = RowMasks((0, 2, 5), forbid)
     tokens = argmax(x)
     _, dead = masked_by_torch(x, tokens, masks, True)  # the masks applied
-    assert tokens[[0, 2, 5]].tolist() == favourites.tolist() and dead.tolist() == []
+    assert tokens[[0, 2, 5]].tolist() == favourites.tolist() and dead_rows(dead) == []
 
     def no_pass(*args: object) -> None:
         raise AssertionError("a (g, V) pass over the masks")
     monkeypatch.setattr(np, "where", no_pass)
     fast = argmax(x)
     drawn, dead = masked_on_cpu(x, fast, masks, True)
-    assert torch.equal(fast, tokens) and dead.tolist() == [] and drawn is x
+    assert torch.equal(fast, tokens) and dead is None and drawn is x
 
 
 def test_a_row_with_no_finite_logit_is_left_without_a_token_whatever_its_mask_allows() -> None:
@@ -227,4 +228,36 @@ def test_a_row_with_no_finite_logit_is_left_without_a_token_whatever_its_mask_al
     masks = RowMasks((0, 1), torch.zeros(2, VOCAB, dtype=torch.bool))  # the grammars allow everything
     for way in (masked_on_cpu, masked_by_torch):
         _, dead = way(x, argmax(x), masks, True)
-        assert dead.tolist() == [1]
+        assert dead_rows(dead) == [1]
+
+
+def dead_rows(dead: torch.Tensor | None) -> list[int]:
+    """The rows an (n,) bool `dead` marks (None: none)."""
+    return [] if dead is None else dead.nonzero().flatten().tolist()
+
+
+def test_the_accelerators_path_samples_what_the_hosts_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch-only path (any device but a CPU's float32) on the CPU: never-sampled tokens filtered before the
+    pick, masks by torch kernels, dead rows as a mask, draws and penalties from host-built indices."""
+    x = tied(8)
+    banned = (int(x[0].argmax()), int(x[4].argmax()))  # row 0's and row 4's favourites
+    forbid = torch.rand(3, VOCAB, generator=torch.Generator().manual_seed(4)) < 0.6  # (3, V)
+    forbid[:, list(banned)] = True  # RowMasks forbid the never-sampled tokens themselves
+    forbid[1] = True  # batch row 2: its grammar leaves it no token
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5, logit_bias=((7, 2.0),)),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, min_tokens=4),
+              SamplingParams(temperature=1.0, presence_penalty=1.0)]
+    outputs, prompts = [[1, 2, 2, 9]] * 8, [[3, 7]] * 8
+
+    def sample() -> torch.Tensor:
+        gens = [make_generator(100 + i) for i in range(8)]
+        return Sampler(banned, eos_token_ids=(1,)).sample(x, params, gens, outputs, prompts,
+                                                         RowMasks((1, 2, 5), forbid))
+
+    on_host = sample()
+    monkeypatch.setattr(sampler_module, "_numpy_can", lambda logits: False)
+    off_host = sample()
+    assert torch.equal(on_host, off_host), (on_host, off_host)
+    assert on_host[2] == -1 and not set(on_host.tolist()) & set(banned)
