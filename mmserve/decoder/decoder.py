@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmserve.config import DecoderConfig
@@ -30,6 +31,7 @@ from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
 from mmserve.decoder.step_logprobs import step_logprobs
 from mmserve.decoder.thread_calibration import calibrate_threads
+from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
 from mmserve.runtime.step_threads import StepThreads
@@ -107,8 +109,9 @@ class Decoder:
 
     def add(self, request: DecodeRequest, matcher: Any = None) -> None:
         """Queue a request; raises CapacityError if it can never be scheduled, InvalidGrammarError if its
-        structured output does not compile. `matcher`: its grammar's matcher, made off the step thread
-        (`grammars.matcher`); made here when None."""
+        structured output does not compile, InvalidRequestError if a prompt token id is not in the vocabulary.
+        `matcher`: its grammar's matcher, made off the step thread (`grammars.matcher`); made here when None."""
+        _check_ids(request.prompt_token_ids, self.spec.vocab_size)
         images = PromptImages.of(request.prompt_token_ids, request.features, self.spec.image_token_id) \
             if request.features else None
         seq = Sequence(
@@ -288,3 +291,15 @@ class Decoder:
             cached_blocks=s.cached_blocks, prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
             allocated_blocks=self.pool.allocated,
         )
+
+
+def _check_ids(prompt: list[int], vocab: int) -> None:
+    """Refuse a prompt whose token ids are not all in [0, vocab).
+
+    NOTE: here, not in the step: on an accelerator an id past the embedding table is a device-side assert,
+    which ends the process's CUDA context instead of raising in the step that could fail it alone.
+    """
+    ids = np.asarray(prompt, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+        raise InvalidRequestError(f"prompt token id {bad} is not in the model's vocabulary (0 to {vocab - 1})")

@@ -9,6 +9,7 @@ Does not own: prompt placeholder expansion (`gemma3_prompt.py`), batching or cac
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +109,27 @@ class Gemma3Family:
     def load_text(self) -> Gemma3PagedText:
         hf = self._load()
         device = torch.device(self.engine_config.device)
-        language_model, lm_head = hf.model.language_model.to(device), hf.lm_head.to(device)
-        text = Gemma3PagedText(language_model, lm_head, self.spec.attention)
-        # NOTE: the paged model holds its own stacked q/k/v and gate/up weights: drop transformers' layers
-        # now, not at release_unused(), so the KV cache allocated next is not beside a second copy
-        language_model.layers = torch.nn.ModuleList()
-        return text
+        language_model = hf.model.language_model
+        for name, part in language_model.named_children():
+            if name != "layers":
+                part.to(device)
+        hf.lm_head.to(device)  # NOTE: tied to the embeddings: moved in place, it stays the same parameter
+        return Gemma3PagedText(language_model, hf.lm_head, self.spec.attention,
+                               layers=one_at_a_time(language_model.layers, device))
 
     def release_unused(self) -> None:
         """Drop the reference to the whole HF model; parts handed out stay alive."""
         self._hf_model = None
+
+
+def one_at_a_time(layers: torch.nn.ModuleList, device: torch.device) -> Iterator[Any]:
+    """Each of transformers' decoder `layers` moved to `device` as it is asked for, and dropped from the list
+    when the next one is.
+
+    NOTE: the paged model stacks each layer's q/k/v and gate/up weights into copies of its own: so a loaded
+    model holds one layer of transformers' beside the paged ones at any time, not a second copy of them
+    all (~1.8x the text weights on the device at the peak), and the KV cache allocated next has that room.
+    """
+    for i in range(len(layers)):
+        yield layers[i].to(device)
+        layers[i] = torch.nn.Identity()

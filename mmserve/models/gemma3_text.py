@@ -9,6 +9,7 @@ RMSNorm gains stored as (1 + w), q and k normed and rotated as one tensor. Only 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,9 +66,10 @@ _PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's product weights, in ste
 
 
 class Gemma3PagedText:
-    """Gemma 3's text model over the paged cache; built on the device its HF modules are on."""
+    """Gemma 3's text model over the paged cache; built on the device its HF modules are on. `layers`: the
+    decoder layers to read, in order (default: `text_model.layers`; the loader hands them on one at a time)."""
 
-    def __init__(self, text_model: Any, lm_head: Any, pattern: AttentionPattern):
+    def __init__(self, text_model: Any, lm_head: Any, pattern: AttentionPattern, layers: Iterable[Any] | None = None):
         cfg = text_model.config
         self.pattern = pattern
         self.matmul = MatmulForms()  # x @ w.T in the form measured fastest here (F.linear until measured)
@@ -80,8 +82,8 @@ class Gemma3PagedText:
         self._embed_scale = self.embed_tokens.embed_scale.to(self._embedding.dtype)  # () as its forward casts it
         self.lm_head = lm_head.weight.detach()  # (vocab, hidden), tied to the embeddings
         self.final_norm = RMSNorm(_gain(text_model.norm), eps)
-        self.layers = [_layer_weights(layer, kind, self.heads, self.kv_heads, eps)
-                       for layer, kind in zip(text_model.layers, pattern.layer_kinds, strict=True)]
+        self.layers = [_layer_weights(layer, kind, self.heads, self.kv_heads, eps) for layer, kind in
+                       zip(text_model.layers if layers is None else layers, pattern.layer_kinds, strict=True)]
         weight = self.lm_head
         rotary = text_model.rotary_emb
 

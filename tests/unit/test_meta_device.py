@@ -1,0 +1,81 @@
+"""The engine's device code on PyTorch's `meta` device: a tensor made on the host and mixed into a step's device
+work raises there as it would on CUDA ("Expected all tensors to be on the same device"), so these CPU-only
+tests catch what would break the first accelerator run. Meta tensors hold no data: nothing is read back,
+so the steps stop at the logits (sampling reads tokens back) and the vision tower's output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.decoder.decoder import Decoder
+from mmserve.encoder.runner import EncoderRunner
+from mmserve.errors import InvalidRequestError
+from mmserve.messages import DecodeRequest, MultiModalFeatureSpec, PlaceholderRange, ProcessedItem, SamplingParams
+from mmserve.stages import StageFactory
+
+META = torch.device("meta")
+
+
+@pytest.fixture(scope="module")
+def meta_stages(tiny_ckpt_224: Path) -> tuple[Decoder, EncoderRunner]:
+    """The Decoder and the vision encoder's runner, built on the meta device as the engine builds them."""
+    stages = StageFactory(EngineConfig(model=str(tiny_ckpt_224), device="meta"))
+    return stages.decoder().decoder, stages.encoder().stage.runner
+
+
+def test_decoder_steps_prefill_image_chunks_and_decodes_on_the_device(meta_stages: tuple[Decoder, EncoderRunner]
+                                                                       ) -> None:
+    decoder, _ = meta_stages
+    spec = decoder.spec
+    assert decoder.kv.keys.device == META and decoder.runner.layout is None  # the CPU's calibrations skipped
+    rows = 16  # the 224-px checkpoint's image rows
+    prompt = [2, 5, 6, *[spec.image_token_id] * rows, 7, 8, *range(9, 60)]
+    image = MultiModalFeatureSpec("img", "image", PlaceholderRange(3, rows), rows)
+    embeddings = np.zeros((rows, spec.hidden_size), dtype=np.float32)  # as they arrive from the object store
+    decoder.add(DecodeRequest("with-image", prompt, [image], [embeddings], SamplingParams(max_tokens=4)))
+    decoder.add(DecodeRequest("text", list(range(2, 40)), [], [], SamplingParams(max_tokens=4)))
+    decoder.add(DecodeRequest("short", [2, 3, 4], [], [], SamplingParams(max_tokens=4)))
+    shapes = []
+    for _ in range(4):  # prefill chunks (an image's bidirectional mask among them), then decodes together
+        plan = decoder.scheduler.schedule()
+        scheduled = [(s.seq, s.num_new_tokens) for s in plan.scheduled]
+        out = decoder.runner.execute(scheduled)
+        assert out.logits.device == META and out.logits.shape == (len(out.seqs), spec.vocab_size)
+        shapes.append(tuple(n for _, n in scheduled))
+        decoder.scheduler.update(plan, {seq.request_id: 7 for seq in out.seqs})
+    assert shapes[0][0] == len(prompt) and shapes[-1] == (1, 1, 1), shapes
+
+
+def test_a_sliding_layer_far_into_a_sequence_on_the_device(meta_stages: tuple[Decoder, EncoderRunner]) -> None:
+    decoder, _ = meta_stages
+    window = decoder.spec.attention.sliding_window
+    assert window is not None
+    decoder.add(DecodeRequest("long", list(range(2, 2 + 2 * window + 3)), [], [], SamplingParams(max_tokens=8)))
+    for _ in range(6):
+        plan = decoder.scheduler.schedule()
+        out = decoder.runner.execute([(s.seq, s.num_new_tokens) for s in plan.scheduled])
+        assert out.logits.device == META
+        decoder.scheduler.update(plan, {seq.request_id: 7 for seq in out.seqs})
+
+
+def test_the_vision_tower_runs_on_the_device(meta_stages: tuple[Decoder, EncoderRunner]) -> None:
+    decoder, runner = meta_stages
+    pixels = np.zeros((2, 3, 224, 224), dtype=np.uint8)  # an image and one crop, resized, as Preprocess hands them on
+    (out,) = runner.embed_multimodal([ProcessedItem(pixels)])
+    assert out.device == META and out.shape == (2 * 16, decoder.spec.hidden_size)
+
+
+def test_a_prompt_id_past_the_vocabulary_is_refused_before_any_step(meta_stages: tuple[Decoder, EncoderRunner]) -> None:
+    # NOTE: on an accelerator such an id in a step would be a device-side assert that ends the CUDA context
+    decoder, _ = meta_stages
+    vocab = decoder.spec.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(InvalidRequestError, match=f"prompt token id {bad} is not in the model's vocabulary"):
+            decoder.add(DecodeRequest(f"bad{bad}", [2, 3, bad, 4], [], [], SamplingParams(max_tokens=2)))
+    assert f"bad{vocab}" not in decoder.request_ids()
