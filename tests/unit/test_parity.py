@@ -24,6 +24,7 @@ from mmserve.messages import ChatRequest, SamplingParams
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.runtime import matmul_forms
 from mmserve.runtime.matmul_forms import LINEAR, ONEDNN, PackedLinear, onednn_packing_available
+from tests.device import TEST_DEVICE
 
 # Max |ours - reference| over the vocab, every step. NOTE: two implementations with their own kernels and
 # summation orders through every layer; logits are O(1..10), so this is ~1000 float32 ulps of the largest,
@@ -96,12 +97,12 @@ class Recorder:
 
     def __call__(self, ids: list[str], logits: torch.Tensor) -> None:
         for i, rid in enumerate(ids):
-            self.logits.setdefault(rid, []).append(logits[i].clone())
+            self.logits.setdefault(rid, []).append(logits[i].float().cpu().clone())  # beside the CPU oracle's
 
 
 def make_engine(model_dir, **scheduler) -> tuple[Engine, Recorder]:
     rec = Recorder()
-    config = EngineConfig(model=str(model_dir), decoder=DecoderConfig(**scheduler))
+    config = EngineConfig(model=str(model_dir), device=TEST_DEVICE, decoder=DecoderConfig(**scheduler))
     return Engine(config, on_logits=rec), rec
 
 

@@ -13,6 +13,7 @@ import torch
 from mmserve.config import DecoderConfig, EngineConfig
 from mmserve.engine import Completion, Engine
 from mmserve.messages import ChatRequest, SamplingParams
+from tests.device import TEST_DEVICE
 from tests.unit.test_parity import LOGITS_ATOL, LONG_TEXT, Recorder, data_url, make_image
 
 MAX_TOKENS = 8
@@ -69,7 +70,8 @@ def reference(oracle: tuple[Any, Any, Any], messages: list[dict[str, Any]], imag
 
 def engine_for(oracle: tuple[Any, Any, Any], **decoder: Any) -> tuple[Engine, Recorder]:
     rec = Recorder()
-    return Engine(EngineConfig(model=str(oracle[0]), decoder=DecoderConfig(**decoder)), on_logits=rec), rec
+    config = EngineConfig(model=str(oracle[0]), device=TEST_DEVICE, decoder=DecoderConfig(**decoder))
+    return Engine(config, on_logits=rec), rec
 
 
 def run(engine: Engine, rid: str, messages: list[dict[str, Any]], mm_kwargs: dict[str, Any] | None = None,
