@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmserve.runtime.host_copy import floats_to_device
+
 # What the preprocess stage passes to the HF image processor so it returns resized uint8 pixels.
 DEFER_TO_ENCODER: dict[str, bool] = {"do_rescale": False, "do_normalize": False}
 
@@ -52,8 +54,9 @@ class PixelNormalization:
         scale = 1.0 if self.rescale_factor is None else self.rescale_factor
         if self.mean is None or self.std is None:
             return x.mul_(scale)
-        mean = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1) * (1.0 / scale)  # (1, C, 1, 1)
-        std = torch.tensor(self.std, device=x.device).view(1, -1, 1, 1) * (1.0 / scale)
+        # NOTE: non-blocking copies: a blocking one waits for the device's queue before the forward is queued
+        mean = floats_to_device(self.mean, x.device).view(1, -1, 1, 1) * (1.0 / scale)  # (1, C, 1, 1)
+        std = floats_to_device(self.std, x.device).view(1, -1, 1, 1) * (1.0 / scale)
         return x.sub_(mean).div_(std)
 
 
