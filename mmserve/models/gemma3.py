@@ -126,9 +126,10 @@ def one_at_a_time(layers: torch.nn.ModuleList, device: torch.device) -> Iterator
     """Each of transformers' decoder `layers` moved to `device` as it is asked for, and dropped from the list
     when the next one is.
 
-    NOTE: the paged model stacks each layer's q/k/v and gate/up weights into copies of its own: so a loaded
-    model holds one layer of transformers' beside the paged ones at any time, not a second copy of them
-    all (~1.8x the text weights on the device at the peak), and the KV cache allocated next has that room.
+    NOTE: the paged model stacks each layer's q/k/v and gate/up weights into copies of its own: so loading
+    holds at most two of transformers' layers on the device beside the paged ones (the one being re-laid and
+    the next, moved while the caller still holds the last), not a second copy of them all (~1.8x the text
+    weights at the peak), and the KV cache allocated next has that room.
     """
     for i in range(len(layers)):
         yield layers[i].to(device)

@@ -14,6 +14,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import Decoder
+from mmserve.decoder.sampler import RowMasks, Sampler, make_generator
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, MultiModalFeatureSpec, PlaceholderRange, ProcessedItem, SamplingParams
@@ -78,4 +79,18 @@ def test_a_prompt_id_past_the_vocabulary_is_refused_before_any_step(meta_stages:
     for bad in (vocab, -1):
         with pytest.raises(InvalidRequestError, match=f"prompt token id {bad} is not in the model's vocabulary"):
             decoder.add(DecodeRequest(f"bad{bad}", [2, 3, bad, 4], [], [], SamplingParams(max_tokens=2)))
-    assert f"bad{vocab}" not in decoder.request_ids()
+    assert not {f"bad{vocab}", "bad-1"} & set(decoder.request_ids())
+
+
+def test_the_sampler_with_penalties_masks_and_draws_stays_on_the_device() -> None:
+    """Off the CPU the sampler reads nothing back, so it runs on meta logits whole (test_sampler.py holds its
+    results equal to the CPU's)."""
+    vocab, n = 50, 4
+    logits = torch.empty(n, vocab, device=META)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias=((3, 1.0),)),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=1, frequency_penalty=0.5, min_tokens=5),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5, presence_penalty=1.0)]
+    masks = RowMasks((0, 2), torch.zeros(2, vocab, dtype=torch.bool, device=META))
+    tokens = Sampler((7,), eos_token_ids=(1,)).sample(
+        logits, params, [make_generator(p.seed) for p in params], [[4, 4, 9]] * n, [[2, 3]] * n, masks)
+    assert tokens.device == META and tokens.shape == (n,) and tokens.dtype == torch.int64
