@@ -30,7 +30,7 @@ from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
 from mmserve.decoder.step_logprobs import step_logprobs
-from mmserve.decoder.thread_calibration import calibrate_threads
+from mmserve.decoder.thread_calibration import calibrate_threads, warm_up
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
@@ -104,6 +104,8 @@ class Decoder:
             model.pack_weights()
         if self.runner.threads.needs_calibration:
             calibrate_threads(self.runner, self.scheduler, self.spec.eos_token_ids[0])
+        elif device.type == "cuda":  # NOTE: its kernels loaded now, not on the first request
+            warm_up(self.runner, self.scheduler, self.spec.eos_token_ids[0], self.sampler)
         if config.choose_weight_layout_while_serving:  # NOTE: after the threads' timing, whose steps serve no one
             self.runner.layout = weight_layout(model.matmul, len(model.linear_weights()), model.relayout_weight)
 

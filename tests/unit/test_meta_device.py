@@ -7,6 +7,7 @@ so the steps stop at the logits (sampling reads tokens back) and the vision towe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import Decoder
 from mmserve.decoder.sampler import RowMasks, Sampler, make_generator
+from mmserve.decoder.thread_calibration import warm_up
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, MultiModalFeatureSpec, PlaceholderRange, ProcessedItem, SamplingParams
@@ -94,3 +96,24 @@ def test_the_sampler_with_penalties_masks_and_draws_stays_on_the_device() -> Non
     tokens = Sampler((7,), eos_token_ids=(1,)).sample(
         logits, params, [make_generator(p.seed) for p in params], [[4, 4, 9]] * n, [[2, 3]] * n, masks)
     assert tokens.device == META and tokens.shape == (n,) and tokens.dtype == torch.int64
+
+
+def test_the_accelerators_warm_up_leaves_the_decoder_as_it_found_it(tiny_ckpt_224: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`warm_up` (run at start on CUDA) on a CPU Decoder: it runs and samples a prefill and a decode, and leaves
+    no request, no page held and nothing in the prefix cache."""
+    decoder = StageFactory(EngineConfig(model=str(tiny_ckpt_224))).decoder().decoder
+    sampled: list[list[int]] = []
+    real = decoder.sampler.sample
+
+    def counted(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        sampled.append(list(logits.shape))
+        return real(logits, *args, **kwargs)
+
+    monkeypatch.setattr(decoder.sampler, "sample", counted)
+    before = decoder.stats()
+    warm_up(decoder.runner, decoder.scheduler, decoder.spec.eos_token_ids[0], decoder.sampler)
+    after = decoder.stats()
+    assert sampled == [[2, decoder.spec.vocab_size]] * 2  # a prefill chunk's logits, then a decode's
+    assert after.free_blocks == after.total_blocks == before.total_blocks and after.cached_blocks == 0
+    assert not decoder.request_ids() and not decoder.has_unfinished()
