@@ -54,6 +54,8 @@ class StageFactory:
     def encoder(self, resolve: Resolver = inline_pixels) -> EncoderService:
         stage = in_passing_thread(  # NOTE: loading and timing kernels leave no OpenMP pool behind (passing_thread.py)
             lambda: EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device))
+        if self.device.type == "cuda" and self.spec.image_size:  # NOTE: its kernels loaded now, not on the first image
+            stage.runner.warm_up(self.spec.image_size)
         return EncoderService(stage, batch_wait_s=batch_wait_s(self.config.encoder.batch_wait_ms, self.device),
                               resolve=resolve)
 

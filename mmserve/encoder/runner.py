@@ -71,6 +71,15 @@ class EncoderRunner:
         self.items_encoded += len(items)
         return per_item  # each (n_crops * mm_tokens, hidden)
 
+    def warm_up(self, image_size: int) -> None:
+        """One vision forward of a blank `image_size` crop, read back and not counted.
+
+        NOTE: on an accelerator the first call of each kernel loads it (and cuDNN and cuBLAS start): work that
+        would otherwise fall on the first image (and on a new replica's first, under autoscaling)."""
+        pixels = torch.zeros((1, 3, image_size, image_size), dtype=torch.uint8)  # (1, 3, H, W), host
+        with torch.inference_mode():
+            self.encode_images(to_device(pixels, self.device)).cpu()
+
     def _encode(self, crops: list[np.ndarray], n_crops: list[int]) -> list[torch.Tensor]:
         self.threads.apply(len(crops))
         with torch.inference_mode():

@@ -48,6 +48,7 @@ class ModelSpec:
     attention: AttentionPattern
     # ids the sampler never picks (tokens): a prompt-only token such as an image's embedding row
     never_sampled: tuple[int, ...] = ()
+    image_size: int = 0  # pixels per side of one crop as the vision tower takes it (px); 0 = unknown
 
 
 # A vision callable maps (n_images, 3, H, W) uint8 pixels (a ProcessedItem's, on the encoder's device) to

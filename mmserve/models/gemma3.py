@@ -59,6 +59,7 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
             softcap=text.attn_logit_softcapping,
         ),
         never_sampled=(int(config.image_token_id),),  # an image row only exists inside a placeholder
+        image_size=int(config.vision_config.image_size),
     )
 
 

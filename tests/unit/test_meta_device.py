@@ -1,7 +1,8 @@
-"""The engine's device code on PyTorch's `meta` device: a tensor made on the host and mixed into a step's device
-work raises there as it would on CUDA ("Expected all tensors to be on the same device"), so these CPU-only
-tests catch what would break the first accelerator run. Meta tensors hold no data: nothing is read back,
-so the steps stop at the logits (sampling reads tokens back) and the vision tower's output.
+"""The engine's accelerator path, checked on a CPU. Its device code runs on PyTorch's `meta` device: a tensor made
+on the host and mixed into a step's device work raises there as it would on CUDA ("Expected all tensors to be on
+the same device"), so these CPU-only tests catch what would break the first accelerator run. Meta tensors hold no
+data: nothing is read back, so the steps stop at the logits (sampling reads tokens back) and the vision tower's
+output. The warm-ups that run at start on CUDA run here on the CPU.
 """
 
 from __future__ import annotations
@@ -117,3 +118,12 @@ def test_the_accelerators_warm_up_leaves_the_decoder_as_it_found_it(tiny_ckpt_22
     assert sampled == [[2, decoder.spec.vocab_size]] * 2  # a prefill chunk's logits, then a decode's
     assert after.free_blocks == after.total_blocks == before.total_blocks and after.cached_blocks == 0
     assert not decoder.request_ids() and not decoder.has_unfinished()
+
+
+def test_the_encoders_warm_up_runs_one_uncounted_forward_at_the_towers_size(tiny_ckpt_224: Path) -> None:
+    """`EncoderRunner.warm_up` (run at start on CUDA, at the spec's crop size) on the CPU: not in the counts."""
+    stages = StageFactory(EngineConfig(model=str(tiny_ckpt_224)))
+    runner = stages.encoder().stage.runner
+    assert stages.spec.image_size == 224
+    runner.warm_up(stages.spec.image_size)
+    assert runner.forward_passes == runner.images_encoded == 0
