@@ -23,6 +23,7 @@ from mmserve.decoder.constraint import NAMES, InvalidGrammarError, compiling, co
 from mmserve.decoder.sampler import RowMasks
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
+from mmserve.runtime.host_copy import to_device
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class Grammars:
         bitmask = self.bitmask([m for _, m in present], background=background)
         forbid = forbidden(bitmask, self._vocab, device)  # (g, vocab) bool
         if len(self._never):
-            self._never = self._never.to(forbid.device)  # NOTE: moved once, then kept on the device
+            self._never = to_device(self._never, forbid.device)  # NOTE: moved once, then kept on the device
             forbid.index_fill_(1, self._never, True)
         return RowMasks(tuple(i for i, _ in present), forbid)
 

@@ -18,6 +18,7 @@ import torch
 
 from mmserve.decoder.grammar import Grammars, GrammarViolationError, NoTokenAllowedError, contained
 from mmserve.decoder.sampler import RowMasks
+from mmserve.runtime.host_copy import ints_to_device
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,9 @@ class GrammarStep:
             return None
         rows = tuple(where[planned[masks.rows[k]]] for k in kept)
         # NOTE: all kept is the usual case (masks made ahead for the grammar rows only): no (g, vocab) copy
-        return RowMasks(rows, masks.forbid if len(kept) == len(masks.rows) else masks.forbid[kept])
+        if len(kept) == len(masks.rows):
+            return RowMasks(rows, masks.forbid)
+        return RowMasks(rows, masks.forbid.index_select(0, ints_to_device(kept, masks.forbid.device)))  # (k, vocab)
 
     def advance(self, ids: list[str], tokens: list[int],
                 matchers: list[llguidance.LLMatcher | None]) -> tuple[set[str], dict[str, Exception]]:

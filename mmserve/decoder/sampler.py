@@ -94,7 +94,7 @@ class Sampler:
     def _never_on(self, device: torch.device) -> torch.Tensor:
         """(k,) the never-sampled ids on `device`, moved there once."""
         if self._never.device != device:
-            self._never = self._never.to(device)
+            self._never = to_device(self._never, device)
         return self._never
 
     def _avoiding_never(self, logits: torch.Tensor, tokens: torch.Tensor, never: torch.Tensor,
