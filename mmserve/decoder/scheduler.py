@@ -229,7 +229,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self._start_from_cache(seq)
             n = chunk_tokens(seq, budget)
-            needed = self._pages_needed(seq, n)
+            needed = max(self._pages_needed(seq, n), self._prefill_pages(seq))
             if n == 0 or not self.kv.can_allocate(needed):
                 self.kv.release(seq.blocks)  # the cached prefix it took, if any: held again next step
                 seq.num_computed_tokens = 0
@@ -245,6 +245,17 @@ class Scheduler:
             admitted.append(ScheduledSeq(seq, n))
             budget -= n
         return admitted
+
+    def _prefill_pages(self, seq: Sequence) -> int:
+        """Pages `seq` may still have to take before its prefill ends: its peak less what it holds (a cached prefix).
+
+        NOTE: admitted on its first chunk alone, a long prompt that the pool cannot carry to its end is preempted
+        by its own next chunk (it is the latest arrival), then admitted again: its first chunk is computed again
+        and again, every other step, until others finish (a preemption storm; docs/benchmarks.md). So it waits
+        for the pages its whole prefill takes; a sequence alone in the pool always has them (`max_seq_len`).
+        """
+        peak = self.kv.peak_pages(seq.num_tokens, self.config.max_num_batched_tokens)
+        return max(peak - seq.blocks.num_pages, 0)
 
     def _start_from_cache(self, seq: Sequence) -> int:
         """Take the longest cached prefix of a sequence that holds nothing (at least its last token is

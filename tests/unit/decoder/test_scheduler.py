@@ -223,6 +223,21 @@ def test_latest_arrival_preempts_itself_never_an_earlier_one() -> None:
     assert ids(out) == ["a"] and out.preempted == []
 
 
+def test_a_prompt_the_pool_cannot_carry_to_its_end_waits_instead_of_being_preempted_by_its_own_chunks() -> None:
+    """Its first chunk fits, its whole prefill does not: admitted, its next chunk would preempt it (the latest
+    arrival) and it would come back for its first chunk again, step after step, while `a` decodes."""
+    sched = make_scheduler(budget=8, block_size=4, blocks=10)
+    d = Driver(sched)
+    sched.add(make_seq("a", 16, max_tokens=8))  # ends holding 6 of the 10 blocks
+    sched.add(make_seq("b", 24, max_tokens=2))  # 2 blocks a chunk, 7 in all: only once a has finished
+    for _ in range(4):
+        out = d.step()
+        assert "b" not in ids(out) and out.preempted == []
+    d.run()
+    assert d.preempted == [] and [c for c in d.chunks["b"] if c[0] == 0] == [(0, 8)]  # its first chunk, once
+    assert d.finished["a"].finish_reason == d.finished["b"].finish_reason == "length"
+
+
 def test_sequence_stops_at_the_pool_size_instead_of_livelocking() -> None:
     sched = make_scheduler(block_size=4, blocks=3, max_model_len=100)
     d = Driver(sched)
