@@ -19,16 +19,26 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 
 def in_passing_thread(fn: Callable[[], T], name: str = "mmserve-passing") -> T:
-    """`fn()` run in a new thread, joined: its result, or its exception raised here."""
+    """`fn()` run in a new thread at the calling thread's torch thread count, joined: its result, or its
+    exception raised here.
+
+    NOTE: a new thread starts at the count that any thread set last (`torch.set_num_threads` also sets the
+    default of threads started later), e.g. another stage's step thread that just chose one thread for its
+    decodes; so the count is the caller's, whatever ran meanwhile.
+    """
+    threads = torch.get_num_threads()
     result: list[T] = []
     error: list[BaseException] = []
 
     def run() -> None:
         try:
+            torch.set_num_threads(threads)
             result.append(fn())
         except BaseException as exc:  # NOTE: re-raised in the caller's thread, whatever it is
             error.append(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from mmserve.runtime.passing_thread import in_passing_thread
 
@@ -26,3 +27,15 @@ def test_its_exception_is_raised_in_the_caller() -> None:
 
     with pytest.raises(KeyError, match="nope"):
         in_passing_thread(fail)
+
+
+def test_it_runs_at_the_callers_torch_thread_count_not_the_one_another_thread_set_last() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        elsewhere = threading.Thread(target=lambda: torch.set_num_threads(1))  # e.g. a step thread's decode count
+        elsewhere.start()
+        elsewhere.join()
+        assert in_passing_thread(torch.get_num_threads) == 3 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
