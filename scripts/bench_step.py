@@ -12,6 +12,9 @@ have them) then falls on one round of one cell, not on the cell's figure.
 
   python scripts/bench_step.py                                   # ~7 min on 2 cores
   python scripts/bench_step.py --contexts 300 --batches 1 --new-tokens 16   # a quick look
+  python scripts/bench_step.py --checkpoint gemma-3-4b --device cuda --dtype bfloat16 --rounds 1   # on a GPU
+The `gemma-3-4b` checkpoint has that model's sizes (random weights; 17 GB in float32, built once, in minutes);
+`--text-layers` cuts its depth for a dry run of the same path on a CPU.
 Results: bench-results/step-<timestamp>.json and the table printed at the end.
 """
 
@@ -27,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from bench_lib.checkpoint import bench_checkpoint
+from bench_lib.checkpoint import SIZES, bench_checkpoint
 from bench_lib.grammar_cost import GrammarCost, grammar_cost
 from bench_lib.report import write_results
 from bench_lib.step import (
@@ -58,6 +61,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=24, help="decode steps timed per cell")
     ap.add_argument("--rounds", type=int, default=2,
                     help="passes over every cell; each side's figure is its fastest round's median")
+    ap.add_argument("--checkpoint", choices=list(SIZES), default="bench", help="the random-weight checkpoint's sizes")
+    ap.add_argument("--text-layers", type=int, help="the checkpoint's decoder layers, if not its own (a dry run)")
+    ap.add_argument("--device", default="cpu", help="torch device of both systems, e.g. cuda")
+    ap.add_argument("--dtype", default="float32", help="both systems' weights and KV, e.g. bfloat16")
     ap.add_argument("--out", default="bench-results")
     return ap.parse_args(argv)
 
@@ -69,12 +76,14 @@ def main(argv: list[str] | None = None) -> None:
     all_threads = torch.get_num_threads()
     from transformers import Gemma3ForConditionalGeneration
 
-    ckpt = bench_checkpoint()
-    hf = Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ckpt = bench_checkpoint(args.checkpoint, **({} if args.text_layers is None else
+                                                {"text_layers": args.text_layers}))
+    on = {"device": args.device, "dtype": args.dtype}
+    hf = Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     vocab = hf.config.text_config.vocab_size
-    ours = engine_decoder(ckpt, max_num_seqs=max(batches), num_blocks=4096)
+    ours = engine_decoder(ckpt, max_num_seqs=max(batches), num_blocks=4096, **on)
     spec, block = ours.spec, ours.scheduler.block_size
-    tiny = engine_decoder(default_tiny_checkpoint(), max_num_seqs=1, num_blocks=2048)
+    tiny = engine_decoder(default_tiny_checkpoint(), max_num_seqs=1, num_blocks=2048, **on)
     tiny_rounds: list[StepTime] = []
 
     def tiny_round() -> None:
@@ -96,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     fit_now = most_long_sequences(spec.attention, config, 8000)
     fit_before = most_long_sequences(all_full(spec.attention), config, 8000)
     results = {"cells": cells, "tiny_step": asdict(tiny_step), "threads_available": all_threads,
+               "checkpoint": {"name": ckpt.name, "sizes": args.checkpoint, "text_layers": spec.num_layers,
+                              "device": args.device, "dtype": args.dtype},
                "fit_8k": {"per_kind": fit_now, "every_layer_every_block": fit_before,
                           "num_blocks": config.num_blocks}, "targets": TARGETS,
                "grammar": None if grammar is None else asdict(grammar)}
@@ -116,7 +127,8 @@ def fastest_rounds(hf: Any, ours: Decoder, batches: list[int], contexts: list[in
         for batch in batches:
             for context in contexts:
                 ids = prompts(batch, context, vocab)
-                counts = [1, threads] if batch == 1 else [threads]
+                # NOTE: a CPU's batch 1 at 1 and at all threads (the faster counts); an accelerator's once
+                counts = [1, threads] if batch == 1 and hf.device.type == "cpu" else [threads]
                 theirs = min((hf_step_ms(hf, ids, new_tokens, n) for n in counts), key=lambda s: s.ms)
                 mine, pages = our_step_ms(ours, ids, new_tokens)
                 print(f"round {round_ + 1}, batch {batch} context {context}: mmserve {mine.ms:.2f} ms "

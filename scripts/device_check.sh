@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one command for a lent device machine (issue 16's device part):
+# The checks that need a GPU, as one command for a lent device machine (issue 16's device part), in two parts
+# that each fit one call (`bash scripts/device_check.sh tiny`, then `... 4b`; no argument runs both):
+#   tiny (~5 min on an H100 after the machine's start):
 #   - the parity suite against transformers with the engine on CUDA (tiny checkpoints; the oracle on the CPU),
 #   - every decoder step waits for the device once (tests/unit/test_cuda_step.py),
-#   - the meta-device tests and the sampler's and attention's accelerator paths, run on the GPU's host.
-# Logs go to $OUT (or ./device-out); ~5 min on an H100 after the machine's start.
+#   - the meta-device tests and the sampler's and attention's accelerator paths, run on the GPU's host;
+#   4b (~7 min; 17 GB of disk in the checkpoint cache, ~40 GB of GPU memory at its peak):
+#   - a random-weight checkpoint of gemma-3-4b's sizes, built (scripts/bench_lib/checkpoint.py),
+#   - parity on it, all cases batched and chunked, its oracle on the GPU too (float32, TF32 off),
+#   - the step benchmark on it in bfloat16, both systems on the GPU (scripts/bench_step.py).
+# Logs go to $OUT (or ./device-out).
 #
 # The device image has torch, transformers, safetensors, tokenizers, pillow and numpy, not llguidance:
 # carry its wheel (Python 3.12 there) in .whl, ignored by git:
@@ -26,10 +32,23 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$out/env.log"
+part=${1:-all}
 status=0
-# NOTE: the matmul-form and weight-layout cases are the CPU's (oneDNN packing); everything else runs on CUDA
-python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_cuda_step.py tests/unit/test_parity.py \
-  tests/unit/test_prefix_parity.py -k "not matmul_form and not relaid" 2>&1 | tee "$out/parity.log" || status=1
-python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_meta_device.py \
-  tests/unit/decoder/test_sampler.py tests/unit/decoder/test_attention_groups.py 2>&1 | tee "$out/host.log" || status=1
+if [ "$part" = tiny ] || [ "$part" = all ]; then
+  # NOTE: the matmul-form and weight-layout cases are the CPU's (oneDNN packing); everything else runs on CUDA
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_cuda_step.py tests/unit/test_parity.py \
+    tests/unit/test_prefix_parity.py -k "not matmul_form and not relaid" 2>&1 | tee "$out/parity.log" || status=1
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_meta_device.py \
+    tests/unit/decoder/test_sampler.py tests/unit/decoder/test_attention_groups.py 2>&1 | tee "$out/host.log" || status=1
+fi
+if [ "$part" = 4b ] || [ "$part" = all ]; then
+  # ${TEXT_LAYERS:-}: fewer decoder layers, for a dry run of this part on a CPU
+  layers=${TEXT_LAYERS:+, text_layers=$TEXT_LAYERS}
+  ckpt=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); from bench_lib.checkpoint import bench_checkpoint
+print(bench_checkpoint('gemma-3-4b'$layers))" 2> "$out/build-4b.log") || { cat "$out/build-4b.log"; exit 1; }
+  MMSERVE_TEST_PARITY_CHECKPOINT=$ckpt python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/unit/test_parity.py -k "concurrent or chunked" 2>&1 | tee "$out/parity-4b.log" || status=1
+  python3 scripts/bench_step.py --checkpoint gemma-3-4b ${TEXT_LAYERS:+--text-layers $TEXT_LAYERS} \
+    --device "$MMSERVE_TEST_DEVICE" --dtype bfloat16 --rounds 1 --out "$out" 2>&1 | tee "$out/step-4b.log" || status=1
+fi
 exit $status

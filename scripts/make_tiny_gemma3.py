@@ -18,6 +18,10 @@ def _none_or_float(text: str) -> float | None:
     return None if text.lower() == "none" else float(text)
 
 
+def _none_or_int(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder to write (created if missing)")
@@ -25,8 +29,9 @@ def parser() -> argparse.ArgumentParser:
         if param.kind is not inspect.Parameter.KEYWORD_ONLY:
             continue
         default = param.default
-        # NOTE: a None default (or an optional float) is typed as float-or-"none"
-        kind = _none_or_float if default is None or "None" in str(param.annotation) else type(default)
+        # NOTE: an optional int or float (a None default, or None in its hint) is typed as int- or float-or-"none"
+        optional = default is None or "None" in str(param.annotation)
+        kind = (_none_or_int if "int" in str(param.annotation) else _none_or_float) if optional else type(default)
         ap.add_argument(f"--{param.name.replace('_', '-')}", type=kind, default=default,
                         help=f"default: {default}")
     return ap

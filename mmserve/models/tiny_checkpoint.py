@@ -34,6 +34,7 @@ def build_tiny_gemma3(
     mm_tokens: int = 256,  # image tokens per image: t*t, with (image_size // patch_size) % t == 0
     seed: int = 0,  # weights are a pure function of the arguments and this seed
     vocab_size: int = 1024,  # upper bound: the BPE stops earlier when the corpus runs out of merges
+    model_vocab_size: int | None = None,  # embedding rows (the logits' width) when above the tokenizer's
     text_hidden: int = 64,
     text_layers: int = 4,
     text_heads: int = 2,
@@ -53,18 +54,24 @@ def build_tiny_gemma3(
 ) -> Path:
     """Write a complete Gemma 3 checkpoint with random weights into `out_dir` and return it.
 
-    Raises ValueError when image_size / patch_size / mm_tokens do not fit together.
+    NOTE: `model_vocab_size` gives the model a real checkpoint's vocabulary width (gemma-3-4b: 262,208 rows,
+    its lm_head the largest product of a decode step) with this tokenizer: ids past the tokenizer's are
+    rows no prompt holds, decoded as no text, as a real checkpoint's padding rows are.
+    Raises ValueError when image_size / patch_size / mm_tokens do not fit together, or when
+    `model_vocab_size` is below the tokenizer's vocabulary.
     """
     _check_image_geometry(image_size, patch_size, mm_tokens)
+    tokenizer = build_tokenizer(vocab_size)
+    if model_vocab_size is not None and model_vocab_size < len(tokenizer):
+        raise ValueError(f"model_vocab_size {model_vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
     save_tokenizer(tokenizer, out)
     save_processor_configs(out, image_size=image_size, mm_tokens=mm_tokens)
     ids = special_token_ids(tokenizer)
     text = _text_config(
-        vocab_size=len(tokenizer), ids=ids, hidden=text_hidden, layers=text_layers, heads=text_heads,
-        kv_heads=kv_heads, head_dim=head_dim, intermediate=text_intermediate,
+        vocab_size=model_vocab_size or len(tokenizer), ids=ids, hidden=text_hidden, layers=text_layers,
+        heads=text_heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=text_intermediate,
         sliding_window=sliding_window, full_every=full_attention_every, max_positions=max_positions,
         theta_global=rope_theta_global, theta_local=rope_theta_local, rope_scaling=global_rope_scaling,
     )
@@ -111,9 +118,14 @@ def default_tiny_checkpoint(**overrides: Any) -> Path:
 
 
 def _bound_args(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of a build, defaults filled in, less those left at a None default.
+
+    NOTE: an argument added with a None default then keeps every existing folder's key (and name)."""
     bound = _BUILD_SIGNATURE.bind("unused", **overrides)
     bound.apply_defaults()
-    return {k: v for k, v in bound.arguments.items() if k != "out_dir"}
+    params = _BUILD_SIGNATURE.parameters
+    return {k: v for k, v in bound.arguments.items()
+            if k != "out_dir" and not (v is None and params[k].default is None)}
 
 
 def _check_image_geometry(image_size: int, patch_size: int, mm_tokens: int) -> None:
@@ -159,7 +171,14 @@ def _save_model(out: Path, text: dict[str, Any], vision: dict[str, Any], ids: di
     )
     config.eos_token_id = [ids["eos"], ids["end_of_turn"]]  # as the real config.json: <eos>, <end_of_turn>
     config.architectures = ["Gemma3ForConditionalGeneration"]
-    model = Gemma3ForConditionalGeneration(config).float()
+    import torch
+
+    # NOTE: built on the meta device, then given memory: every parameter is written by _randomize, so the
+    # stock init would be work thrown away (most of a gemma-3-4b-size build's time)
+    with torch.device("meta"):
+        model = Gemma3ForConditionalGeneration(config)
+    model = model.to_empty(device="cpu").float()
+    model.tie_weights()  # NOTE: to_empty gives the tied lm_head a tensor of its own
     _randomize(model, seed)
     model.generation_config = GenerationConfig(  # NOTE: the real file samples by default; so does ours
         bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["end_of_turn"]], pad_token_id=ids["pad"],

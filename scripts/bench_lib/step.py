@@ -55,6 +55,7 @@ def hf_step_ms(model: Any, ids: torch.Tensor, new_tokens: int, threads: int) -> 
             return scores
 
     torch.set_num_threads(threads)
+    ids = ids.to(model.device)
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -64,14 +65,16 @@ def hf_step_ms(model: Any, ids: torch.Tensor, new_tokens: int, threads: int) -> 
 
 
 def engine_decoder(model_dir: Path, *, max_num_seqs: int, num_blocks: int, measure_forms: bool = True,
-                   settle: bool = True, threads: int | None = None) -> Decoder:
-    """A Decoder as the engine builds it, in a process of `threads` torch threads (default: the calling thread's
-    count now; a Decoder keeps it as the most it may use, `StepThreads.available`); `settle`: with its thread
-    counts measured again (`settle_threads`). Leaves torch's thread count in the calling thread as it found it."""
+                   settle: bool = True, threads: int | None = None, device: str = "cpu",
+                   dtype: str = "float32") -> Decoder:
+    """A Decoder as the engine builds it on `device` in `dtype`, in a process of `threads` torch threads (default:
+    the calling thread's count now; a Decoder keeps it as the most it may use, `StepThreads.available`); `settle`:
+    with its thread counts measured again (`settle_threads`). Leaves torch's thread count in the calling thread as
+    it found it."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    config = EngineConfig(model=str(model_dir), decoder=DecoderConfig(
+    config = EngineConfig(model=str(model_dir), device=device, dtype=dtype, decoder=DecoderConfig(
         max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_matmul_forms=measure_forms))
     stages = StageFactory(config)
     decoder = stages.decoder().decoder
@@ -92,7 +95,8 @@ def twin_decoder(ours: Decoder, model_dir: Path, *, max_num_seqs: int, num_block
     # (transformers' one-thread steps, the tiny model's), and a twin built then ran every step on one thread,
     # ~1.4x slower than `ours` (docs/benchmarks.md)
     twin = engine_decoder(model_dir, max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_forms=False,
-                          settle=False, threads=ours.runner.threads.available)
+                          settle=False, threads=ours.runner.threads.available, device=str(ours.runner.device),
+                          dtype=str(ours.kv.keys.dtype).removeprefix("torch."))
     for name in ("small", "big", "heavy", "heavy_rows"):
         setattr(twin.runner.threads, name, getattr(ours.runner.threads, name))
     forms, theirs = twin.runner.model.matmul, ours.runner.model.matmul

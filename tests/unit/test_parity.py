@@ -11,6 +11,7 @@ import base64
 import io
 import os
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from mmserve.messages import ChatRequest, SamplingParams
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.runtime import matmul_forms
 from mmserve.runtime.matmul_forms import LINEAR, ONEDNN, PackedLinear, onednn_packing_available
-from tests.device import TEST_DEVICE
+from tests.device import PARITY_PARAMS, TEST_DEVICE, parity_checkpoint
 
 # Max |ours - reference| over the vocab, every step. NOTE: two implementations with their own kernels and
 # summation orders through every layer; logits are O(1..10), so this is ~1000 float32 ulps of the largest,
@@ -83,12 +84,12 @@ def reference(model_dir, processor, model, case: str) -> tuple[list[int], list[t
     rendered = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
     inputs = processor(text=rendered, images=images or None, add_special_tokens=False, return_tensors="pt",
-                       **mm_kwargs)
+                       **mm_kwargs).to(model.device)
     out = model.generate(**inputs, max_new_tokens=max_tokens(case), do_sample=False, output_logits=True,
                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
                          suppress_tokens=[model.config.image_token_id])  # our rule: see ModelSpec.never_sampled
     n_prompt = inputs["input_ids"].shape[1]
-    return out.sequences[0, n_prompt:].tolist(), [s[0] for s in out.logits], n_prompt
+    return out.sequences[0, n_prompt:].tolist(), [s[0].cpu() for s in out.logits], n_prompt
 
 
 class Recorder:
@@ -106,14 +107,16 @@ def make_engine(model_dir, **scheduler) -> tuple[Engine, Recorder]:
     return Engine(config, on_logits=rec), rec
 
 
-@pytest.fixture(scope="module", params=["tiny_ckpt", "tiny_ckpt_224"])
+@pytest.fixture(scope="module", params=PARITY_PARAMS)
 def oracle(request):
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
-    model_dir = request.getfixturevalue(request.param)
+    model_dir, device = parity_checkpoint(request)
     processor = AutoProcessor.from_pretrained(model_dir)
-    model = Gemma3ForConditionalGeneration.from_pretrained(model_dir).eval()
+    model: Any = Gemma3ForConditionalGeneration.from_pretrained(model_dir)
+    model = model.to(device).eval()
     refs = {case: reference(model_dir, processor, model, case) for case in CASES}
+    del model  # NOTE: freed before the engines load (a gemma-3-4b-size oracle on the GPU holds 17 GB)
     return model_dir, refs
 
 

@@ -13,7 +13,7 @@ import torch
 from mmserve.config import DecoderConfig, EngineConfig
 from mmserve.engine import Completion, Engine
 from mmserve.messages import ChatRequest, SamplingParams
-from tests.device import TEST_DEVICE
+from tests.device import PARITY_PARAMS, TEST_DEVICE, parity_checkpoint
 from tests.unit.test_parity import LOGITS_ATOL, LONG_TEXT, Recorder, data_url, make_image
 
 MAX_TOKENS = 8
@@ -45,13 +45,13 @@ def hf_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], i
     return out, n
 
 
-@pytest.fixture(scope="module", params=["tiny_ckpt", "tiny_ckpt_224"])
+@pytest.fixture(scope="module", params=PARITY_PARAMS)
 def oracle(request: pytest.FixtureRequest) -> tuple[Any, Any, Any]:
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
-    model_dir = request.getfixturevalue(request.param)
-    return model_dir, AutoProcessor.from_pretrained(model_dir), Gemma3ForConditionalGeneration.from_pretrained(
-        model_dir).eval()
+    model_dir, device = parity_checkpoint(request)
+    model: Any = Gemma3ForConditionalGeneration.from_pretrained(model_dir)
+    return model_dir, AutoProcessor.from_pretrained(model_dir), model.to(device).eval()
 
 
 def reference(oracle: tuple[Any, Any, Any], messages: list[dict[str, Any]], images: list[Any],
@@ -61,11 +61,11 @@ def reference(oracle: tuple[Any, Any, Any], messages: list[dict[str, Any]], imag
     assert n == len(images)
     rendered = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     inputs = processor(text=rendered, images=images or None, add_special_tokens=False, return_tensors="pt",
-                       **mm_kwargs)
+                       **mm_kwargs).to(model.device)
     out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
                          suppress_tokens=[model.config.image_token_id])  # our rule: see ModelSpec.never_sampled
-    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0] for s in out.logits]
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0].cpu() for s in out.logits]
 
 
 def engine_for(oracle: tuple[Any, Any, Any], **decoder: Any) -> tuple[Engine, Recorder]:

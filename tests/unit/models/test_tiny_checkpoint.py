@@ -206,8 +206,34 @@ def test_cli_builds_a_folder(tmp_path: Path) -> None:
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     args = cli.parser().parse_args(["--out", str(tmp_path), "--image-size", "224", "--mm-tokens", "16",
-                                    "--global-rope-scaling", "none", "--seed", "7"])
+                                    "--global-rope-scaling", "none", "--seed", "7", "--model-vocab-size", "2048"])
     assert (args.image_size, args.mm_tokens, args.global_rope_scaling, args.seed) == (224, 16, None, 7)
+    assert args.model_vocab_size == 2048 and isinstance(args.model_vocab_size, int)
     assert cli.main(["--out", str(tmp_path / "x"), "--image-size", "64", "--patch-size", "16",
                      "--mm-tokens", "4"]) == 0
     assert json.loads((tmp_path / "x" / "config.json").read_text())["mm_tokens_per_image"] == 4
+
+
+def test_model_vocabulary_padded_past_the_tokenizers(tmp_path: Path) -> None:
+    """A real checkpoint's vocabulary width with the tiny tokenizer: the embeddings (tied lm_head) have the rows,
+    the tokenizer stays as it is, and the ids past it decode as no text."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    out = tc.build_tiny_gemma3(tmp_path / "padded", image_size=224, mm_tokens=16, model_vocab_size=1200)
+    model: Any = AutoModelForImageTextToText.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.text_config.vocab_size == 1200 and len(tokenizer) < 1200
+    assert model.get_input_embeddings().weight.shape[0] == 1200
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert tokenizer.decode([len(tokenizer) + 10]) == ""
+    with pytest.raises(ValueError, match="below the tokenizer"):
+        tc.build_tiny_gemma3(tmp_path / "short", image_size=224, mm_tokens=16, model_vocab_size=100)
+
+
+def test_optional_arguments_left_at_none_stay_out_of_the_cache_key() -> None:
+    """So an argument added with a None default keeps the name of every folder built before it; an argument
+    whose default is not None keeps None in the key (global_rope_scaling=None is another checkpoint)."""
+    assert "model_vocab_size" not in tc._bound_args({})
+    assert tc._bound_args({"model_vocab_size": 4096})["model_vocab_size"] == 4096
+    assert tc._bound_args({"global_rope_scaling": None})["global_rope_scaling"] is None
+    assert tc._bound_args({})["global_rope_scaling"] == 8.0
