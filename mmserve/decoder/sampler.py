@@ -219,24 +219,28 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
     Both are in decreasing-logit order over the K most likely tokens, so every kept set is a prefix of
     its row and the first token is always kept. Top-p applies to the distribution renormalised after
     top-k. NOTE: a full-vocabulary sort is ~30x slower than `topk` on CPU, so K is the largest top_k
-    or CANDIDATES, widened to the whole vocabulary only when some row's nucleus is wider than that.
+    when every row has one (top-p then never reaches past a row's k best: Gemma's own sampling, top_k 64
+    and top_p 0.95), else that or CANDIDATES, widened to the whole vocabulary only when some row's nucleus
+    is wider than that.
     """
     vocab, device = scaled.shape[-1], scaled.device
+    ks = [_top_k(p, vocab) for p in params]  # 0 where a row has no top_k
+    widens = not all(ks)  # NOTE: a row without a top_k may have a nucleus wider than the candidates
     if candidates is None:  # NOTE: off the CPU a full sort is cheap, and the widening check would read back
-        candidates = CANDIDATES if device.type == "cpu" else vocab
-    top_k = ints_to_device([_top_k(p, vocab) or vocab for p in params], device)  # (g,)
+        candidates = 0 if not widens else CANDIDATES if device.type == "cpu" else vocab
+    top_k = ints_to_device([k or vocab for k in ks], device)  # (g,)
     top_p = floats_to_device([p.top_p for p in params], device)  # (g,)
-    k = min(vocab, max(candidates, *(_top_k(p, vocab) for p in params)))
+    k = min(vocab, max(candidates, *ks))
     if k < vocab:
         values, order = scaled.topk(k, dim=-1)  # (g, K) each, sorted
     else:
         values, order = scaled.sort(dim=-1, descending=True)  # (g, V) each
     in_k = torch.arange(k, device=device)[None, :] < top_k[:, None]  # (g, K)
     lse = values.masked_fill(~in_k, float("-inf")).logsumexp(dim=-1)  # (g,): top-k rows' normaliser
-    if any(not _top_k(p, vocab) for p in params):  # top-p-only rows normalise over the whole vocabulary
+    if widens:  # top-p-only rows normalise over the whole vocabulary
         lse = torch.where(top_k == vocab, scaled.logsumexp(dim=-1), lse)
     probs = (values - lse[:, None]).exp().masked_fill(~in_k, 0.0)  # (g, K)
-    if k < vocab and bool((probs.sum(dim=-1) < top_p).any()):
+    if widens and k < vocab and bool((probs.sum(dim=-1) < top_p).any()):
         return truncated_probs(scaled, params, candidates=vocab)
     mass_before = probs.cumsum(dim=-1) - probs  # (g, K): mass of the strictly more likely tokens
     # NOTE: the nucleus is the smallest prefix whose mass reaches top_p; rows at 1.0 skip the mask so

@@ -87,6 +87,22 @@ def test_candidate_shortcut_equals_a_full_sort(scale: float) -> None:
     assert kept[2] == 7 and kept[1] <= 1500
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.01])
+def test_rows_that_all_have_a_top_k_take_only_their_k_best_and_equal_a_full_sort(scale: float) -> None:
+    """Gemma's own sampling (top_k 64, top_p 0.95): top-p applies within a row's k best, so they are all it needs,
+    however flat the row (no widening, which off a CPU would read back)."""
+    vocab = 3 * CANDIDATES
+    x = torch.randn(3, vocab, generator=torch.Generator().manual_seed(6)) * scale
+    params = [SamplingParams(top_k=64, top_p=0.95), SamplingParams(top_k=20), SamplingParams(top_k=40, top_p=0.5)]
+    fast, fast_ids = truncated_probs(x, params)
+    slow, slow_ids = truncated_probs(x, params, candidates=vocab)
+    assert fast.shape == (3, 64)
+    assert torch.equal(fast_ids, slow_ids[:, :64])
+    assert_close_ulps(fast, slow[:, :64], ulps=16)  # the same k terms normalised, in 64 or 3,072 entries
+    assert torch.all(slow[:, 64:] == 0)
+    assert [int(n) for n in (fast > 0).sum(-1)][1] == 20
+
+
 def test_same_seed_same_tokens_different_seeds_differ() -> None:
     x = logits(1)
     params = SamplingParams(temperature=2.0)
