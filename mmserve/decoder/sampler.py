@@ -126,7 +126,11 @@ class Sampler:
         for group, draw in ((full, _draw_full), (cut, _draw_truncated)):
             if group:
                 index = ints_to_device([rows[j] for j in group], device)  # (g,)
-                scaled = logits[index] / _temperatures([params[rows[j]] for j in group], device)  # (g, V)
+                temperatures = _temperatures([params[rows[j]] for j in group], device)  # (g, 1)
+                # NOTE: every row (`rows` ascend): one pass; else a row copy scaled in place (indexing with a
+                # tensor, `logits[index]`, is a gather kernel several times slower over a 262k vocabulary)
+                whole = len(group) == logits.shape[0]
+                scaled = logits / temperatures if whole else logits.index_select(0, index).div_(temperatures)  # (g, V)
                 if len(never):
                     scaled.index_fill_(1, never, float("-inf"))
                 drawn = draw(scaled, [params[rows[j]] for j in group], to_device(u[group], device))  # (g,)
