@@ -9,6 +9,7 @@ through here: the ingress holds only small specs with ObjectRefs.
 # NOTE: no `from __future__ import annotations` here: FastAPI reads handler annotations at runtime.
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +42,8 @@ from mmserve.runtime import affinity
 from mmserve.runtime.ingress_metrics import IngressMetrics, RequestStatus, admission_snapshot
 from mmserve.runtime.metrics import MetricsSnapshot, merge
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
+
+log = logging.getLogger("ray.serve")
 
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 CHAT_ROUTE = "/v1/chat/completions"
@@ -106,6 +109,9 @@ class Ingress:
         if self.served is None:
             served: ServedModel = await retrying(lambda _: self.preprocess.served_model.remote(),
                                                  retries=self.replica_loss_retries, what="the served model")
+            log.info("serving %s; a request's unset sampling fields take: %s (the checkpoint's generation_config."
+                     "json; sampling_defaults_from_checkpoint=false for OpenAI's)", served.model_id,
+                     served.sampling_defaults.describe())
             self.served = served
         return self.served
 
@@ -138,7 +144,8 @@ class Ingress:
             served = await deadline.wait(self._served_model())
             if body.model not in (None, served.model_id):
                 raise ModelNotFoundError(f"model {body.model!r} is not served here; try {served.model_id!r}")
-            chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len)
+            chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len,
+                                        served.sampling_defaults)
             timing.mark("parse")
             if body.stream:
                 kept: Kept[PreprocessedRequest] = Kept()

@@ -32,7 +32,7 @@ class Preprocess:
         self.cache = SharedProcessorCache(cache_store, min(cache.replica_capacity_bytes, cache.capacity_bytes))
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
         factory = StageFactory(app_args.engine_config())
-        self.served = ServedModel(factory.spec.model_id, factory.spec.max_model_len)
+        self.served = ServedModel(factory.spec.model_id, factory.spec.max_model_len, factory.spec.sampling_defaults)
         self.preprocessor = factory.preprocessor(
             self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity")  # the Decoder router's key
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)

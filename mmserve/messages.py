@@ -130,11 +130,29 @@ class StoredItem:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request's unset sampling fields take: the model's recommended sampling, read from its checkpoint's
+    generation_config.json as vLLM does by default; None = OpenAI's default."""
+
+    temperature: float | None = None  # the draws' temperature (OpenAI: 1.0)
+    top_p: float | None = None  # nucleus mass in (0, 1] (OpenAI: 1.0)
+    top_k: int | None = None  # the k most likely tokens kept; 0 = off (OpenAI has none)
+    repetition_penalty: float | None = None  # > 0, 1.0 = off (vLLM's extension)
+
+    def describe(self) -> str:
+        """`name=value` of each field set, e.g. `top_k=64, top_p=0.95`; "none" when none is."""
+        set_ = [f"{name}={value}" for name, value in vars(self).items() if value is not None]
+        return ", ".join(set_) or "none"
+
+
+@dataclass(frozen=True)
 class ServedModel:
     """What the HTTP edge says of the model it serves (read from the checkpoint by a model stage)."""
 
     model_id: str  # the name served: OpenAI's `model`
     max_model_len: int  # prompt + output tokens a sequence may hold (tokens)
+    # what a request's unset sampling fields take (the checkpoint's recommendation, or OpenAI's defaults)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 @dataclass(frozen=True)

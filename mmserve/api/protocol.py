@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -27,7 +27,9 @@ from mmserve.api.errors import UnsupportedParameterError, with_param
 from mmserve.api.logprobs import ChoiceLogprobs
 from mmserve.api.structured import StructuredFields
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
-from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.messages import ChatRequest, SamplingDefaults, SamplingParams
+
+_T = TypeVar("_T")
 
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI documents; torch rejects seeds past uint64
 
@@ -146,10 +148,12 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def to_chat_request(self, request_id: str, default_max_tokens: int) -> ChatRequest:
-        """The engine's request; raises InvalidRequestError subclasses whose `param` names the field."""
+    def to_chat_request(self, request_id: str, default_max_tokens: int,
+                        defaults: SamplingDefaults | None = None) -> ChatRequest:
+        """The engine's request, its unset sampling fields from `defaults` (the served model's; None: OpenAI's);
+        raises InvalidRequestError subclasses whose `param` names the field."""
         self._check_supported()
-        sampling = self._sampling(default_max_tokens)
+        sampling = self._sampling(default_max_tokens, defaults or SamplingDefaults())
         messages = [_message_dict(m) for m in self.messages]
         return ChatRequest(request_id, messages, sampling, dict(self.mm_processor_kwargs or {}), self.cache_salt)
 
@@ -163,7 +167,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             raise with_param(InvalidRequestError("stream_options is only allowed when stream is true"),
                              "stream_options")
 
-    def _sampling(self, default_max_tokens: int) -> SamplingParams:
+    def _sampling(self, default_max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
         max_param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
                           default_max_tokens)
@@ -171,16 +175,16 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             raise with_param(InvalidSamplingError(f"seed must be a 64-bit signed integer, got {self.seed}"), "seed")
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k in (None, -1) else self.top_k,  # NOTE: -1 is vLLM's "off"
+            temperature=_first(self.temperature, defaults.temperature, 1.0),
+            top_p=_first(self.top_p, defaults.top_p, 1.0),
+            top_k=0 if self.top_k == -1 else _first(self.top_k, defaults.top_k, 0),  # NOTE: -1 is vLLM's "off"
             seed=self.seed,
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=_first(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             logit_bias=_logit_bias(self.logit_bias),
             min_tokens=self.min_tokens or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -194,6 +198,11 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             field = str(exc).split(" ", 1)[0]  # NOTE: SamplingParams' messages start with the field name
             raise with_param(exc, max_param if field == "max_tokens" else field) from None
         return params
+
+
+def _first(*values: _T | None) -> _T:
+    """The first value that is set: the request's, else the served model's default, else OpenAI's (the last)."""
+    return next(v for v in values if v is not None)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -9,10 +9,12 @@ model's own rules or weights (those live in `mmserve/models/<family>.py`), nor f
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from mmserve.messages import SamplingDefaults
 
 if TYPE_CHECKING:
     from mmserve.decoder.attention import AttentionMetadata
@@ -49,6 +51,8 @@ class ModelSpec:
     # ids the sampler never picks (tokens): a prompt-only token such as an image's embedding row
     never_sampled: tuple[int, ...] = ()
     image_size: int = 0  # pixels per side of one crop as the vision tower takes it (px); 0 = unknown
+    # what a request's unset sampling fields take (the checkpoint's recommendation, or OpenAI's defaults)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 # A vision callable maps (n_images, 3, H, W) uint8 pixels (a ProcessedItem's, on the encoder's device) to

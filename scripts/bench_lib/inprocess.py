@@ -188,7 +188,7 @@ class EngineSystem:
         if req.pan_and_scan:
             body["mm_processor_kwargs"] = {"do_pan_and_scan": True}
         parsed = ChatCompletionRequest.model_validate(body)
-        return parsed.to_chat_request(request_id, self.engine.spec.max_model_len)
+        return parsed.to_chat_request(request_id, self.engine.spec.max_model_len, self.engine.spec.sampling_defaults)
 
     async def one(self, req: BenchRequest, cell_t0: float) -> RequestResult:
         """A `loadgen.Send`: one request through the engine; its id is kept in `request_ids[req.key]`."""

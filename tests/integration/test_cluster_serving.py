@@ -15,8 +15,8 @@ from tests.integration.helpers import SSEStream, chat_body, data_url, get_text, 
 
 def engine_answer(engine: Engine, body: dict[str, Any]) -> Completion:
     """What the in-process engine makes of the same HTTP body (mapped by the same protocol code)."""
-    request = ChatCompletionRequest.model_validate(body).to_chat_request(f"ref-{uuid.uuid4().hex}",
-                                                                          engine.spec.max_model_len)
+    request = ChatCompletionRequest.model_validate(body).to_chat_request(
+        f"ref-{uuid.uuid4().hex}", engine.spec.max_model_len, engine.spec.sampling_defaults)
     return engine.generate([request])[0]
 
 
@@ -40,8 +40,8 @@ def test_image_request_matches_in_process_engine(mm_app: AppInfo, reference_engi
 def test_token_ids_through_the_stage_handles_match_engine(mm_app: AppInfo, reference_engine: Engine):
     """The same pipeline driven stage by stage through handles, where token ids are visible."""
     body = chat_body(data_url(seed=107), text="Name three things.", max_tokens=12, ignore_eos=True)
-    request = ChatCompletionRequest.model_validate(body).to_chat_request(f"it-{uuid.uuid4().hex}",
-                                                                          reference_engine.spec.max_model_len)
+    request = ChatCompletionRequest.model_validate(body).to_chat_request(
+        f"it-{uuid.uuid4().hex}", reference_engine.spec.max_model_len, reference_engine.spec.sampling_defaults)
     pre = mm_app.handle("Preprocess").process.remote(request).result(timeout_s=120)
     tokens: list[int] = []
     for out in mm_app.handle("Decoder").options(stream=True).generate.remote(pre):

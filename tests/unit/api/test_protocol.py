@@ -16,7 +16,7 @@ from mmserve.api.errors import ModelNotFoundError, UnsupportedParameterError, er
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
 from mmserve.errors import InvalidRequestError, InvalidSamplingError, MediaError
-from mmserve.messages import RequestFailed, RequestOutput, TokenLogprob
+from mmserve.messages import RequestFailed, RequestOutput, SamplingDefaults, TokenLogprob
 
 openai = pytest.importorskip("openai")
 # NOTE: the HTTP library the installed client is built on (httpx, or httpx2 in recent releases).
@@ -440,3 +440,32 @@ def test_n_choices_interleaved_build_one_response_and_one_stream() -> None:
     assert "".join(c["delta"].get("content", "") for c in by_choice[0]) == "xyz"
     assert [c["finish_reason"] for c in by_choice[1]] == [None, "length"]
     assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 5  # after both finished
+
+
+# --- the served model's sampling defaults -------------------------------------------------------
+
+GEMMA = SamplingDefaults(top_k=64, top_p=0.95)  # gemma-3-4b-it's generation_config.json
+
+
+def test_unset_sampling_fields_take_the_served_models_defaults() -> None:
+    sampling = parse({"messages": USER}).to_chat_request("r", 16, GEMMA).sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (1.0, 64, 0.95, 1.0)
+    every = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.1)
+    sampling = parse({"messages": USER}).to_chat_request("r", 16, every).sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (0.7, 20, 0.8, 1.1)
+
+
+def test_a_requests_own_sampling_fields_win_over_the_defaults() -> None:
+    body = {"messages": USER, "temperature": 0, "top_p": 1.0, "top_k": 5, "repetition_penalty": 1.0}
+    sampling = parse(body).to_chat_request("r", 16, SamplingDefaults(0.7, 0.8, 20, 1.1)).sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (0.0, 5, 1.0, 1.0)
+    assert sampling.greedy
+
+
+def test_top_k_minus_one_turns_the_default_top_k_off() -> None:
+    assert parse({"messages": USER, "top_k": -1}).to_chat_request("r", 16, GEMMA).sampling.top_k == 0
+
+
+def test_without_defaults_a_request_samples_as_openais_do() -> None:
+    sampling = parse({"messages": USER}).to_chat_request("r", 16).sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (1.0, 0, 1.0, 1.0)

@@ -1,0 +1,56 @@
+"""A checkpoint's recommended sampling: the values of its generation_config.json that a request's unset fields take.
+
+Owns: reading them (temperature, top_p, top_k, repetition_penalty: the fields of vLLM's default
+`--generation-config auto` that mmserve samples with) and refusing values no request could use. Does not own
+applying them to a request (the HTTP edge: `mmserve/api/protocol.py`) nor whether they apply at all
+(`EngineConfig.sampling_defaults_from_checkpoint`).
+
+NOTE: Gemma 3's file recommends top_k 64 and top_p 0.95. OpenAI's defaults (temperature 1, no truncation)
+would draw from all 262k tokens of its vocabulary: lower-quality text than the model's authors meant, and
+unlike what the same request gets from vLLM. `do_sample` is not read (vLLM does not either): a request
+is greedy when it asks for temperature 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from mmserve.messages import SamplingDefaults
+
+log = logging.getLogger(__name__)
+
+
+def _valid(name: str, value: Any) -> bool:
+    """Whether `value` is one a request could set for `name` (SamplingParams.validate's ranges)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    if name == "top_k":
+        return float(value).is_integer() and value >= 0
+    if name == "top_p":
+        return 0.0 < value <= 1.0
+    if name == "temperature":
+        return value >= 0.0
+    return value > 0.0  # repetition_penalty
+
+
+def sampling_defaults(model_dir: Path) -> SamplingDefaults:
+    """The sampling fields the checkpoint's generation_config.json sets (none without the file); a value out of
+    a request's range is left out, with a warning."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return SamplingDefaults()
+    raw = json.loads(path.read_text())
+    found: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        value = raw.get(name)
+        if value is None:
+            continue
+        if not _valid(name, value):
+            log.warning("generation_config.json: %s=%r is not a value a request may set; not used", name, value)
+            continue
+        found[name] = int(value) if name == "top_k" else float(value)
+    return SamplingDefaults(**found)

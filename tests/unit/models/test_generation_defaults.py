@@ -1,0 +1,48 @@
+"""mmserve/models/generation_defaults.py: a checkpoint's recommended sampling, as a request's unset fields take it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from mmserve.config import EngineConfig
+from mmserve.messages import SamplingDefaults
+from mmserve.models.generation_defaults import sampling_defaults
+from mmserve.stages import StageFactory
+
+
+def _folder(tmp_path: Path, config: dict) -> Path:
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_the_sampling_fields_the_file_sets_and_nothing_else(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, {"do_sample": True, "top_k": 64, "top_p": 0.95, "eos_token_id": [1, 106],
+                                "cache_implementation": "hybrid"})
+    assert sampling_defaults(folder) == SamplingDefaults(top_k=64, top_p=0.95)
+    folder = _folder(tmp_path, {"temperature": 0.6, "repetition_penalty": 1.05, "top_k": 20.0})
+    assert sampling_defaults(folder) == SamplingDefaults(temperature=0.6, top_k=20, repetition_penalty=1.05)
+
+
+def test_no_file_no_defaults(tmp_path: Path) -> None:
+    assert sampling_defaults(tmp_path) == SamplingDefaults()
+    assert SamplingDefaults().describe() == "none"
+
+
+def test_values_no_request_could_set_are_left_out_with_a_warning(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    folder = _folder(tmp_path, {"top_p": 0.0, "top_k": 2.5, "temperature": -1, "repetition_penalty": True})
+    with caplog.at_level(logging.WARNING):
+        assert sampling_defaults(folder) == SamplingDefaults()
+    assert len(caplog.records) == 4 and any("top_p=0.0" in r.getMessage() for r in caplog.records)
+
+
+def test_the_tiny_checkpoint_recommends_gemmas_sampling_unless_told_not_to(tiny_ckpt_224: Path) -> None:
+    spec = StageFactory(EngineConfig(model=str(tiny_ckpt_224))).spec
+    assert spec.sampling_defaults == SamplingDefaults(top_k=64, top_p=0.95)
+    assert spec.sampling_defaults.describe() == "top_p=0.95, top_k=64"
+    off = StageFactory(EngineConfig(model=str(tiny_ckpt_224), sampling_defaults_from_checkpoint=False)).spec
+    assert off.sampling_defaults == SamplingDefaults()
