@@ -68,6 +68,11 @@ class EncoderRunner:
         # encoder's thread would slow every small step of a decoder in the same process (passing_thread.py)
         per_item = in_passing_thread(lambda: self._encode(crops, n_crops), "mmserve-vision") \
             if self.device.type == "cpu" else self._encode(crops, n_crops)
+        if self.device.type == "cuda":
+            # NOTE: the forward waited for here: the step's `encoder.forward` is then the forward's time, not its
+            # launches', and an error the device raises asynchronously fails this step, whose requests the stage
+            # isolates, not the later copy that reads the embeddings (which would wait for the forward anyway)
+            torch.cuda.synchronize(self.device)
         self.items_encoded += len(items)
         return per_item  # each (n_crops * mm_tokens, hidden)
 
