@@ -38,6 +38,9 @@ def in_passing_thread(fn: Callable[[], T], name: str = "mmserve-passing") -> T:
 
     def run() -> None:
         try:
+            # NOTE: torch sets a thread's count up lazily, from the last count set anywhere; asking first does that
+            # set-up now, so that a count set elsewhere before `fn`'s first parallel op cannot replace ours
+            torch.get_num_threads()
             torch.set_num_threads(threads)
             result.append(fn())
         except BaseException as exc:  # NOTE: re-raised in the caller's thread, whatever it is
