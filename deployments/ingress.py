@@ -109,9 +109,8 @@ class Ingress:
         if self.served is None:
             served: ServedModel = await retrying(lambda _: self.preprocess.served_model.remote(),
                                                  retries=self.replica_loss_retries, what="the served model")
-            log.info("serving %s; a request's unset sampling fields take: %s (the checkpoint's generation_config."
-                     "json; sampling_defaults_from_checkpoint=false for OpenAI's)", served.model_id,
-                     served.sampling_defaults.describe())
+            log.info("serving %s; unset sampling fields take the checkpoint's generation_config.json values: %s",
+                     served.model_id, served.sampling_defaults.describe())
             self.served = served
         return self.served
 

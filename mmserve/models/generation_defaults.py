@@ -8,7 +8,9 @@ applying them to a request (the HTTP edge: `mmserve/api/protocol.py`) nor whethe
 NOTE: Gemma 3's file recommends top_k 64 and top_p 0.95. OpenAI's defaults (temperature 1, no truncation)
 would draw from all 262k tokens of its vocabulary: lower-quality text than the model's authors meant, and
 unlike what the same request gets from vLLM. `do_sample` is not read (vLLM does not either): a request
-is greedy when it asks for temperature 0.
+is greedy when it asks for temperature 0. A value equal to transformers' own default (`GenerationConfig`:
+temperature 1.0, top_p 1.0, top_k 50, repetition_penalty 1.0) is not a recommendation, as vLLM reads it
+(`to_diff_dict`): a file spelling out top_k 50 keeps a request untruncated there, and here.
 """
 
 from __future__ import annotations
@@ -37,17 +39,22 @@ def _valid(name: str, value: Any) -> bool:
     return value > 0.0  # repetition_penalty
 
 
+# transformers' GenerationConfig defaults of the fields read: a file's value equal to one is not read (NOTE above)
+_TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+
+
 def sampling_defaults(model_dir: Path) -> SamplingDefaults:
     """The sampling fields the checkpoint's generation_config.json sets (none without the file); a value out of
     a request's range is left out, with a warning."""
     path = model_dir / "generation_config.json"
-    if not path.exists():
+    raw = json.loads(path.read_text()) if path.exists() else {}
+    if not isinstance(raw, dict):
+        log.warning("generation_config.json is not a JSON object; no sampling defaults read from it")
         return SamplingDefaults()
-    raw = json.loads(path.read_text())
     found: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+    for name, transformers_default in _TRANSFORMERS_DEFAULTS.items():
         value = raw.get(name)
-        if value is None:
+        if value is None or value == transformers_default:
             continue
         if not _valid(name, value):
             log.warning("generation_config.json: %s=%r is not a value a request may set; not used", name, value)

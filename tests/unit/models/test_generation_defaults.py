@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ from mmserve.models.generation_defaults import sampling_defaults
 from mmserve.stages import StageFactory
 
 
-def _folder(tmp_path: Path, config: dict) -> Path:
+def _folder(tmp_path: Path, config: Any) -> Path:
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
     return tmp_path
 
@@ -34,7 +35,7 @@ def test_no_file_no_defaults(tmp_path: Path) -> None:
 
 def test_values_no_request_could_set_are_left_out_with_a_warning(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    folder = _folder(tmp_path, {"top_p": 0.0, "top_k": 2.5, "temperature": -1, "repetition_penalty": True})
+    folder = _folder(tmp_path, {"top_p": 0.0, "top_k": 2.5, "temperature": -1, "repetition_penalty": "1.1"})
     with caplog.at_level(logging.WARNING):
         assert sampling_defaults(folder) == SamplingDefaults()
     assert len(caplog.records) == 4 and any("top_p=0.0" in r.getMessage() for r in caplog.records)
@@ -46,3 +47,15 @@ def test_the_tiny_checkpoint_recommends_gemmas_sampling_unless_told_not_to(tiny_
     assert spec.sampling_defaults.describe() == "top_p=0.95, top_k=64"
     off = StageFactory(EngineConfig(model=str(tiny_ckpt_224), sampling_defaults_from_checkpoint=False)).spec
     assert off.sampling_defaults == SamplingDefaults()
+
+
+def test_transformers_own_defaults_spelled_out_are_no_recommendation_as_vllm_reads_them(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, {"top_k": 50, "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0})
+    assert sampling_defaults(folder) == SamplingDefaults()
+    assert sampling_defaults(_folder(tmp_path, {"top_k": 40, "top_p": 1.0})) == SamplingDefaults(top_k=40)
+
+
+def test_a_file_that_is_not_an_object_gives_no_defaults(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert sampling_defaults(_folder(tmp_path, [1, 2])) == SamplingDefaults()
+    assert "not a JSON object" in caplog.text
