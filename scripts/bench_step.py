@@ -64,7 +64,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", choices=list(SIZES), default="bench", help="the random-weight checkpoint's sizes")
     ap.add_argument("--text-layers", type=int, help="the checkpoint's decoder layers, if not its own (a dry run)")
     ap.add_argument("--device", default="cpu", help="torch device of both systems, e.g. cuda")
-    ap.add_argument("--dtype", default="float32", help="both systems' weights and KV, e.g. bfloat16")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="both systems' weights and KV")
     ap.add_argument("--out", default="bench-results")
     return ap.parse_args(argv)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one command for a lent device machine (issue 16's device part), in two parts
-# that each fit one call (`bash scripts/device_check.sh tiny`, then `... 4b`; no argument runs both):
+# for one call each (`bash scripts/device_check.sh tiny`, then `... 4b`; no argument runs both):
 #   tiny (~5 min on an H100 after the machine's start):
 #   - the parity suite against transformers with the engine on CUDA (tiny checkpoints; the oracle on the CPU),
 #   - every decoder step waits for the device once (tests/unit/test_cuda_step.py),
@@ -20,6 +20,11 @@
 # tests, the CUDA one skipped), with python3 the venv's: `MMSERVE_TEST_DEVICE=cpu OUT=/tmp/dc bash scripts/device_check.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+part=${1:-all}
+case "$part" in
+  tiny|4b|4b-parity|4b-step|all) ;;
+  *) echo "unknown part '$part': tiny, 4b (4b-parity then 4b-step), or all" >&2; exit 2 ;;
+esac
 out=${OUT:-device-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MMSERVE_TEST_DEVICE=${MMSERVE_TEST_DEVICE:-cuda}
@@ -32,23 +37,35 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$out/env.log"
-part=${1:-all}
+stamp() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$out/parts.log"; }
 status=0
 if [ "$part" = tiny ] || [ "$part" = all ]; then
+  stamp tiny
   # NOTE: the matmul-form and weight-layout cases are the CPU's (oneDNN packing); everything else runs on CUDA
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_cuda_step.py tests/unit/test_parity.py \
     tests/unit/test_prefix_parity.py -k "not matmul_form and not relaid" 2>&1 | tee "$out/parity.log" || status=1
   python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_meta_device.py \
     tests/unit/decoder/test_sampler.py tests/unit/decoder/test_attention_groups.py 2>&1 | tee "$out/host.log" || status=1
 fi
-if [ "$part" = 4b ] || [ "$part" = all ]; then
-  # ${TEXT_LAYERS:-}: fewer decoder layers, for a dry run of this part on a CPU
+# NOTE: 4b in one call may pass a call's 10 minutes on a bare machine (the build writes 17 GB): then 4b-parity and
+# 4b-step in two calls of one warm machine, the second reusing the checkpoint the first built
+if [ "$part" != tiny ]; then
+  stamp "4b: the checkpoint"
+  # ${TEXT_LAYERS:-}: fewer decoder layers, for a dry run on a CPU (6 keeps one full-attention layer)
   layers=${TEXT_LAYERS:+, text_layers=$TEXT_LAYERS}
   ckpt=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); from bench_lib.checkpoint import bench_checkpoint
-print(bench_checkpoint('gemma-3-4b'$layers))" 2> "$out/build-4b.log") || { cat "$out/build-4b.log"; exit 1; }
+print(bench_checkpoint('gemma-3-4b'$layers))" 2> "$out/build-4b.log" | tail -n 1) && [ -d "$ckpt" ] \
+    || { cat "$out/build-4b.log"; exit 1; }
+fi
+if [ "$part" = 4b ] || [ "$part" = 4b-parity ] || [ "$part" = all ]; then
+  stamp "4b: parity"
   MMSERVE_TEST_PARITY_CHECKPOINT=$ckpt python3 -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/unit/test_parity.py -k "concurrent or chunked" 2>&1 | tee "$out/parity-4b.log" || status=1
+fi
+if [ "$part" = 4b ] || [ "$part" = 4b-step ] || [ "$part" = all ]; then
+  stamp "4b: the step benchmark"
   python3 scripts/bench_step.py --checkpoint gemma-3-4b ${TEXT_LAYERS:+--text-layers $TEXT_LAYERS} \
     --device "$MMSERVE_TEST_DEVICE" --dtype bfloat16 --rounds 1 --out "$out" 2>&1 | tee "$out/step-4b.log" || status=1
 fi
+stamp done
 exit $status

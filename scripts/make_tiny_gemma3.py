@@ -30,8 +30,9 @@ def parser() -> argparse.ArgumentParser:
             continue
         default = param.default
         # NOTE: an optional int or float (a None default, or None in its hint) is typed as int- or float-or-"none"
-        optional = default is None or "None" in str(param.annotation)
-        kind = (_none_or_int if "int" in str(param.annotation) else _none_or_float) if optional else type(default)
+        hint = {part.strip() for part in str(param.annotation).split("|")}
+        optional = default is None or "None" in hint
+        kind = (_none_or_int if "int" in hint else _none_or_float) if optional else type(default)
         ap.add_argument(f"--{param.name.replace('_', '-')}", type=kind, default=default,
                         help=f"default: {default}")
     return ap

@@ -127,8 +127,7 @@ class Sampler:
             if group:
                 index = ints_to_device([rows[j] for j in group], device)  # (g,)
                 temperatures = _temperatures([params[rows[j]] for j in group], device)  # (g, 1)
-                # NOTE: every row (`rows` ascend): one pass; else a row copy scaled in place (indexing with a
-                # tensor, `logits[index]`, is a gather kernel several times slower over a 262k vocabulary)
+                # NOTE: all rows (`rows` ascend): one pass; else index_select (`logits[index]` is a slow gather)
                 whole = len(group) == logits.shape[0]
                 scaled = logits / temperatures if whole else logits.index_select(0, index).div_(temperatures)  # (g, V)
                 if len(never):
@@ -220,12 +219,11 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
 
     The probabilities are renormalised over the kept tokens.
 
-    Both are in decreasing-logit order over the K most likely tokens, so every kept set is a prefix of
-    its row and the first token is always kept. Top-p applies to the distribution renormalised after
-    top-k. NOTE: a full-vocabulary sort is ~30x slower than `topk` on CPU, so K is the largest top_k
-    when every row has one (top-p then never reaches past a row's k best: Gemma's own sampling, top_k 64
-    and top_p 0.95), else that or CANDIDATES, widened to the whole vocabulary only when some row's nucleus
-    is wider than that.
+    Both are in decreasing-logit order over the K most likely tokens, so every kept set is a prefix of its row
+    and the first token is always kept. Top-p applies to the distribution renormalised after top-k. NOTE: a
+    full sort is ~30x slower than `topk` on CPU, so K is the largest top_k when every row has one (top-p never
+    goes past a row's k best: Gemma's own top_k 64, top_p 0.95), else that or CANDIDATES, widened to the whole
+    vocabulary only when some row's nucleus is wider than that.
     """
     vocab, device = scaled.shape[-1], scaled.device
     ks = [_top_k(p, vocab) for p in params]  # 0 where a row has no top_k

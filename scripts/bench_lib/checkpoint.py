@@ -29,6 +29,7 @@ GEMMA3_4B_SIZES: dict[str, Any] = dict(
     image_size=896, patch_size=14, mm_tokens=256, model_vocab_size=262_208,
     text_hidden=2560, text_layers=34, text_heads=8, kv_heads=4, head_dim=256, text_intermediate=10_240,
     sliding_window=1024, full_attention_every=6, max_positions=131_072,
+    rope_theta_global=1_000_000.0, rope_theta_local=10_000.0, global_rope_scaling=8.0,
     vision_hidden=1152, vision_layers=27, vision_heads=16, vision_intermediate=4304,
 )
 

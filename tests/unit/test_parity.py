@@ -32,6 +32,13 @@ from tests.device import PARITY_PARAMS, TEST_DEVICE, parity_checkpoint
 # and a real bug (a missing image mask, a wrong position) moves them by 1e-2 or more.
 LOGITS_ATOL = 1e-3
 MAX_TOKENS = 10
+
+
+def logits_bound(reference: torch.Tensor) -> float:
+    """LOGITS_ATOL, or the same ~1000 ulps of a reference whose largest logit passes 10 (a checkpoint wider or
+    deeper than the tiny ones: MMSERVE_TEST_PARITY_CHECKPOINT)."""
+    return LOGITS_ATOL * max(1.0, float(reference.abs().max()) / 10)
+
 # Generations several sliding windows long (the tiny checkpoints' window is 64 tokens): every sliding layer
 # has dropped blocks by then, and each step reads only the window's.
 LONG_GENERATION = 160
@@ -127,7 +134,7 @@ def assert_matches(ref, tokens: list[int], logits: list[torch.Tensor], n_prompt:
     assert len(logits) == len(ref_logits)
     for step, (ours, theirs) in enumerate(zip(logits, ref_logits, strict=True)):
         diff = float((ours - theirs.float()).abs().max())
-        assert diff <= LOGITS_ATOL, f"step {step}: max |logit diff| {diff}"
+        assert diff <= logits_bound(theirs), f"step {step}: max |logit diff| {diff}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
