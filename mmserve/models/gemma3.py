@@ -17,7 +17,6 @@ import torch
 from transformers import AutoConfig
 
 from mmserve.config import EngineConfig
-from mmserve.messages import SamplingDefaults
 from mmserve.models.base import FULL, SLIDING, AttentionPattern, ModelSpec, VisionEncoder
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.gemma3_text import Gemma3PagedText
@@ -62,8 +61,7 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
         ),
         never_sampled=(int(config.image_token_id),),  # an image row only exists inside a placeholder
         image_size=int(config.vision_config.image_size),
-        sampling_defaults=sampling_defaults(model_dir) if engine.sampling_defaults_from_checkpoint
-        else SamplingDefaults(),
+        sampling_defaults=sampling_defaults(model_dir, enabled=engine.sampling_defaults_from_checkpoint),
     )
 
 

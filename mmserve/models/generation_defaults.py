@@ -17,37 +17,39 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
-from mmserve.messages import SamplingDefaults
+from mmserve.errors import InvalidSamplingError
+from mmserve.messages import SamplingDefaults, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 def _valid(name: str, value: Any) -> bool:
-    """Whether `value` is one a request could set for `name` (SamplingParams.validate's ranges)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    """Whether `value` is one a request could set for `name`: a number that SamplingParams.validate takes."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return False
-    if name == "top_k":
-        return float(value).is_integer() and value >= 0
-    if name == "top_p":
-        return 0.0 < value <= 1.0
-    if name == "temperature":
-        return value >= 0.0
-    return value > 0.0  # repetition_penalty
+    if name == "top_k" and not float(value).is_integer():
+        return False
+    field: dict[str, Any] = {name: int(value) if name == "top_k" else float(value)}
+    try:
+        SamplingParams(**field).validate()
+    except InvalidSamplingError:
+        return False
+    return True
 
 
 # transformers' GenerationConfig defaults of the fields read: a file's value equal to one is not read (NOTE above)
 _TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
-def sampling_defaults(model_dir: Path) -> SamplingDefaults:
-    """The sampling fields the checkpoint's generation_config.json sets (none without the file); a value out of
-    a request's range is left out, with a warning."""
+def sampling_defaults(model_dir: Path, *, enabled: bool = True) -> SamplingDefaults:
+    """The sampling fields the checkpoint's generation_config.json sets (none without the file, or when not
+    `enabled`: `EngineConfig.sampling_defaults_from_checkpoint`); a value out of a request's range is left out,
+    with a warning."""
     path = model_dir / "generation_config.json"
-    raw = json.loads(path.read_text()) if path.exists() else {}
+    raw = json.loads(path.read_text()) if enabled and path.exists() else {}
     if not isinstance(raw, dict):
         log.warning("generation_config.json is not a JSON object; no sampling defaults read from it")
         return SamplingDefaults()
