@@ -133,7 +133,7 @@ class EngineConfig(_Bounded):
     dtype: str = "float32"  # torch dtype name the weights are cast to
     device: str = "cpu"  # torch device string, e.g. "cpu", "cuda", "cuda:1"
     max_model_len: int | None = at_least(1, None)  # tokens; None = the checkpoint's max_position_embeddings
-    # a request's unset temperature, top_p, top_k and repetition_penalty take the checkpoint's
+    # a request's unset temperature, top_p, top_k, min_p and repetition_penalty take the checkpoint's
     # generation_config.json values (Gemma 3: top_k 64, top_p 0.95), as vLLM does; False = OpenAI's defaults
     sampling_defaults_from_checkpoint: bool = True
     media: MediaConfig = field(default_factory=MediaConfig)

@@ -42,6 +42,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one, in [0, 1]; 0 = off (vLLM's)
     seed: int | None = None  # per-request RNG seed; None = nondeterministic
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (model eos added)
@@ -67,6 +68,7 @@ class SamplingParams:
              f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0,
@@ -138,6 +140,7 @@ class SamplingDefaults:
     top_p: float | None = None  # nucleus mass in (0, 1] (OpenAI: 1.0)
     top_k: int | None = None  # the k most likely tokens kept; 0 = off (OpenAI has none)
     repetition_penalty: float | None = None  # > 0, 1.0 = off (vLLM's extension)
+    min_p: float | None = None  # in [0, 1], 0 = off (vLLM's extension)
 
     def describe(self) -> str:
         """`name=value` of each field set, e.g. `top_k=64, top_p=0.95`; "none" when none is."""

@@ -123,6 +123,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
     temperature: float | None = None  # None = 1.0, OpenAI's default
     top_p: float | None = None
     top_k: int | None = None  # extension; 0 or -1 = off
+    min_p: float | None = None  # extension (vLLM's): tokens less likely than min_p x the likeliest are dropped
     seed: int | None = None
     stop: Annotated[list[str] | None, BeforeValidator(_one_or_many)] = None  # a string or a list
     ignore_eos: bool = False  # extension
@@ -178,6 +179,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             temperature=_first(self.temperature, defaults.temperature, 1.0),
             top_p=_first(self.top_p, defaults.top_p, 1.0),
             top_k=0 if self.top_k == -1 else _first(self.top_k, defaults.top_k, 0),  # NOTE: -1 is vLLM's "off"
+            min_p=_first(self.min_p, defaults.min_p, 0.0),
             seed=self.seed,
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,

@@ -1,6 +1,6 @@
 """A checkpoint's recommended sampling: the values of its generation_config.json that a request's unset fields take.
 
-Owns: reading them (temperature, top_p, top_k, repetition_penalty: the fields of vLLM's default
+Owns: reading them (temperature, top_p, top_k, min_p, repetition_penalty: the fields of vLLM's default
 `--generation-config auto` that mmserve samples with) and refusing values no request could use. Does not own
 applying them to a request (the HTTP edge: `mmserve/api/protocol.py`) nor whether they apply at all
 (`EngineConfig.sampling_defaults_from_checkpoint`).
@@ -9,7 +9,7 @@ NOTE: Gemma 3's file recommends top_k 64 and top_p 0.95. OpenAI's defaults (temp
 would draw from all 262k tokens of its vocabulary: lower-quality text than the model's authors meant, and
 unlike what the same request gets from vLLM. `do_sample` is not read (vLLM does not either): a request
 is greedy when it asks for temperature 0. A value equal to transformers' own default (`GenerationConfig`:
-temperature 1.0, top_p 1.0, top_k 50, repetition_penalty 1.0) is not a recommendation, as vLLM reads it
+temperature 1.0, top_p 1.0, top_k 50, repetition_penalty 1.0; min_p unset) is not a recommendation, as vLLM reads it
 (`to_diff_dict`): a file spelling out top_k 50 keeps a request untruncated there, and here.
 """
 
@@ -41,7 +41,7 @@ def _valid(name: str, value: Any) -> bool:
 
 
 # transformers' GenerationConfig defaults of the fields read: a file's value equal to one is not read (NOTE above)
-_TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+_TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0, "min_p": None}
 
 
 def sampling_defaults(model_dir: Path, *, enabled: bool = True) -> SamplingDefaults:

@@ -250,6 +250,8 @@ def test_stream_options_need_stream() -> None:
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"seed": 2**64}, "seed"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -460,6 +462,16 @@ def test_a_requests_own_sampling_fields_win_over_the_defaults() -> None:
     sampling = parse(body).to_chat_request("r", 16, SamplingDefaults(0.7, 0.8, 20, 1.1)).sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (0.0, 5, 1.0, 1.0)
     assert sampling.greedy
+
+
+def test_min_p_from_the_request_else_the_defaults_else_off() -> None:
+    def min_p(body: dict[str, Any], defaults: SamplingDefaults) -> float:
+        return parse({"messages": USER, **body}).to_chat_request("r", 16, defaults).sampling.min_p
+
+    assert min_p({"min_p": 0.1}, GEMMA) == 0.1
+    assert min_p({}, SamplingDefaults(min_p=0.05)) == 0.05
+    assert min_p({"min_p": 0}, SamplingDefaults(min_p=0.05)) == 0.0
+    assert min_p({}, GEMMA) == 0.0
 
 
 def test_top_k_minus_one_turns_the_default_top_k_off() -> None:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import mmserve.decoder.sampler as sampler_module
+from mmserve.decoder.draw import CANDIDATES, truncated_probs
 from mmserve.decoder.sampler import (
-    CANDIDATES,
     RowMasks,
     Sampler,
     argmax,
@@ -16,7 +16,6 @@ from mmserve.decoder.sampler import (
     make_generator,
     masked_by_torch,
     masked_on_cpu,
-    truncated_probs,
 )
 from mmserve.messages import SamplingParams
 from tests.numerics import assert_close_ulps

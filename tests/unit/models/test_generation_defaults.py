@@ -24,8 +24,9 @@ def test_the_sampling_fields_the_file_sets_and_nothing_else(tmp_path: Path) -> N
     folder = _folder(tmp_path, {"do_sample": True, "top_k": 64, "top_p": 0.95, "eos_token_id": [1, 106],
                                 "cache_implementation": "hybrid"})
     assert sampling_defaults(folder) == SamplingDefaults(top_k=64, top_p=0.95)
-    folder = _folder(tmp_path, {"temperature": 0.6, "repetition_penalty": 1.05, "top_k": 20.0})
-    assert sampling_defaults(folder) == SamplingDefaults(temperature=0.6, top_k=20, repetition_penalty=1.05)
+    folder = _folder(tmp_path, {"temperature": 0.6, "repetition_penalty": 1.05, "top_k": 20.0, "min_p": 0.05})
+    assert sampling_defaults(folder) == SamplingDefaults(temperature=0.6, top_k=20, min_p=0.05,
+                                                         repetition_penalty=1.05)
 
 
 def test_no_file_no_defaults(tmp_path: Path) -> None:
@@ -35,10 +36,11 @@ def test_no_file_no_defaults(tmp_path: Path) -> None:
 
 def test_values_no_request_could_set_are_left_out_with_a_warning(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    folder = _folder(tmp_path, {"top_p": 0.0, "top_k": 2.5, "temperature": -1, "repetition_penalty": "1.1"})
+    folder = _folder(tmp_path, {"top_p": 0.0, "top_k": 2.5, "temperature": -1, "repetition_penalty": "1.1",
+                                "min_p": 1.5})
     with caplog.at_level(logging.WARNING):
         assert sampling_defaults(folder) == SamplingDefaults()
-    assert len(caplog.records) == 4 and any("top_p=0.0" in r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 5 and any("top_p=0.0" in r.getMessage() for r in caplog.records)
 
 
 def test_the_tiny_checkpoint_recommends_gemmas_sampling_unless_told_not_to(tiny_ckpt_224: Path) -> None:

@@ -1,0 +1,135 @@
+"""The sampled (non-greedy) rows of a step: temperature, min-p, top-k and top-p, then one draw per row.
+
+Owns: filtering each drawn row's temperature-scaled logits (vLLM's order: min-p, then top-k, then top-p
+within them) and the inverse-CDF draw with one uniform number from the row's own generator, so a seeded row
+gets the same token batched or alone, on any device. Does not own greedy picks, grammar masks or the
+never-sampled tokens' fix of greedy rows (sampler.py), nor penalties (penalties.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.messages import SamplingParams
+from mmserve.runtime.host_copy import floats_to_device, ints_to_device, to_device
+
+CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort only if its nucleus is wider
+
+
+def draw_rows(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list[SamplingParams],
+              generators: list[torch.Generator | None], never: torch.Tensor) -> None:
+    """Draw the tokens of the sampled `rows` of the (n, V) `logits` into `tokens` (n,), never one of the (k,)
+    never-sampled ids `never`."""
+    u = _uniforms([generators[i] for i in rows])  # (m,) on the host: one draw per sampled row
+    vocab, device = logits.shape[-1], logits.device
+    full = [j for j, i in enumerate(rows) if not _truncates(params[i], vocab)]
+    cut = [j for j, i in enumerate(rows) if _truncates(params[i], vocab)]
+    for group, draw in ((full, _draw_full), (cut, _draw_truncated)):
+        if group:
+            index = ints_to_device([rows[j] for j in group], device)  # (g,)
+            temperatures = _temperatures([params[rows[j]] for j in group], device)  # (g, 1)
+            # NOTE: all rows (`rows` ascend): one pass; else index_select (`logits[index]` is a slow gather)
+            whole = len(group) == logits.shape[0]
+            scaled = logits / temperatures if whole else logits.index_select(0, index).div_(temperatures)  # (g, V)
+            if len(never):
+                scaled.index_fill_(1, never, float("-inf"))
+            apply_min_p([params[rows[j]].min_p for j in group], scaled)
+            drawn = draw(scaled, [params[rows[j]] for j in group], to_device(u[group], device))  # (g,)
+            tokens.index_copy_(0, index, drawn)
+
+
+def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
+                    candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, V) temperature-scaled logits -> ((g, K) probabilities after top-k then top-p, (g, K) ids).
+
+    The probabilities are renormalised over the kept tokens.
+
+    Both are in decreasing-logit order over the K most likely tokens, so every kept set is a prefix of its row
+    and the first token is always kept. Top-p applies to the distribution renormalised after top-k. NOTE: a
+    full sort is ~30x slower than `topk` on CPU, so K is the largest top_k when every row has one (top-p never
+    goes past a row's k best: Gemma's own top_k 64, top_p 0.95), else that or CANDIDATES, widened to the whole
+    vocabulary only when some row's nucleus is wider than that.
+    """
+    vocab, device = scaled.shape[-1], scaled.device
+    ks = [_top_k(p, vocab) for p in params]  # 0 where a row has no top_k
+    widens = not all(ks)  # NOTE: a row without a top_k may have a nucleus wider than the candidates
+    if candidates is None:  # NOTE: off the CPU a full sort is cheap, and the widening check would read back
+        candidates = 0 if not widens else CANDIDATES if device.type == "cpu" else vocab
+    top_k = ints_to_device([k or vocab for k in ks], device)  # (g,)
+    top_p = floats_to_device([p.top_p for p in params], device)  # (g,)
+    k = min(vocab, max(candidates, *ks))
+    if k < vocab:
+        values, order = scaled.topk(k, dim=-1)  # (g, K) each, sorted
+    else:
+        values, order = scaled.sort(dim=-1, descending=True)  # (g, V) each
+    in_k = torch.arange(k, device=device)[None, :] < top_k[:, None]  # (g, K)
+    lse = values.masked_fill(~in_k, float("-inf")).logsumexp(dim=-1)  # (g,): top-k rows' normaliser
+    if widens:  # top-p-only rows normalise over the whole vocabulary
+        lse = torch.where(top_k == vocab, scaled.logsumexp(dim=-1), lse)
+    probs = (values - lse[:, None]).exp().masked_fill(~in_k, 0.0)  # (g, K)
+    if widens and k < vocab and bool((probs.sum(dim=-1) < top_p).any()):
+        return truncated_probs(scaled, params, candidates=vocab)
+    mass_before = probs.cumsum(dim=-1) - probs  # (g, K): mass of the strictly more likely tokens
+    # NOTE: the nucleus is the smallest prefix whose mass reaches top_p; rows at 1.0 skip the mask so
+    # that float rounding of the cumsum never drops tail tokens.
+    drop = (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None])  # (g, K)
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True), order
+
+
+def _draw_full(scaled: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """(g, V) scaled logits, (g,) uniforms -> (g,) ids drawn from the whole softmax, no sort needed."""
+    return _inverse_cdf(scaled.softmax(dim=-1), u)
+
+
+def _draw_truncated(scaled: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    probs, order = truncated_probs(scaled, params)  # (g, K) each
+    return order.gather(-1, _inverse_cdf(probs, u)[:, None]).squeeze(-1)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(g, K) unnormalised probs, (g,) uniforms in [0, 1) -> (g,) positions, never a zero-prob one.
+
+    NOTE: a float32 cumsum is monotone over non-negative terms, and its rounding moves each token's
+    probability by ~1e-7, far below sampling noise; float64 would triple the cost on a 262k vocabulary.
+    """
+    cdf = probs.cumsum(dim=-1)  # (g, K)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]  # (g, 1)
+    pos = torch.searchsorted(cdf, target, right=True)  # (g, 1): first position whose cdf exceeds target
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())  # (g, 1): where the cdf first reaches its total
+    return torch.minimum(pos, last).squeeze(-1)
+
+
+def apply_min_p(min_ps: list[float], scaled: torch.Tensor) -> None:
+    """Set to -inf, in place, each (g, V) row's scaled logits whose probability is below its min_p times its
+    likeliest token's (vLLM's min-p, applied as vLLM does: after temperature, before top-k and top-p).
+
+    NOTE: p / p_max >= min_p is s - s_max >= log(min_p) on the scaled logits: no softmax is needed, and a row
+    at 0 compares against -inf, so it keeps every token. The likeliest token always stays.
+    """
+    if not any(min_ps):
+        return
+    floor = scaled.amax(dim=-1, keepdim=True) + floats_to_device(min_ps, scaled.device).log()[:, None]  # (g, 1)
+    scaled.masked_fill_(scaled < floor, float("-inf"))
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    """The row's effective top_k; 0 when off or not below the vocabulary size."""
+    return p.top_k if 0 < p.top_k < vocab else 0
+
+
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    return _top_k(p, vocab) > 0 or p.top_p < 1.0
+
+
+def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    """(g, 1) temperatures; NOTE: greedy rows never get here, the floor only guards tiny values."""
+    return floats_to_device([max(p.temperature, 1e-5) for p in params], device)[:, None]
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One U[0, 1) number per row from that row's CPU generator (global RNG when None) -> (m,) float64."""
+    if not generators:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
