@@ -10,7 +10,6 @@ image count, chat template: `mmserve.preprocess.preprocessor`), assembling respo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -23,9 +22,10 @@ from pydantic import (
     field_validator,
 )
 
-from mmserve.api.errors import UnsupportedParameterError, with_param
+from mmserve.api.errors import with_param
 from mmserve.api.logprobs import ChoiceLogprobs
 from mmserve.api.structured import StructuredFields
+from mmserve.api.unserved import UNSERVED, check_served, log_unknown
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
 from mmserve.messages import ChatRequest, SamplingDefaults, SamplingParams
 
@@ -99,21 +99,10 @@ def _one_or_many(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
-def _is_off(value: Any) -> bool:
-    return not value
-
-
-# field -> (is the value one we can serve, why not). Checked by `to_chat_request`.
-_DEFAULT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_is_off, "tool calling is not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
-    "functions": (_is_off, "function calling is not supported"),
-    "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
-    "modalities": (lambda v: v is None or set(v) <= {"text"}, "only the 'text' output modality is supported"),
-}
-
-
 class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM's guided_* come from there
+    # NOTE: unknown fields are kept (in `model_extra`) so that unserved ones are refused and the rest logged
+    model_config = ConfigDict(extra="allow")
+
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     stream: bool | None = False  # OpenAI allows null
@@ -138,7 +127,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
     logprobs: bool | None = None
     top_logprobs: int | None = None  # alternatives per token (0-20); needs logprobs
     n: int | None = None  # choices (1-16); the prompt is computed once
-    # Accepted only at their default (see _DEFAULT_ONLY); declared so their types are checked.
+    # Accepted only at their default (`unserved.UNSERVED`); declared so their types are checked.
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -159,9 +148,9 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
         return ChatRequest(request_id, messages, sampling, dict(self.mm_processor_kwargs or {}), self.cache_salt)
 
     def _check_supported(self) -> None:
-        for name, (ok, why) in _DEFAULT_ONLY.items():
-            if not ok(getattr(self, name)):
-                raise with_param(UnsupportedParameterError(f"{name}: {why}"), name)
+        extra = self.model_extra or {}
+        check_served({**{name: getattr(self, name) for name in UNSERVED if name in type(self).model_fields}, **extra})
+        log_unknown(extra)
         if self.top_logprobs is not None and not self.logprobs:
             raise with_param(InvalidRequestError("top_logprobs requires logprobs: true"), "top_logprobs")
         if self.stream_options is not None and not self.stream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -221,11 +222,36 @@ def test_unknown_fields_and_default_valued_unsupported_fields_are_tolerated() ->
     assert parse(body).to_chat_request("r", 16).sampling.max_tokens == 16
 
 
+def test_vllms_unserved_extensions_at_their_defaults_are_tolerated() -> None:
+    body = {"messages": USER, "use_beam_search": False, "best_of": 1, "length_penalty": 1.0, "echo": False,
+            "include_stop_str_in_output": False, "skip_special_tokens": True, "add_generation_prompt": True,
+            "continue_final_message": False, "bad_words": [], "priority": 0, "prompt_logprobs": None,
+            "chat_template": None, "logits_processors": None, "audio": None}
+    assert parse(body).to_chat_request("r", 16).sampling.max_tokens == 16
+
+
+def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixture) -> None:
+    body = {"messages": USER, "a_field_nobody_knows": 1, "another_unknown_one": "x", "use_beam_search": False}
+    with caplog.at_level(logging.WARNING, logger="mmserve.api.unserved"):
+        parse(body).to_chat_request("r", 16)
+        parse(body).to_chat_request("r", 16)
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "a_field_nobody_knows, another_unknown_one" in logged[0]
+    assert "use_beam_search" not in logged[0], "a known field at its default is served as asked, not ignored"
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("tool_choice", "auto"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
-    ("modalities", ["text", "audio"]),
+    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("use_beam_search", True), ("best_of", 3), ("length_penalty", 0.8), ("include_stop_str_in_output", True),
+    ("skip_special_tokens", False), ("truncate_prompt_tokens", 10), ("prompt_logprobs", 1),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("echo", True), ("add_generation_prompt", False),
+    ("continue_final_message", True), ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
+    ("priority", 5), ("logits_processors", ["a.b"]), ("return_tokens_as_token_ids", True),
+    ("return_token_ids", True), ("kv_transfer_params", {"x": 1}), ("vllm_xargs", {"k": 1}),
+    ("web_search_options", {}),
 ])
 def test_unsupported_values_are_rejected_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(UnsupportedParameterError, match=field) as info:
