@@ -49,6 +49,7 @@ api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 CHAT_ROUTE = "/v1/chat/completions"
 CHAT_BOUND = "ingress.chat"  # the replica's Ingress sets it (`ingress.max_ongoing_requests`)
 api.add_middleware(AdmissionMiddleware, name=CHAT_BOUND, paths=frozenset({CHAT_ROUTE}))
+api.add_exception_handler(failures.StarletteHTTPException, failures.route_error)
 
 
 def _openapi() -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """How the ingress answers and counts a request that fails or whose client leaves before its answer.
 
-Owns: a failure's HTTP answer (OpenAI-shaped; a server fault is logged and never told) and its status in the
+Owns: a failure's HTTP answer (OpenAI-shaped, the framework's own 404 and 405 too; a server fault is logged and
+never told) and its status in the
 request metrics, what a stage's `RequestFailed` value means, reading a body whose client may leave
 (`ClientGone`), and a stream that hears of a client gone before its first event (`GuardedStream`). Does not
 own: the error bodies themselves (mmserve.api.errors), bounding and decoding a body (mmserve.api.body), nor
@@ -16,12 +17,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import TaskCancelledError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from deployments.retry import unwrapped
 from mmserve.api.body import read_bounded
-from mmserve.api.errors import error_body, error_headers
+from mmserve.api.errors import error_body, error_headers, route_error_body
 from mmserve.messages import RequestFailed
 from mmserve.runtime.ingress_metrics import RequestStatus
 
@@ -34,6 +36,13 @@ CLIENT_CLOSED_REQUEST = 499  # the status access logs give a request whose clien
 
 class ClientGone(Exception):
     """The client left before its request was read; nobody is left to answer (counted as aborted)."""
+
+
+async def route_error(request: Request, exc: Exception) -> JSONResponse:
+    """The framework's own answers (an unknown path, a wrong method) in OpenAI's error shape, not FastAPI's."""
+    assert isinstance(exc, StarletteHTTPException)
+    body = route_error_body(exc.status_code, str(exc.detail), request.method, request.url.path)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

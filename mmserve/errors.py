@@ -8,10 +8,15 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """The client sent something we cannot serve; maps to HTTP 400."""
+    """The client sent something we cannot serve; maps to HTTP 400. `param` names the offending request field
+    (OpenAI's error `param`), where known."""
 
     code = "invalid_request"
     status = 400
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param  # NOTE: instance state, so it survives pickling across processes
 
 
 class MediaError(InvalidRequestError):

@@ -48,7 +48,8 @@ class StageFactory:
         spec = self.spec
         stamp = stamp_block_hashes and self.config.decoder.enable_prefix_caching
         return Preprocessor(self.model_dir, media=self.config.media, cache=cache, rule=self.family.prompt_rule,
-                            model_id=spec.model_id, max_model_len=spec.max_model_len, limits=self.config.limits,
+                            model_id=spec.model_id, max_model_len=spec.max_model_len, vocab_size=spec.vocab_size,
+                            limits=self.config.limits,
                             block_hashes=self._block_hasher().prompt if stamp else None)
 
     def encoder(self, resolve: Resolver = inline_pixels) -> EncoderService:

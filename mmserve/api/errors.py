@@ -37,7 +37,7 @@ E = TypeVar("E", bound=InvalidRequestError)
 
 def with_param(exc: E, param: str | None) -> E:
     """Attach the offending request field; `error_body` reports it as OpenAI's `param`."""
-    exc.param = param  # type: ignore[attr-defined]
+    exc.param = param
     return exc
 
 
@@ -65,6 +65,14 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return exc.status, ErrorResponse(error=info).model_dump()
     info = ErrorInfo(message="internal server error", type="internal_error", code="internal_error")
     return 500, ErrorResponse(error=info).model_dump()
+
+
+def route_error_body(status: int, detail: str, method: str, path: str) -> dict[str, Any]:
+    """OpenAI's error body for an answer of the HTTP framework itself (an unknown path: 404, a method the path
+    does not take: 405), e.g. "Not Found (POST /v1/completions)"."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    info = ErrorInfo(message=f"{detail} ({method} {path})", type="invalid_request_error", code=code)
+    return ErrorResponse(error=info).model_dump()
 
 
 def error_headers(exc: BaseException) -> dict[str, str]:

@@ -236,7 +236,9 @@ class Decoder:
 
     def _emit(self, request_id: str, token: int, finished: bool, logprob: TokenLogprob | None) -> RequestOutput:
         state = self._states[request_id]
-        text = state.detokenizer.add(token)
+        # NOTE: the token that stops a sequence is in its token ids, not in its text, as vLLM leaves it out
+        stop = finished and state.seq.finish_reason == "stop" and self.scheduler.is_stop_token(state.seq, token)
+        text = "" if stop else state.detokenizer.add(token)
         if not finished and state.detokenizer.stopped:
             self.scheduler.finish(request_id, "stop")
             finished = True

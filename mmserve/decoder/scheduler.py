@@ -279,10 +279,14 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.kv.release(seq.blocks)
 
-    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
-        token = seq.token_ids[-1]
+    def is_stop_token(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` ends `seq`: one of its stop token ids, or the model's end (unless it ignores that)."""
         params = seq.sampling
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
+        params = seq.sampling
+        if self.is_stop_token(seq, seq.token_ids[-1]):
             return "stop"
         if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
             return "length"

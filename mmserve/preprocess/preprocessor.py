@@ -28,6 +28,7 @@ from mmserve.messages import (
     PlaceholderRange,
     PreprocessedRequest,
     ProcessedItem,
+    SamplingParams,
 )
 from mmserve.models.base import PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, as_uint8
@@ -46,7 +47,7 @@ class Preprocessor:
     """Turns requests into token ids and processed items; thread-safe."""
 
     def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, rule: PromptRule,
-                 model_id: str, max_model_len: int, loader: MediaLoader | None = None,
+                 model_id: str, max_model_len: int, vocab_size: int | None = None, loader: MediaLoader | None = None,
                  limits: LimitsConfig | None = None, block_hashes: BlockHashes | None = None) -> None:
         from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes ~2 s
 
@@ -60,6 +61,7 @@ class Preprocessor:
         self.cache = cache
         self.model_id = model_id
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size  # the model's token ids (its logits' width); None = not checked
         self.limits = limits or LimitsConfig()
         self.max_prompt_chars = self.limits.max_prompt_chars or 32 * max_model_len
         self.block_hashes = block_hashes  # the decoder's prefix-cache hashing, when it caches prefixes
@@ -76,6 +78,7 @@ class Preprocessor:
         timeline = Timeline()
         req.sampling.validate()
         self._check_stop(req.sampling.stop)
+        self._check_token_ids(req.sampling)
         parsed = parse_messages(req.messages, reserved=self.rule.reserved_strings)
         n_items = len(parsed.image_urls)
         if n_items > self.media.max_images_per_prompt:
@@ -108,10 +111,23 @@ class Preprocessor:
     def _check_stop(self, stop: tuple[str, ...]) -> None:
         limits = self.limits
         if len(stop) > limits.max_stop_sequences:
-            raise InvalidSamplingError(f"{len(stop)} stop sequences; the limit is {limits.max_stop_sequences}")
+            raise InvalidSamplingError(f"{len(stop)} stop sequences; the limit is {limits.max_stop_sequences}",
+                                       param="stop")
         longest = max((len(s) for s in stop), default=0)
         if longest > limits.max_stop_chars:
-            raise InvalidSamplingError(f"a stop sequence of {longest} characters; the limit is {limits.max_stop_chars}")
+            raise InvalidSamplingError(f"a stop sequence of {longest} characters; the limit is {limits.max_stop_chars}",
+                                       param="stop")
+
+    def _check_token_ids(self, sampling: SamplingParams) -> None:
+        """Token ids a request names must be the model's: one past its vocabulary would change nothing."""
+        if self.vocab_size is None:
+            return
+        named = (("logit_bias", [i for i, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids))
+        for param, ids in named:
+            bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidSamplingError(f"{param}: token id {bad} is not in the model's vocabulary "
+                                           f"(0-{self.vocab_size - 1})", param=param)
 
     def _render(self, parsed: ParsedMessages, n_items: int) -> str:
         try:
@@ -126,6 +142,11 @@ class Preprocessor:
         return text
 
     def _tokenize(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # NOTE: JSON's \ud800 escape makes a lone surrogate; no tokenizer takes it
+            raise InvalidRequestError(f"messages: the text is not valid Unicode ({err.reason} at character "
+                                      f"{err.start} of the rendered prompt)", param="messages") from None
         with self._lock:  # NOTE: the template already starts with <bos>; add no special tokens
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -125,11 +125,17 @@ def test_hostile_bodies_get_4xx_naming_the_problem(client, e2e_server):
         (json.dumps({**good, "pad": "x" * (E2E_MAX_BODY_BYTES + 1)}).encode(), 413, "limit"),
         (json.dumps({**good, "stop": [f"s{i}" for i in range(17)]}).encode(), 400, "16"),
         (json.dumps({**good, "stop": ["y" * 300]}).encode(), 400, "256"),
+        # JSON's escape of a lone surrogate: valid JSON, not valid Unicode (the tokenizer took it for a 500)
+        (json.dumps({**good, "messages": [{"role": "user", "content": "hi \ud800"}]}).encode(), 400, "Unicode"),
+        (json.dumps({**good, "logit_bias": {"99999": 5}}).encode(), 400, "vocabulary"),
+        (json.dumps({**good, "stop_token_ids": [-3]}).encode(), 400, "vocabulary"),
     ]
     for data, status, says in cases:
         got, body = _post_raw(url, data)
         assert got == status and says in body["error"]["message"], (data[:40], got, body)
         assert body["error"]["type"] == "invalid_request_error", body
+        if b"stop" in data or b"logit_bias" in data or b"\\ud800" in data:
+            assert body["error"]["param"] in ("stop", "logit_bias", "stop_token_ids", "messages"), body
     ok = complete(client, s, user("Hi"), max_tokens=2)  # and the server still serves
     assert ok.usage.completion_tokens >= 1
     outcomes = request_outcomes(s)

@@ -174,6 +174,17 @@ def test_stop_string_cuts_text(engine):
     assert cut.text == full.text[: full.text.index(stop)]
 
 
+def test_a_stop_token_ends_the_ids_but_not_the_text(engine):
+    """As vLLM: the stop token id is in the output's ids, its text is not (nor is the model's own end's)."""
+    [full] = engine.generate([chat("sti1", max_tokens=8, ignore_eos=True)])
+    ids = full.token_ids
+    last = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # a token not seen before it
+    [cut] = engine.generate([chat("sti2", max_tokens=8, ignore_eos=True, stop_token_ids=(ids[last],))])
+    assert cut.finish_reason == "stop" and cut.token_ids == ids[: last + 1]
+    [upto] = engine.generate([chat("sti3", max_tokens=last, ignore_eos=True)])  # the same ids but the stop token
+    assert cut.text == upto.text and upto.token_ids == ids[:last]
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     kw: dict[str, Any] = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_tokens": 12,
                           "ignore_eos": True}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import pickle
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -13,7 +14,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from mmserve.api.errors import ModelNotFoundError, UnsupportedParameterError, error_body, validation_error_body
+from mmserve.api.errors import (
+    ModelNotFoundError,
+    UnsupportedParameterError,
+    error_body,
+    route_error_body,
+    validation_error_body,
+)
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
 from mmserve.errors import InvalidRequestError, InvalidSamplingError, MediaError
@@ -342,6 +349,20 @@ def test_error_body_statuses_and_no_leak() -> None:
     status, body = error_body(RuntimeError("CUDA OOM at /secret/path.py line 3"))
     assert status == 500 and "secret" not in json.dumps(body)
     assert body["error"]["type"] == "internal_error"
+
+
+def test_a_stage_errors_field_survives_the_trip_between_processes() -> None:
+    """A stage names the offending field; the exception crosses processes pickled (Ray) and keeps it."""
+    sent = InvalidSamplingError("stop_token_ids: token id 7 is out of range", param="stop_token_ids")
+    received = pickle.loads(pickle.dumps(sent))
+    assert type(received) is InvalidSamplingError and str(received) == str(sent)
+    assert error_body(received)[1]["error"]["param"] == "stop_token_ids"
+
+
+def test_the_frameworks_own_answers_take_openais_error_shape() -> None:
+    assert route_error_body(405, "Method Not Allowed", "GET", "/v1/chat/completions") == {"error": {
+        "message": "Method Not Allowed (GET /v1/chat/completions)", "type": "invalid_request_error",
+        "code": "method_not_allowed", "param": None}}
 
 
 def test_fastapi_style_locations() -> None:

@@ -387,6 +387,38 @@ def test_sampling_is_validated(pre224: Preprocessor) -> None:
         pre224.process(request(user(txt("hi")), sampling=SamplingParams(top_p=0.0)))
 
 
+def test_a_lone_surrogate_in_the_text_is_a_client_error(pre224: Preprocessor) -> None:
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which no tokenizer takes: a 400, not a 500."""
+    for messages in (user(txt("hi \ud800")), [{"role": "system", "content": "\udfff"}, *user(txt("hi"))]):
+        with pytest.raises(InvalidRequestError, match="not valid Unicode") as info:
+            pre224.process(request(messages))
+        assert info.value.param == "messages"
+    assert pre224.process(request(user(txt("a pair is fine \U0001f600")))).prompt_token_ids
+
+
+@pytest.mark.parametrize(("sampling", "param", "bad"), [
+    (SamplingParams(logit_bias=((5, 1.0), (99_999, 2.0))), "logit_bias", 99_999),
+    (SamplingParams(logit_bias=((-1, 2.0),)), "logit_bias", -1),
+    (SamplingParams(stop_token_ids=(3, 100_000)), "stop_token_ids", 100_000),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_ckpt_224: Path, sampling: SamplingParams, param: str,
+                                                      bad: int) -> None:
+    pp = StageFactory(EngineConfig(model=str(tiny_ckpt_224))).preprocessor(ProcessorCache(GiB))
+    assert pp.vocab_size is not None
+    with pytest.raises(InvalidSamplingError, match=rf"{param}: token id {bad} .*\(0-{pp.vocab_size - 1}\)") as info:
+        pp.process(request(user(txt("hi")), sampling=sampling))
+    assert info.value.param == param
+    pp.process(request(user(txt("hi")), sampling=SamplingParams(logit_bias=((pp.vocab_size - 1, 1.0),),
+                                                                stop_token_ids=(0,))))
+
+
+def test_stop_limits_name_the_field(tiny_ckpt_224: Path) -> None:
+    pp = make(tiny_ckpt_224)
+    with pytest.raises(InvalidSamplingError, match="stop sequences") as info:
+        pp.process(request(user(txt("hi")), sampling=SamplingParams(stop=tuple("abcdefghijklmnopq"))))
+    assert info.value.param == "stop"
+
+
 def test_from_config(tiny_ckpt_224: Path) -> None:
     pp = StageFactory(EngineConfig(model=str(tiny_ckpt_224))).preprocessor(ProcessorCache(GiB))
     assert pp.model_id == tiny_ckpt_224.name and pp.max_model_len > 1000
