@@ -103,6 +103,9 @@ class ChatRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. do_pan_and_scan
     cache_salt: str | None = None  # requests with another salt share no cached KV, processed image or embedding
+    # the client set max_tokens itself: a prompt that leaves it less room is refused (OpenAI's and vLLM's rule),
+    # where a default one is cut at the end of the context (flag)
+    max_tokens_asked: bool = False
 
 
 @dataclass(frozen=True)

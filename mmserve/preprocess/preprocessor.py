@@ -92,13 +92,14 @@ class Preprocessor:
             raise PromptTooLongError(f"the prompt is {len(text)} characters; the limit is {self.max_prompt_chars}")
         # Without crops the prompt is shortest: refuse a too-long one before fetching any image.
         ids = self._tokenize(self.rule.expand(text, [0] * n_items))
-        self._check_length(ids)
+        room = req.sampling.max_tokens if req.max_tokens_asked else 1  # output tokens the context must hold
+        self._check_length(ids, room)
         timeline.mark("preprocess.prompt")  # rendered, tokenized, checked
         items, hits = self._load_items(parsed.image_urls, kwargs, req.cache_salt, timeline)
         crops = [item.num_tiles - 1 for _, item in items]
         if any(crops):
             ids = self._tokenize(self.rule.expand(text, crops))
-            self._check_length(ids)
+            self._check_length(ids, room)
         features = self._features(ids, items, crops)
         hashes = self.block_hashes(ids, features, req.cache_salt) if self.block_hashes is not None else ()
         timeline.mark("preprocess.features")
@@ -150,10 +151,16 @@ class Preprocessor:
         with self._lock:  # NOTE: the template already starts with <bos>; add no special tokens
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _check_length(self, ids: list[int]) -> None:
-        if len(ids) + 1 > self.max_model_len:
+    def _check_length(self, ids: list[int], room: int) -> None:
+        """The prompt and `room` output tokens must fit the context."""
+        if len(ids) + room <= self.max_model_len:
+            return
+        if room == 1:
             raise PromptTooLongError(f"the prompt is {len(ids)} tokens (images expanded); with at least "
                                      f"one output token it exceeds max_model_len {self.max_model_len}")
+        raise PromptTooLongError(f"the context is {self.max_model_len} tokens (max_model_len), and {len(ids) + room} "
+                                 f"were asked for: {len(ids)} in the prompt (images expanded) and {room} for the "
+                                 "output (max_tokens); shorten the messages or lower max_tokens", param="messages")
 
     def _load_items(self, urls: list[str], kwargs: dict[str, Any], salt: str | None, timeline: Timeline
                     ) -> tuple[list[tuple[str, CachedItem]], int]:

@@ -511,6 +511,12 @@ def test_a_requests_own_sampling_fields_win_over_the_defaults() -> None:
     assert sampling.greedy
 
 
+def test_whether_the_client_set_max_tokens_travels_with_the_request() -> None:
+    assert not parse({"messages": USER}).to_chat_request("r", 16).max_tokens_asked
+    assert parse({"messages": USER, "max_tokens": 4}).to_chat_request("r", 16).max_tokens_asked
+    assert parse({"messages": USER, "max_completion_tokens": 4}).to_chat_request("r", 16).max_tokens_asked
+
+
 def test_min_p_from_the_request_else_the_defaults_else_off() -> None:
     def min_p(body: dict[str, Any], defaults: SamplingDefaults) -> float:
         return parse({"messages": USER, **body}).to_chat_request("r", 16, defaults).sampling.min_p

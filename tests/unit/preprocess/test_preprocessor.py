@@ -6,6 +6,7 @@ Uses the session fixtures `tiny_ckpt` (896 px / 256 tokens) and `tiny_ckpt_224` 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import threading
 import typing
@@ -372,6 +373,19 @@ def test_prompt_too_long(tiny_ckpt_224: Path) -> None:
     with pytest.raises(PromptTooLongError, match=rf"{n} tokens.*max_model_len {n}"):
         pp.process(one_image(CAT))
     assert pp.loader.loads == 0  # type: ignore[attr-defined]  # refused before fetching
+
+
+def test_max_tokens_the_client_set_must_fit_beside_the_prompt(tiny_ckpt_224: Path) -> None:
+    """OpenAI's and vLLM's rule: prompt + max_tokens past the context is a 400, where an unset max_tokens (the
+    edge's default, the whole context) is cut at the context's end."""
+    n = len(make(tiny_ckpt_224).process(one_image(CAT)).prompt_token_ids)
+    pp = make(tiny_ckpt_224, max_model_len=n + 10)
+    asked = dataclasses.replace(one_image(CAT), sampling=SamplingParams(max_tokens=10), max_tokens_asked=True)
+    assert len(pp.process(asked).prompt_token_ids) == n
+    with pytest.raises(PromptTooLongError, match=rf"{n + 11} were asked for: {n} in the prompt .* and 11 for") as info:
+        pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=11)))
+    assert info.value.param == "messages" and pp.loader.loads == 1  # type: ignore[attr-defined]  # before fetching
+    pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=n + 10), max_tokens_asked=False))
 
 
 def test_prompt_too_long_only_with_crops(tiny_ckpt_224: Path) -> None:
