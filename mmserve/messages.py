@@ -45,6 +45,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one, in [0, 1]; 0 = off (vLLM's)
     seed: int | None = None  # per-request RNG seed; None = nondeterministic
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
+    include_stop_str_in_output: bool = False  # the text keeps the stop string or stop token that ended it (vLLM's)
+    skip_special_tokens: bool = True  # special tokens are left out of the text (vLLM's)
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (model eos added)
     ignore_eos: bool = False  # keep going past eos / end-of-turn (benchmarks)
     # log-probabilities of each sampled token and of this many top alternatives (0-20); None = none

@@ -116,6 +116,8 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
     seed: int | None = None
     stop: Annotated[list[str] | None, BeforeValidator(_one_or_many)] = None  # a string or a list
     ignore_eos: bool = False  # extension
+    include_stop_str_in_output: bool = False  # extension (vLLM's): the text keeps what stopped it
+    skip_special_tokens: bool = True  # extension (vLLM's)
     mm_processor_kwargs: dict[str, Any] | None = None  # extension, e.g. {"do_pan_and_scan": true}
     cache_salt: str | None = Field(None, min_length=1)  # extension (vLLM's): other salts share no cache
     repetition_penalty: float | None = None  # extension (vLLM's); None = 1.0, off
@@ -174,6 +176,8 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             seed=self.seed,
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,

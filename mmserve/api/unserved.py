@@ -45,8 +45,6 @@ UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (_off, "beam search is not supported"),
     "best_of": (_is(1), "best_of is not supported (n choices are served)"),
     "length_penalty": (_is(1.0), "length_penalty applies to beam search, which is not supported"),
-    "include_stop_str_in_output": (_off, "the text always ends before a stop string"),
-    "skip_special_tokens": (_is(True), "special tokens are always left out of the text"),
     "truncate_prompt_tokens": (_is(), "prompt truncation is not supported"),
     "prompt_logprobs": (_is(), "prompt log-probabilities are not supported"),
     "allowed_token_ids": (_is(), "allowed_token_ids is not supported (logit_bias is)"),

@@ -131,7 +131,7 @@ class Decoder:
         if structured is not None and matcher is None:
             matcher = self.grammars.matcher(structured)  # before any KV is held
         self.scheduler.add(seq)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, stop=request.sampling.stop)
+        detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, request.sampling)
         self._states[seq.request_id] = _OutputState(seq=seq, detokenizer=detokenizer,
                                                     generator=make_generator(request.sampling.seed), matcher=matcher)
 
@@ -237,7 +237,8 @@ class Decoder:
     def _emit(self, request_id: str, token: int, finished: bool, logprob: TokenLogprob | None) -> RequestOutput:
         state = self._states[request_id]
         # NOTE: the token that stops a sequence is in its token ids, not in its text, as vLLM leaves it out
-        stop = finished and state.seq.finish_reason == "stop" and self.scheduler.is_stop_token(state.seq, token)
+        stop = finished and state.seq.finish_reason == "stop" and self.scheduler.is_stop_token(state.seq, token) \
+            and not state.seq.sampling.include_stop_str_in_output
         text = "" if stop else state.detokenizer.add(token)
         if not finished and state.detokenizer.stopped:
             self.scheduler.finish(request_id, "stop")

@@ -2,7 +2,8 @@
 
 Owns: turning sampled token ids, one at a time, into text deltas that never end inside a UTF-8
 character (byte-fallback tokens are held until their character completes), skipping special tokens,
-and cutting the text right before the first stop string without ever emitting any part of it.
+and cutting the text right before the first stop string (or right after it, when asked) without ever
+emitting any part of it first.
 Does not own: finishing the request (the caller sees `stop_string` and tells the scheduler) nor the
 tokenizer itself (any Hugging Face tokenizer backed by the `tokenizers` library, or a raw one).
 
@@ -20,6 +21,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from mmserve.messages import SamplingParams
+
 PROMPT_CONTEXT_TOKENS = 6  # prompt tokens the stream starts from, so that a first word keeps its space
 
 
@@ -35,7 +38,7 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Iterable[int] = (),
-                 stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+                 stop: tuple[str, ...] = (), skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self._tokenizer = backend_tokenizer(tokenizer)
         context = list(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:]
         # NOTE: seeding the stream with the prompt's tail makes a decoder that strips a leading space
@@ -45,9 +48,16 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)  # tokens before this are already emitted as text
         self._skip_special = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop  # the text ends after the stop string found, not before it
         self._pending = ""  # decoded text not yet emitted: a possible start of a stop string
         self.text = ""  # everything emitted so far
         self.stop_string: str | None = None  # the stop string found; no more text after it
+
+    @classmethod
+    def for_request(cls, tokenizer: Any, sampling: SamplingParams) -> IncrementalDetokenizer:
+        """One with a request's stop strings and text options (no prompt context)."""
+        return cls(tokenizer, stop=sampling.stop, skip_special_tokens=sampling.skip_special_tokens,
+                   include_stop=sampling.include_stop_str_in_output)
 
     @property
     def stopped(self) -> bool:
@@ -88,6 +98,7 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self._stop if (i := self._pending.find(s)) >= 0]
         if hits:
             cut, self.stop_string = min(hits)
+            cut += len(self.stop_string) if self._include_stop else 0
             self._pending = self._pending[:cut]
             return cut
         return len(self._pending) - _held_back(self._pending, self._stop)

@@ -183,6 +183,10 @@ def test_a_stop_token_ends_the_ids_but_not_the_text(engine):
     assert cut.finish_reason == "stop" and cut.token_ids == ids[: last + 1]
     [upto] = engine.generate([chat("sti3", max_tokens=last, ignore_eos=True)])  # the same ids but the stop token
     assert cut.text == upto.text and upto.token_ids == ids[:last]
+    [kept] = engine.generate([chat("sti4", max_tokens=8, ignore_eos=True, stop_token_ids=(ids[last],),
+                                   include_stop_str_in_output=True)])  # vLLM's: the text keeps what stopped it
+    [through] = engine.generate([chat("sti5", max_tokens=last + 1, ignore_eos=True)])
+    assert kept.token_ids == ids[: last + 1] and kept.text == through.text != cut.text
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):

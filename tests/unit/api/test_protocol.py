@@ -252,8 +252,8 @@ def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixtur
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
-    ("use_beam_search", True), ("best_of", 3), ("length_penalty", 0.8), ("include_stop_str_in_output", True),
-    ("skip_special_tokens", False), ("truncate_prompt_tokens", 10), ("prompt_logprobs", 1),
+    ("use_beam_search", True), ("best_of", 3), ("length_penalty", 0.8), ("truncate_prompt_tokens", 10),
+    ("prompt_logprobs", 1),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("echo", True), ("add_generation_prompt", False),
     ("continue_final_message", True), ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
     ("priority", 5), ("logits_processors", ["a.b"]), ("return_tokens_as_token_ids", True),
@@ -509,6 +509,14 @@ def test_a_requests_own_sampling_fields_win_over_the_defaults() -> None:
     sampling = parse(body).to_chat_request("r", 16, SamplingDefaults(0.7, 0.8, 20, 1.1)).sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (0.0, 5, 1.0, 1.0)
     assert sampling.greedy
+
+
+def test_vllms_text_options_travel_with_the_sampling() -> None:
+    sampling = parse({"messages": USER}).to_chat_request("r", 16).sampling
+    assert sampling.skip_special_tokens and not sampling.include_stop_str_in_output
+    body = {"messages": USER, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    sampling = parse(body).to_chat_request("r", 16).sampling
+    assert not sampling.skip_special_tokens and sampling.include_stop_str_in_output
 
 
 def test_whether_the_client_set_max_tokens_travels_with_the_request() -> None:

@@ -80,6 +80,13 @@ def test_special_tokens_are_skipped(tokenizer: Any) -> None:
     assert pieces[0] == pieces[4] == pieces[-2] == ""
 
 
+def test_special_tokens_kept_when_asked(tokenizer: Any) -> None:
+    turn_end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    body = encode(tokenizer, TEXT)
+    pieces, _ = stream(tokenizer, [*body[:3], turn_end, *body[3:]], skip_special_tokens=False)
+    assert "".join(pieces) == tokenizer.decode(body[:3]) + "<end_of_turn>" + tokenizer.decode(body[3:])
+
+
 def test_prompt_context_matches_a_full_decode(tokenizer: Any) -> None:
     prompt = encode(tokenizer, "hello")
     out = encode(tokenizer, " world ✓")
@@ -109,6 +116,12 @@ def test_stop_strings_cut_before_the_first_match(tokenizer: Any, stop: tuple[str
     if matched:
         assert detok.stop_string == min(matched, key=TEXT.index)
         assert detok.add(ids[0]) == "" and detok.flush() == ""
+
+
+@pytest.mark.parametrize(("stop", "expected"), [(("llo ✓",), "héllo ✓"), (("l",), "hél"), (("本", "é"), "hé")])
+def test_stop_strings_kept_in_the_text_when_asked(tokenizer: Any, stop: tuple[str, ...], expected: str) -> None:
+    pieces, detok = stream(tokenizer, encode(tokenizer, TEXT), stop=stop, include_stop=True)
+    assert "".join(pieces) == expected == detok.text and detok.stopped
 
 
 def test_partial_stop_string_is_held_then_released() -> None:
