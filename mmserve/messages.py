@@ -55,6 +55,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output, [-2, 2]
     repetition_penalty: float = 1.0  # > 0; divides positive logits of prompt and output tokens (vLLM's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
+    allowed_token_ids: tuple[int, ...] | None = None  # the only token ids the output may hold; None = all (vLLM's)
     min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens (vLLM's)
     structured: StructuredOutput | None = None  # the output must match it; None = free text
     n: int = 1  # choices generated from the prompt, which is computed once (choices)
@@ -78,6 +79,8 @@ class SamplingParams:
             (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "allowed_token_ids must not be empty (leave it out to allow every token)"),
             (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             (1 <= self.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
@@ -89,9 +92,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, a bias or `min_tokens` changes this request's logits before sampling."""
+        """Whether a penalty, a bias, `allowed_token_ids` or `min_tokens` changes this request's logits before
+        sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:

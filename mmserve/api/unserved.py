@@ -47,7 +47,6 @@ UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "length_penalty": (_is(1.0), "length_penalty applies to beam search, which is not supported"),
     "truncate_prompt_tokens": (_is(), "prompt truncation is not supported"),
     "prompt_logprobs": (_is(), "prompt log-probabilities are not supported"),
-    "allowed_token_ids": (_is(), "allowed_token_ids is not supported (logit_bias is)"),
     "bad_words": (_off, "bad_words is not supported (logit_bias is)"),
     "echo": (_off, "echo is not supported"),
     "add_generation_prompt": (_is(True), "the model's generation prompt is always added"),

@@ -1,15 +1,16 @@
 """Logit adjustments a request asks for: OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty`,
-and vLLM's `repetition_penalty` and `min_tokens`.
+and vLLM's `allowed_token_ids`, `repetition_penalty` and `min_tokens`.
 
 Owns: applying them to one step's logits, rows that ask for none untouched (and no work at all when no
 row asks). Does not own: sampling (sampler.py) nor the log-probs a request sees (those come from the raw
 logits, before any of this).
 
-Order, per row: the bias is added; the repetition penalty divides the positive logits (multiplies the
-negative ones) of every token in the prompt or the output so far, as transformers and vLLM define it; the
-frequency penalty subtracts `frequency_penalty` times a token's count in the output, the presence penalty
-`presence_penalty` once for a token that occurs there at all (OpenAI's definitions); below `min_tokens`
-output tokens the end-of-sequence and stop token ids are masked.
+Order, per row: every token outside `allowed_token_ids` (when set) is masked; the bias is added; the
+repetition penalty divides the positive logits (multiplies the negative ones) of every token in the prompt
+or the output so far, as transformers and vLLM define it; the frequency penalty subtracts
+`frequency_penalty` times a token's count in the output, the presence penalty `presence_penalty` once for a
+token that occurs there at all (OpenAI's definitions); below `min_tokens` output tokens the end-of-sequence
+and stop token ids are masked.
 
 NOTE: a loop over the rows that ask (each a few vector ops on its own row), not one batched kernel.
 Nothing here reads a device value back.
@@ -45,6 +46,10 @@ def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: lis
     wait for the device.
     """
     vocab, device = row.shape[0], row.device
+    if p.allowed_token_ids is not None:
+        allowed = ints_to_device([t for t in p.allowed_token_ids if 0 <= t < vocab], device)
+        allowed_logits = row.index_select(0, allowed)  # (a,)
+        row.fill_(float("-inf")).index_copy_(0, allowed, allowed_logits)
     bias = [(token, value) for token, value in p.logit_bias if 0 <= token < vocab]
     if bias:
         row.index_add_(0, ints_to_device([t for t, _ in bias], device), floats_to_device([v for _, v in bias], device))

@@ -123,7 +123,8 @@ class Preprocessor:
         """Token ids a request names must be the model's: one past its vocabulary would change nothing."""
         if self.vocab_size is None:
             return
-        named = (("logit_bias", [i for i, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids))
+        named = (("logit_bias", [i for i, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids),
+                 ("allowed_token_ids", sampling.allowed_token_ids or ()))
         for param, ids in named:
             bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
             if bad is not None:

@@ -343,3 +343,6 @@ def test_penalties_and_biases_change_what_is_generated(engine):
     [held] = engine.generate([chat("p3", text="Say something", max_tokens=8, stop_token_ids=(favourite,),
                                    min_tokens=3)])
     assert len(held.token_ids) >= 3 and favourite not in held.token_ids[:2]  # no stop before 3 tokens
+    allowed = {t for t in range(40, 60) if t not in plain.token_ids}
+    [only] = engine.generate([chat("p4", text="Say something", max_tokens=8, allowed_token_ids=tuple(allowed))])
+    assert len(only.token_ids) == 8 and set(only.token_ids) <= allowed  # none of them the model's end either

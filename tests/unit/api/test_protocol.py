@@ -254,7 +254,7 @@ def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixtur
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
     ("use_beam_search", True), ("best_of", 3), ("length_penalty", 0.8), ("truncate_prompt_tokens", 10),
     ("prompt_logprobs", 1),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("echo", True), ("add_generation_prompt", False),
+    ("bad_words", ["x"]), ("echo", True), ("add_generation_prompt", False),
     ("continue_final_message", True), ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
     ("priority", 5), ("logits_processors", ["a.b"]), ("return_tokens_as_token_ids", True),
     ("return_token_ids", True), ("kv_transfer_params", {"x": 1}), ("vllm_xargs", {"k": 1}),
@@ -509,6 +509,15 @@ def test_a_requests_own_sampling_fields_win_over_the_defaults() -> None:
     sampling = parse(body).to_chat_request("r", 16, SamplingDefaults(0.7, 0.8, 20, 1.1)).sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (0.0, 5, 1.0, 1.0)
     assert sampling.greedy
+
+
+def test_allowed_token_ids_travel_with_the_sampling_and_may_not_be_empty() -> None:
+    assert parse({"messages": USER}).to_chat_request("r", 16).sampling.allowed_token_ids is None
+    assert parse({"messages": USER, "allowed_token_ids": [4, 2]}).to_chat_request("r", 16).sampling.allowed_token_ids \
+        == (4, 2)
+    with pytest.raises(InvalidSamplingError, match="allowed_token_ids") as info:
+        parse({"messages": USER, "allowed_token_ids": []}).to_chat_request("r", 16)
+    assert error_body(info.value)[1]["error"]["param"] == "allowed_token_ids"
 
 
 def test_vllms_text_options_travel_with_the_sampling() -> None:

@@ -25,6 +25,8 @@ INF = -math.inf
     (SamplingParams(logit_bias=((1, 5.0), (3, -100.0), (99, 1.0))), [2.0, 4.0, 0.5, -97.0]),  # 99: no such id
     (SamplingParams(min_tokens=5, stop_token_ids=(0,)), [INF, -1.0, 0.5, INF]),  # eos (3) and stop id masked
     (SamplingParams(min_tokens=3), ROW),  # three tokens out already
+    (SamplingParams(allowed_token_ids=(1, 2)), [INF, -1.0, 0.5, INF]),  # only those two may come
+    (SamplingParams(allowed_token_ids=(0, 2), logit_bias=((0, 1.0), (1, 9.0))), [3.0, INF, 0.5, INF]),  # then biased
     (SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
      [1.0, -1.0, 0.25 - 0.5 - 0.25, 1.5 - 1.0 - 0.25]),  # repetition first, then the OpenAI penalties
 ])

@@ -414,6 +414,7 @@ def test_a_lone_surrogate_in_the_text_is_a_client_error(pre224: Preprocessor) ->
     (SamplingParams(logit_bias=((5, 1.0), (99_999, 2.0))), "logit_bias", 99_999),
     (SamplingParams(logit_bias=((-1, 2.0),)), "logit_bias", -1),
     (SamplingParams(stop_token_ids=(3, 100_000)), "stop_token_ids", 100_000),
+    (SamplingParams(allowed_token_ids=(3, 100_001)), "allowed_token_ids", 100_001),
 ])
 def test_token_ids_outside_the_vocabulary_are_refused(tiny_ckpt_224: Path, sampling: SamplingParams, param: str,
                                                       bad: int) -> None:
