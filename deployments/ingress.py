@@ -110,7 +110,7 @@ class Ingress:
         if self.served is None:
             served: ServedModel = await retrying(lambda _: self.preprocess.served_model.remote(),
                                                  retries=self.replica_loss_retries, what="the served model")
-            log.info("serving %s; unset sampling fields take the checkpoint's generation_config.json values: %s",
+            log.info("serving %s; a request's unset sampling fields take %s",
                      served.model_id, served.sampling_defaults.describe())
             self.served = served
         return self.served

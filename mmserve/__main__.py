@@ -45,7 +45,7 @@ async def _demo(engine: Engine, max_tokens: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m mmserve", description=__doc__)
     parser.add_argument("--model", help="local Gemma 3 checkpoint folder (default: the built-in tiny one)")
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()

@@ -152,9 +152,10 @@ class SamplingDefaults:
     min_p: float | None = None  # in [0, 1], 0 = off (vLLM's extension)
 
     def describe(self) -> str:
-        """`name=value` of each field set, e.g. `top_k=64, top_p=0.95`; "none" when none is."""
+        """What unset fields take, e.g. "top_p=0.95, top_k=64 (the checkpoint's generation_config.json)"; "OpenAI's
+        defaults" when no field is set."""
         set_ = [f"{name}={value}" for name, value in vars(self).items() if value is not None]
-        return ", ".join(set_) or "none"
+        return f"{', '.join(set_)} (the checkpoint's generation_config.json)" if set_ else "OpenAI's defaults"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def test_the_sampling_fields_the_file_sets_and_nothing_else(tmp_path: Path) -> N
 
 def test_no_file_no_defaults(tmp_path: Path) -> None:
     assert sampling_defaults(tmp_path) == SamplingDefaults()
-    assert SamplingDefaults().describe() == "none"
+    assert SamplingDefaults().describe() == "OpenAI's defaults"
 
 
 def test_values_no_request_could_set_are_left_out_with_a_warning(tmp_path: Path,
@@ -46,7 +46,7 @@ def test_values_no_request_could_set_are_left_out_with_a_warning(tmp_path: Path,
 def test_the_tiny_checkpoint_recommends_gemmas_sampling_unless_told_not_to(tiny_ckpt_224: Path) -> None:
     spec = StageFactory(EngineConfig(model=str(tiny_ckpt_224))).spec
     assert spec.sampling_defaults == SamplingDefaults(top_k=64, top_p=0.95)
-    assert spec.sampling_defaults.describe() == "top_p=0.95, top_k=64"
+    assert spec.sampling_defaults.describe() == "top_p=0.95, top_k=64 (the checkpoint's generation_config.json)"
     off = StageFactory(EngineConfig(model=str(tiny_ckpt_224), sampling_defaults_from_checkpoint=False)).spec
     assert off.sampling_defaults == SamplingDefaults()
 
