@@ -56,6 +56,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; divides positive logits of prompt and output tokens (vLLM's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100])
     allowed_token_ids: tuple[int, ...] | None = None  # the only token ids the output may hold; None = all (vLLM's)
+    bad_words: tuple[str, ...] = ()  # words the output may not complete (vLLM's)
+    # bad_words as the token sequences that spell them, filled in by the preprocess stage (token ids)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens (vLLM's)
     structured: StructuredOutput | None = None  # the output must match it; None = free text
     n: int = 1  # choices generated from the prompt, which is computed once (choices)
@@ -73,6 +76,7 @@ class SamplingParams:
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty words"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
@@ -92,10 +96,11 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, a bias, `allowed_token_ids` or `min_tokens` changes this request's logits before
-        sampling."""
+        """Whether a penalty, a bias, `allowed_token_ids`, `bad_words` or `min_tokens` changes this request's
+        logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
+                    or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -2,13 +2,14 @@
 
 Owns: refusing a body over the configured size (413, before reading it when its Content-Length says
 so, else as soon as the bytes read pass the bound) and decoding JSON with a 400 naming what is wrong
-(not JSON, not UTF-8, nested too deep). Does not own: what the JSON must hold (protocol.py) nor the
-socket (the ingress hands in the body's chunks).
+(not JSON, not UTF-8, nested too deep, text that is not valid Unicode). Does not own: what the JSON must
+hold (protocol.py) nor the socket (the ingress hands in the body's chunks).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -42,9 +43,45 @@ def parse_json(raw: bytes) -> Any:
     except UnicodeDecodeError as err:
         raise InvalidRequestError(f"the request body is not UTF-8 (byte {err.start})") from None
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
         raise InvalidRequestError(f"the request body is not valid JSON: {err.msg} at line {err.lineno} "
                                   f"column {err.colno}") from None
     except RecursionError:  # NOTE: json's C decoder recurses per nesting level
         raise InvalidRequestError("the request body's JSON is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(text):  # NOTE: the walk below only for bodies that escape a surrogate at all
+        where = _lone_surrogate(value)
+        if where is not None:
+            raise InvalidRequestError(f"{where or 'the request body'}: text that is not valid Unicode (a lone "
+                                      "surrogate escape such as \\ud800)", param=where or None)
+    return value
+
+
+# JSON's escape of a UTF-16 surrogate; a pair of them is one character, a lone one no character at all
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path (`messages[0].content`) of the first string, key included, that holds a lone surrogate, "" for
+    the top level; None if none does. NOTE: a loop, not recursion: the body may nest as deep as JSON allows."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str) and not _encodes(item):
+            return path
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if not _encodes(key):
+                    return path
+                stack.append((f"{path}.{key}" if path else key, child))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child) for i, child in enumerate(item))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

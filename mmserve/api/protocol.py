@@ -127,6 +127,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     allowed_token_ids: list[int] | None = None  # extension (vLLM's): the only tokens the output may hold
+    bad_words: list[str] | None = None  # extension (vLLM's): words the output may not complete
     logprobs: bool | None = None
     top_logprobs: int | None = None  # alternatives per token (0-20); needs logprobs
     n: int | None = None  # choices (1-16); the prompt is computed once
@@ -185,6 +186,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             repetition_penalty=_first(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()),
             min_tokens=self.min_tokens or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             structured=self.structured(),

@@ -47,7 +47,6 @@ UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "length_penalty": (_is(1.0), "length_penalty applies to beam search, which is not supported"),
     "truncate_prompt_tokens": (_is(), "prompt truncation is not supported"),
     "prompt_logprobs": (_is(), "prompt log-probabilities are not supported"),
-    "bad_words": (_off, "bad_words is not supported (logit_bias is)"),
     "echo": (_off, "echo is not supported"),
     "add_generation_prompt": (_is(True), "the model's generation prompt is always added"),
     "continue_final_message": (_off, "continuing the final message is not supported"),
@@ -59,6 +58,7 @@ UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_token_ids": (_off, "return_token_ids is not supported"),
     "kv_transfer_params": (_off, "disaggregated serving (kv_transfer_params) is not supported"),
     "vllm_xargs": (_off, "vllm_xargs is not supported"),
+    "structural_tag": (_off, "structural tags are not supported (response_format's json_schema is)"),
 }
 
 _LOGGED_AT_MOST = 256  # distinct unknown names warned about per process (NOTE: a client may send any names)
@@ -82,5 +82,6 @@ def log_unknown(names: Iterable[str]) -> None:
     with _lock:
         new = [n for n in new if n not in _logged][: max(0, _LOGGED_AT_MOST - len(_logged))]
         _logged.update(new)
-    if new:
-        log.warning("request fields ignored (not part of the API mmserve serves): %s", ", ".join(new))
+    if new:  # NOTE: as repr, cut short: a client's field name may be long or hold line breaks
+        log.warning("request fields ignored (not part of the API mmserve serves): %s",
+                    ", ".join(repr(n)[:64] for n in new))

@@ -25,6 +25,7 @@ from mmserve.decoder.grammar_step import GrammarStep
 from mmserve.decoder.kept_gather import KeptGathers
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.decoder.model_runner import ModelRunner, StepLogits, step_size
+from mmserve.decoder.penalties import check_allowed
 from mmserve.decoder.prefix_cache import BlockHasher
 from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
@@ -114,6 +115,7 @@ class Decoder:
         structured output does not compile, InvalidRequestError if a prompt token id is not in the vocabulary.
         `matcher`: its grammar's matcher, made off the step thread (`grammars.matcher`); made here when None."""
         _check_ids(request.prompt_token_ids, self.spec.vocab_size)
+        check_allowed(request.sampling, self.spec.never_sampled, self.spec.eos_token_ids)
         images = PromptImages.of(request.prompt_token_ids, request.features, self.spec.image_token_id) \
             if request.features else None
         seq = Sequence(

@@ -1,5 +1,5 @@
 """Logit adjustments a request asks for: OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty`,
-and vLLM's `allowed_token_ids`, `repetition_penalty` and `min_tokens`.
+and vLLM's `allowed_token_ids`, `bad_words`, `repetition_penalty` and `min_tokens`.
 
 Owns: applying them to one step's logits, rows that ask for none untouched (and no work at all when no
 row asks). Does not own: sampling (sampler.py) nor the log-probs a request sees (those come from the raw
@@ -10,7 +10,8 @@ repetition penalty divides the positive logits (multiplies the negative ones) of
 or the output so far, as transformers and vLLM define it; the frequency penalty subtracts
 `frequency_penalty` times a token's count in the output, the presence penalty `presence_penalty` once for a
 token that occurs there at all (OpenAI's definitions); below `min_tokens` output tokens the end-of-sequence
-and stop token ids are masked.
+and stop token ids are masked; a bad word's last token is masked where the output ends with the rest of it
+(vLLM's definition: a one-token word always).
 
 NOTE: a loop over the rows that ask (each a few vector ops on its own row), not one batched kernel.
 Nothing here reads a device value back.
@@ -18,9 +19,12 @@ Nothing here reads a device value back.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
+from mmserve.errors import InvalidSamplingError
 from mmserve.messages import SamplingParams
 from mmserve.runtime.host_copy import floats_to_device, ints_to_device, to_device
 
@@ -47,7 +51,7 @@ def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: lis
     """
     vocab, device = row.shape[0], row.device
     if p.allowed_token_ids is not None:
-        allowed = ints_to_device([t for t in p.allowed_token_ids if 0 <= t < vocab], device)
+        allowed = _allowed_on(p.allowed_token_ids, vocab, device)  # (a,)
         allowed_logits = row.index_select(0, allowed)  # (a,)
         row.fill_(float("-inf")).index_copy_(0, allowed, allowed_logits)
     bias = [(token, value) for token, value in p.logit_bias if 0 <= token < vocab]
@@ -65,6 +69,53 @@ def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: lis
         # NOTE: float32, as the whole-row form computed it: frequency times count, plus presence once
         cost = np.float32(p.frequency_penalty) * counts[kept].astype(np.float32) + np.float32(p.presence_penalty)
         row.index_add_(0, to_device(ids[kept], device), to_device(-cost, device).to(row.dtype))
+    banned = [word[-1] for word in p.bad_words_token_ids if _completes(output, word) and 0 <= word[-1] < vocab]
+    if banned:
+        row.index_fill_(0, ints_to_device(banned, device), float("-inf"))
     if len(output) < p.min_tokens:
         ends = [t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
         row.index_fill_(0, ints_to_device(ends, device), float("-inf"))
+    if p.allowed_token_ids is not None and eos_token_ids:
+        # NOTE: allowed ids that the output has since made bad words leave no token: the sequence ends (its
+        # end's logits 0) rather than sample from nothing, which no row of a batch may do; no device read
+        ends_t = ints_to_device([t for t in eos_token_ids if 0 <= t < vocab], device)
+        nothing = row.amax() == float("-inf")  # () bool
+        row.index_copy_(0, ends_t, torch.where(nothing, 0.0, row.index_select(0, ends_t)))
+
+
+def _completes(output: list[int], word: tuple[int, ...]) -> bool:
+    """Whether the next token could complete `word`: the output ends with all of it but its last token."""
+    head = len(word) - 1
+    return head == 0 or (len(output) >= head and tuple(output[-head:]) == word[:-1])
+
+
+def check_allowed(p: SamplingParams, never: tuple[int, ...], eos_token_ids: tuple[int, ...]) -> None:
+    """Refuse `allowed_token_ids` that leave a step no token: all of them never sampled, one-token bad words,
+    or (under `min_tokens`) ends."""
+    if p.allowed_token_ids is None:
+        return
+    banned = {*never, *(w[0] for w in p.bad_words_token_ids if len(w) == 1)}
+    if p.min_tokens:
+        banned |= {*eos_token_ids, *p.stop_token_ids}
+    if set(p.allowed_token_ids) <= banned:
+        raise InvalidSamplingError("allowed_token_ids: every id it allows is one the output may not hold (never "
+                                   "sampled by this model, a bad word, or an end before min_tokens)",
+                                   param="allowed_token_ids")
+
+
+_ALLOWED: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # id(allowed ids) -> (them, as a tensor)
+_ALLOWED_KEPT = 64  # requests whose allowed ids are kept as tensors (NOTE: a step would otherwise build them)
+_ALLOWED_LOCK = threading.Lock()  # NOTE: one process may step several decoders (the in-process Engine's tests)
+
+
+def _allowed_on(ids: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """(a,) the in-vocabulary `ids` on `device`, made once per request's tuple (a long list costs per step)."""
+    with _ALLOWED_LOCK:
+        kept = _ALLOWED.get(id(ids))
+        if kept is not None and kept[0] is ids and kept[1].device == device:
+            return kept[1]
+        tensor = ints_to_device([t for t in ids if 0 <= t < vocab], device)
+        if len(_ALLOWED) >= _ALLOWED_KEPT:
+            _ALLOWED.pop(next(iter(_ALLOWED)))
+        _ALLOWED[id(ids)] = (ids, tensor)
+        return tensor

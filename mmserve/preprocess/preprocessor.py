@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,9 @@ class Preprocessor:
         timeline = Timeline()
         req.sampling.validate()
         self._check_stop(req.sampling.stop)
+        self._check_stop(req.sampling.bad_words, "bad_words")
         self._check_token_ids(req.sampling)
+        sampling = self._with_bad_words(req.sampling)
         parsed = parse_messages(req.messages, reserved=self.rule.reserved_strings)
         n_items = len(parsed.image_urls)
         if n_items > self.media.max_images_per_prompt:
@@ -89,7 +92,8 @@ class Preprocessor:
         kwargs = self.rule.resolve_kwargs(req.mm_processor_kwargs)
         text = self._render(parsed, n_items)
         if len(text) > self.max_prompt_chars:
-            raise PromptTooLongError(f"the prompt is {len(text)} characters; the limit is {self.max_prompt_chars}")
+            raise PromptTooLongError(f"the prompt is {len(text)} characters; the limit is {self.max_prompt_chars}",
+                                     param="messages")
         # Without crops the prompt is shortest: refuse a too-long one before fetching any image.
         ids = self._tokenize(self.rule.expand(text, [0] * n_items))
         room = req.sampling.max_tokens if req.max_tokens_asked else 1  # output tokens the context must hold
@@ -104,20 +108,35 @@ class Preprocessor:
         hashes = self.block_hashes(ids, features, req.cache_salt) if self.block_hashes is not None else ()
         timeline.mark("preprocess.features")
         return PreprocessedRequest(request_id=req.request_id, prompt_token_ids=ids, features=features,
-                                   sampling=req.sampling, processor_cache_hits=hits, cache_salt=req.cache_salt,
+                                   sampling=sampling, processor_cache_hits=hits, cache_salt=req.cache_salt,
                                    block_hashes=hashes, timings=timeline.phases)
 
     # --- steps -------------------------------------------------------------------------------
 
-    def _check_stop(self, stop: tuple[str, ...]) -> None:
+    def _check_stop(self, stop: tuple[str, ...], param: str = "stop") -> None:
+        """`stop` (or `bad_words`: each checked every token too) within the limits on their count and length."""
         limits = self.limits
         if len(stop) > limits.max_stop_sequences:
-            raise InvalidSamplingError(f"{len(stop)} stop sequences; the limit is {limits.max_stop_sequences}",
-                                       param="stop")
+            raise InvalidSamplingError(f"{param}: {len(stop)} strings; the limit is {limits.max_stop_sequences}",
+                                       param=param)
         longest = max((len(s) for s in stop), default=0)
         if longest > limits.max_stop_chars:
-            raise InvalidSamplingError(f"a stop sequence of {longest} characters; the limit is {limits.max_stop_chars}",
-                                       param="stop")
+            raise InvalidSamplingError(f"{param}: a string of {longest} characters; the limit is "
+                                       f"{limits.max_stop_chars}", param=param)
+
+    def _with_bad_words(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with its bad words spelled in tokens, as vLLM does: each word as written (leading spaces
+        stripped), and with one leading space where that spells it with other tokens of the same count."""
+        if not sampling.bad_words or sampling.bad_words_token_ids:
+            return sampling
+        spelled: list[tuple[int, ...]] = []
+        for word in sampling.bad_words:
+            plain = tuple(self._tokenize(word.lstrip()))
+            spaced = tuple(self._tokenize(" " + word.lstrip()))
+            spelled.append(plain)
+            if spaced[:1] != plain[:1] and len(spaced) == len(plain):
+                spelled.append(spaced)
+        return replace(sampling, bad_words_token_ids=tuple(spelled))
 
     def _check_token_ids(self, sampling: SamplingParams) -> None:
         """Token ids a request names must be the model's: one past its vocabulary would change nothing."""
@@ -158,7 +177,11 @@ class Preprocessor:
             return
         if room == 1:
             raise PromptTooLongError(f"the prompt is {len(ids)} tokens (images expanded); with at least "
-                                     f"one output token it exceeds max_model_len {self.max_model_len}")
+                                     f"one output token it exceeds max_model_len {self.max_model_len}",
+                                     param="messages")
+        if room >= self.max_model_len:
+            raise PromptTooLongError(f"max_tokens is {room}; the context is {self.max_model_len} tokens "
+                                     "(max_model_len), the prompt included", param="max_tokens")
         raise PromptTooLongError(f"the context is {self.max_model_len} tokens (max_model_len), and {len(ids) + room} "
                                  f"were asked for: {len(ids)} in the prompt (images expanded) and {room} for the "
                                  "output (max_tokens); shorten the messages or lower max_tokens", param="messages")

@@ -343,6 +343,16 @@ def test_penalties_and_biases_change_what_is_generated(engine):
     [held] = engine.generate([chat("p3", text="Say something", max_tokens=8, stop_token_ids=(favourite,),
                                    min_tokens=3)])
     assert len(held.token_ids) >= 3 and favourite not in held.token_ids[:2]  # no stop before 3 tokens
+    tok = engine.preprocessor.tokenizer
+    # a token of the greedy answer that is a word of its own: spelled again, it is that one token
+    j = next(j for j, t in enumerate(plain.token_ids) if tok(tok.decode([t]).lstrip(), add_special_tokens=False)
+             ["input_ids"] == [t] and t not in plain.token_ids[:j])
+    [banned] = engine.generate([chat("p5", text="Say something", max_tokens=8,
+                                     bad_words=(tok.decode([plain.token_ids[j]]),))])
+    assert banned.token_ids[:j] == plain.token_ids[:j] and plain.token_ids[j] not in banned.token_ids
+    never = engine.decoder.spec.never_sampled
+    with pytest.raises(InvalidSamplingError, match="allowed_token_ids"):  # nothing it may sample: refused
+        engine.generate([chat("p6", max_tokens=4, allowed_token_ids=never)])
     allowed = {t for t in range(40, 60) if t not in plain.token_ids}
     [only] = engine.generate([chat("p4", text="Say something", max_tokens=8, allowed_token_ids=tuple(allowed))])
     assert len(only.token_ids) == 8 and set(only.token_ids) <= allowed  # none of them the model's end either

@@ -46,6 +46,21 @@ def test_a_body_that_is_not_json_is_a_400_saying_why(raw: bytes, says: str) -> N
 
 def test_json_decodes_as_is() -> None:
     assert parse_json(b'{"a": [1, "\xc3\xa9"]}') == {"a": [1, "é"]}
+    assert parse_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a surrogate pair is one character
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"messages": [{"content": "hi \\ud800"}]}', "messages[0].content"),
+    (b'{"cache_salt": "\\udfff", "x": "\\ud83d\\ude00"}', "cache_salt"),
+    (b'{"stop": ["ok", "\\uDC00"]}', "stop[1]"),
+    (b'{"\\ud800": 1}', None),
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(raw: bytes, param: str | None) -> None:
+    """JSON may escape half a character; no text may hold one (the tokenizer, hashing and cache keys raise)."""
+    with pytest.raises(InvalidRequestError, match="not valid Unicode") as info:
+        parse_json(raw)
+    status, body = error_body(info.value)
+    assert status == 400 and body["error"]["param"] == param
 
 
 def test_overload_is_a_503_with_retry_after_and_a_deadline_a_504() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from mmserve.api import unserved
 from mmserve.api.errors import (
     ModelNotFoundError,
     UnsupportedParameterError,
@@ -237,13 +238,17 @@ def test_vllms_unserved_extensions_at_their_defaults_are_tolerated() -> None:
     assert parse(body).to_chat_request("r", 16).sampling.max_tokens == 16
 
 
-def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixture) -> None:
-    body = {"messages": USER, "a_field_nobody_knows": 1, "another_unknown_one": "x", "use_beam_search": False}
+def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(unserved, "_logged", set())  # NOTE: the process's names so far: none, for this test
+    body = {"messages": USER, "a_field_nobody_knows": 1, "another_unknown_one": "x", "use_beam_search": False,
+            "line\nbreak" * 20: 0}
     with caplog.at_level(logging.WARNING, logger="mmserve.api.unserved"):
         parse(body).to_chat_request("r", 16)
         parse(body).to_chat_request("r", 16)
     logged = [r.getMessage() for r in caplog.records]
-    assert len(logged) == 1 and "a_field_nobody_knows, another_unknown_one" in logged[0]
+    assert len(logged) == 1 and "'a_field_nobody_knows', 'another_unknown_one'" in logged[0]
+    assert "\n" not in logged[0], "a client's name is logged as repr, cut short"
     assert "use_beam_search" not in logged[0], "a known field at its default is served as asked, not ignored"
 
 
@@ -254,10 +259,11 @@ def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixtur
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
     ("use_beam_search", True), ("best_of", 3), ("length_penalty", 0.8), ("truncate_prompt_tokens", 10),
     ("prompt_logprobs", 1),
-    ("bad_words", ["x"]), ("echo", True), ("add_generation_prompt", False),
+    ("echo", True), ("add_generation_prompt", False),
     ("continue_final_message", True), ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
     ("priority", 5), ("logits_processors", ["a.b"]), ("return_tokens_as_token_ids", True),
     ("return_token_ids", True), ("kv_transfer_params", {"x": 1}), ("vllm_xargs", {"k": 1}),
+    ("structural_tag", {"type": "structural_tag"}),
     ("web_search_options", {}),
 ])
 def test_unsupported_values_are_rejected_naming_the_field(field: str, value: Any) -> None:
@@ -511,10 +517,12 @@ def test_a_requests_own_sampling_fields_win_over_the_defaults() -> None:
     assert sampling.greedy
 
 
-def test_allowed_token_ids_travel_with_the_sampling_and_may_not_be_empty() -> None:
+def test_allowed_token_ids_and_bad_words_travel_with_the_sampling() -> None:
     assert parse({"messages": USER}).to_chat_request("r", 16).sampling.allowed_token_ids is None
     assert parse({"messages": USER, "allowed_token_ids": [4, 2]}).to_chat_request("r", 16).sampling.allowed_token_ids \
         == (4, 2)
+    assert parse({"messages": USER, "bad_words": ["no", "never"]}).to_chat_request("r", 16).sampling.bad_words == \
+        ("no", "never")
     with pytest.raises(InvalidSamplingError, match="allowed_token_ids") as info:
         parse({"messages": USER, "allowed_token_ids": []}).to_chat_request("r", 16)
     assert error_body(info.value)[1]["error"]["param"] == "allowed_token_ids"

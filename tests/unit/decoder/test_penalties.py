@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from mmserve.decoder.penalties import penalized
+from mmserve.decoder.penalties import check_allowed, penalized
 from mmserve.decoder.sampler import Sampler
+from mmserve.errors import InvalidSamplingError
 from mmserve.messages import SamplingParams
 
 ROW = [2.0, -1.0, 0.5, 3.0]
@@ -26,6 +28,9 @@ INF = -math.inf
     (SamplingParams(min_tokens=5, stop_token_ids=(0,)), [INF, -1.0, 0.5, INF]),  # eos (3) and stop id masked
     (SamplingParams(min_tokens=3), ROW),  # three tokens out already
     (SamplingParams(allowed_token_ids=(1, 2)), [INF, -1.0, 0.5, INF]),  # only those two may come
+    # bad words (output 3 3 2): a one-token word always (1); a longer one where the output ends with its head
+    # (3 2 -> 0 masked), not elsewhere (2 2 -> 3, 7 -> 9)
+    (SamplingParams(bad_words_token_ids=((1,), (3, 2, 0), (2, 2, 3), (7, 9))), [INF, INF, 0.5, 3.0]),
     (SamplingParams(allowed_token_ids=(0, 2), logit_bias=((0, 1.0), (1, 9.0))), [3.0, INF, 0.5, INF]),  # then biased
     (SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
      [1.0, -1.0, 0.25 - 0.5 - 0.25, 1.5 - 1.0 - 0.25]),  # repetition first, then the OpenAI penalties
@@ -51,3 +56,23 @@ def test_the_sampler_samples_from_the_adjusted_logits() -> None:
     assert sampler.sample(torch.tensor([ROW]), [biased], [None], [OUTPUT], [PROMPT]).tolist() == [1]
     held = SamplingParams(temperature=0.0, min_tokens=4)
     assert sampler.sample(torch.tensor([ROW]), [held], [None], [OUTPUT], [PROMPT]).tolist() == [0]
+
+
+@pytest.mark.parametrize(("params", "never"), [
+    (SamplingParams(allowed_token_ids=(7,)), (7,)),  # only a token the model never samples
+    (SamplingParams(allowed_token_ids=(3, 0), min_tokens=2, stop_token_ids=(0,)), ()),  # only ends, held back
+    (SamplingParams(allowed_token_ids=(2,), bad_words_token_ids=((2,),)), ()),  # only a one-token bad word
+])
+def test_allowed_ids_that_leave_no_token_are_refused(params: SamplingParams, never: tuple[int, ...]) -> None:
+    with pytest.raises(InvalidSamplingError, match="allowed_token_ids") as info:
+        check_allowed(params, never, eos_token_ids=(3,))
+    assert info.value.param == "allowed_token_ids"
+    check_allowed(replace(params, allowed_token_ids=(*(params.allowed_token_ids or ()), 1)), never, eos_token_ids=(3,))
+
+
+def test_a_row_its_bad_words_leave_without_an_allowed_token_ends_instead_of_sampling_from_nothing() -> None:
+    # allowed 2 only, and "3 2" a bad word: an output ending with 3 bans 2 too
+    params = SamplingParams(allowed_token_ids=(2,), bad_words_token_ids=((3, 2),))
+    out = penalized(torch.tensor([ROW]), [params], [[2, 3]], [PROMPT], eos_token_ids=(3,))
+    assert out[0].tolist() == [INF, INF, INF, 0.0]  # the end (3) alone, at 0
+    assert penalized(torch.tensor([ROW]), [params], [[2]], [PROMPT], (3,))[0].tolist() == [INF, INF, 0.5, INF]

@@ -386,6 +386,9 @@ def test_max_tokens_the_client_set_must_fit_beside_the_prompt(tiny_ckpt_224: Pat
         pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=11)))
     assert info.value.param == "messages" and pp.loader.loads == 1  # type: ignore[attr-defined]  # before fetching
     pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=n + 10), max_tokens_asked=False))
+    with pytest.raises(PromptTooLongError, match=rf"max_tokens is {n + 10}; the context is {n + 10}") as info:
+        pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=n + 10)))
+    assert info.value.param == "max_tokens"
 
 
 def test_prompt_too_long_only_with_crops(tiny_ckpt_224: Path) -> None:
@@ -427,9 +430,24 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny_ckpt_224: Path, sampl
                                                                 stop_token_ids=(0,))))
 
 
+def test_bad_words_are_spelled_in_tokens_as_vllm_does(pre224: Preprocessor) -> None:
+    words = ("hello", " world there")
+    got = pre224.process(request(user(txt("hi")), sampling=SamplingParams(bad_words=words))).sampling
+    tok = pre224.tokenizer
+    expected = []
+    for word in words:
+        plain = tuple(tok(word.lstrip(), add_special_tokens=False)["input_ids"])
+        spaced = tuple(tok(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+        expected += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+    assert got.bad_words_token_ids == tuple(expected) and got.adjusts_logits
+    with pytest.raises(InvalidSamplingError, match="bad_words") as info:
+        pre224.process(request(user(txt("hi")), sampling=SamplingParams(bad_words=("x" * 300,))))
+    assert info.value.param == "bad_words"
+
+
 def test_stop_limits_name_the_field(tiny_ckpt_224: Path) -> None:
     pp = make(tiny_ckpt_224)
-    with pytest.raises(InvalidSamplingError, match="stop sequences") as info:
+    with pytest.raises(InvalidSamplingError, match="stop: 17 strings; the limit is 16") as info:
         pp.process(request(user(txt("hi")), sampling=SamplingParams(stop=tuple("abcdefghijklmnopq"))))
     assert info.value.param == "stop"
 
