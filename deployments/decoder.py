@@ -18,7 +18,7 @@ from ray.serve.exceptions import BackPressureError
 from deployments.args import AppArgs
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
-from deployments.process_setup import configure_step_process
+from deployments.process_setup import configure_step_process, freeze_startup_heap
 from deployments.retry import ACTOR_LOST, attempt_id, retrying
 from mmserve.errors import InvalidRequestError, OverloadedError, ReplicaLostError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
@@ -40,6 +40,7 @@ class Decoder:
         self.replica_loss_retries = app_args.replica_loss_retries
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
+        freeze_startup_heap()  # NOTE: last: everything built above is what it freezes
 
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[RequestOutput | RequestFailed]:
         self.reporter.ensure_started()

@@ -8,6 +8,7 @@ answered, so any replica may serve any call and none has to be told when a reque
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 from typing import Any
@@ -19,7 +20,7 @@ from ray import serve
 from deployments.args import DEFAULT_STAGE_ENV, AppArgs
 from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
-from deployments.process_setup import configure_step_process
+from deployments.process_setup import configure_step_process, freeze_startup_heap
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, RequestFailed
 from mmserve.runtime.embeddings_wire import to_wire
@@ -43,6 +44,7 @@ class Encoder:
         self.early_encodes = 0  # early encodes started here, those that came while the stage was idle (introspection)
         self.reporter = MetricsReporter(hub, "Encoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
+        freeze_startup_heap()  # NOTE: last: everything built above is what it freezes
 
     async def encode(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput | RequestFailed:
         """One (num_embeds, hidden) numpy array per feature; this replica holds nothing for it after."""
@@ -108,4 +110,5 @@ class Encoder:
                 "forward_passes": self.stage.runner.forward_passes,
                 "cache_queries": stats.queries, "cache_hits": stats.hits, "early_found": stats.early_found,
                 "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
+                "frozen_objects": gc.get_freeze_count(),
                 "stage_env": {k: os.environ.get(k) for k in DEFAULT_STAGE_ENV}}

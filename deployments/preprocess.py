@@ -16,6 +16,7 @@ from deployments.args import AppArgs
 from deployments.cache_store import SharedProcessorCache
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
+from deployments.process_setup import freeze_startup_heap
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
@@ -40,6 +41,7 @@ class Preprocess:
         self.ongoing = 0  # requests being processed here now
         self.encoder = hold(encoder) if app_args.early_encode() else None
         self._early: set[asyncio.Task] = set()  # early-encode calls not answered yet (held: see asyncio)
+        freeze_startup_heap()  # NOTE: last: everything built above is what it freezes
 
     async def process(self, request: ChatRequest) -> PreprocessedRequest | RequestFailed:
         self.reporter.ensure_started()

@@ -1,12 +1,15 @@
-"""Process-wide settings of a replica that runs a model step loop (Encoder, Decoder).
+"""Process-wide settings of a replica that runs a model step loop (Encoder, Decoder), and of every replica
+that holds a model's code or files (those and Preprocess).
 
-Owns: torch's intra-op thread count and the interpreter's GIL switch interval in such a replica, and
-where the engine's own log records go there. Does not own the replica's environment variables (those
+Owns: torch's intra-op thread count and the interpreter's GIL switch interval in such a replica, where the
+engine's own log records go there, and taking what a replica built at start-up out of the cyclic garbage
+collector's sight. Does not own the replica's environment variables (those
 reach the process through the stage's `env`, see args.py), nor anything of the model.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -41,3 +44,17 @@ def route_engine_logs() -> None:
         if handler not in engine.handlers:
             engine.addHandler(handler)
     engine.propagate = False  # NOTE: each record once, in Serve's format
+
+
+def freeze_startup_heap() -> None:
+    """Move the objects a replica made while starting (modules, the model's Python objects, the tokenizer) to the
+    interpreter's permanent generation, once its stage is built.
+
+    NOTE: a process holding torch, transformers and a loaded model tracks ~380k such objects, and a full
+    collection over them holds the GIL for ~190 ms (docs/benchmarks.md): the step thread and the event loop
+    stop meanwhile. CPython runs one whenever the objects that outlived collections grow by a quarter, which
+    the first requests' caches and buffers do. Frozen, they are never scanned again (`gc.freeze`, as vLLM does
+    once its engine has started); what is made while serving is collected as before.
+    """
+    gc.collect()
+    gc.freeze()

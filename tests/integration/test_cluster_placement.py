@@ -49,12 +49,14 @@ def test_replicas_report_the_node_ray_placed_them_on(mm_app: AppInfo):
 def test_encoder_replicas_run_torch_on_every_core_with_the_stage_environment(mm_app: AppInfo):
     """Ray gives a 0-CPU replica OMP_NUM_THREADS=1; the stage sets torch's threads itself, and the stage's
     `env` (libgomp's spin count, glibc's malloc thresholds) reaches the replica's process, and so does the
-    short GIL switch interval."""
+    short GIL switch interval and the frozen start-up heap."""
     handle = mm_app.handle("Encoder")
     infos = info_of_every_replica(lambda: handle.replica_info.remote(), 2)
     cores = len(os.sched_getaffinity(0))  # the nodes of a local Cluster share this machine's cores
     assert all(i["stage_env"] == DEFAULT_STAGE_ENV for i in infos.values())
     assert {(i["torch_threads"], i["switch_interval_s"]) for i in infos.values()} == {(cores, SWITCH_INTERVAL_S)}
+    # what the replica built at start-up is out of the garbage collector's sight (process_setup.freeze_startup_heap)
+    assert all(i["frozen_objects"] > 100_000 for i in infos.values()), [i["frozen_objects"] for i in infos.values()]
 
 
 def test_the_decoder_replica_chose_its_matmul_forms_at_start_up(mm_app: AppInfo):
