@@ -131,6 +131,7 @@ class Preprocessor:
             return sampling
         spelled: list[tuple[int, ...]] = []
         for word in sampling.bad_words:
+            _check_unicode(word, "bad_words")
             plain = tuple(self._tokenize(word.lstrip()))
             spaced = tuple(self._tokenize(" " + word.lstrip()))
             spelled.append(plain)
@@ -160,14 +161,10 @@ class Preprocessor:
         if placed != n_items:  # e.g. an image in a message the template drops
             raise InvalidRequestError(f"the chat template placed {placed} image placeholders "
                                       f"for {n_items} images")
+        _check_unicode(text, "messages")
         return text
 
     def _tokenize(self, text: str) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:  # NOTE: JSON's \ud800 escape makes a lone surrogate; no tokenizer takes it
-            raise InvalidRequestError(f"messages: the text is not valid Unicode ({err.reason} at character "
-                                      f"{err.start} of the rendered prompt)", param="messages") from None
         with self._lock:  # NOTE: the template already starts with <bos>; add no special tokens
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -275,3 +272,12 @@ class Preprocessor:
                 num_embeds=sum(e - s for s, e in mine), data=item))
         return features
 
+
+def _check_unicode(text: str, param: str) -> None:
+    """Refuse text the tokenizer cannot take. NOTE: JSON's \\ud800 escape decodes to a lone surrogate, which is
+    no character (the HTTP edge refuses such a body first; this guards the in-process Engine)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequestError(f"{param}: the text is not valid Unicode ({err.reason} at character "
+                                  f"{err.start})", param=param) from None

@@ -411,6 +411,9 @@ def test_a_lone_surrogate_in_the_text_is_a_client_error(pre224: Preprocessor) ->
             pre224.process(request(messages))
         assert info.value.param == "messages"
     assert pre224.process(request(user(txt("a pair is fine \U0001f600")))).prompt_token_ids
+    with pytest.raises(InvalidRequestError, match="not valid Unicode") as info:
+        pre224.process(request(user(txt("hi")), sampling=SamplingParams(bad_words=("no\ud800",))))
+    assert info.value.param == "bad_words"
 
 
 @pytest.mark.parametrize(("sampling", "param", "bad"), [
