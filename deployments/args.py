@@ -48,9 +48,15 @@ class Autoscaling(_Strict):
 # after freeing a big block, up to 32 MiB and twice that, but not for every pattern (a Preprocess replica
 # faulted in every new image's buffers again: docs/benchmarks.md has the counts). These are glibc's own
 # ceilings, set from the start. Other C libraries ignore them.
+# NOTE: glibc hands a thread that finds no free arena a new one, up to 8 per core. The Encoder runs each
+# vision forward on a thread of its own (its OpenMP team ends with it: mmserve/runtime/passing_thread.py),
+# and with glibc's default a replica's first ~10 forwards each faulted in 10-20k pages (their threads took
+# arenas that no earlier forward had grown) and ran up to 2x slower; with two arenas, only the first two
+# forwards did (docs/benchmarks.md). Two: one for the serving threads' small blocks, one for compute.
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+MALLOC_ARENAS = 2  # glibc arenas per replica process (arenas)
 DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
-                     "MALLOC_TRIM_THRESHOLD_": str(2 * MMAP_THRESHOLD_BYTES)}
+                     "MALLOC_TRIM_THRESHOLD_": str(2 * MMAP_THRESHOLD_BYTES), "MALLOC_ARENA_MAX": str(MALLOC_ARENAS)}
 # NOTE: Ray sends a call's argument inline, in the call's own message, up to 100 KiB, and through the
 # object store past that: a put by the caller and a fetch by the callee through their raylet, which cost
 # a 330 KB argument ~3 ms more than inline (docs/benchmarks.md). A request body carrying an image as a

@@ -26,6 +26,7 @@ def test_replica_environment_reaches_ray_actor_options() -> None:
     # glibc's own ceilings for its dynamic thresholds: 32 MiB to mmap, twice that to trim
     assert (DEFAULT_STAGE_ENV["MALLOC_MMAP_THRESHOLD_"], DEFAULT_STAGE_ENV["MALLOC_TRIM_THRESHOLD_"]) == (
         str(32 << 20), str(64 << 20))
+    assert DEFAULT_STAGE_ENV["MALLOC_ARENA_MAX"] == "2"  # threads reuse the arenas that earlier calls grew
     args = parse_args({"encoder.env": '{"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}', "decoder.env": "{}"})
     assert args.encoder.deployment_options()["ray_actor_options"]["runtime_env"] == {
         "env_vars": {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}}
