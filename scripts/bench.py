@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib import plots, profile, report, targets
+from bench_lib.allocator import malloc_as_replicas
 from bench_lib.checkpoint import BENCH_SIZES, bench_checkpoint, calibrate
 from bench_lib.probes import probe_plan
 from bench_lib.runner import Bench
@@ -99,13 +100,16 @@ def sequential_groups(systems: list[str]) -> list[list[str]]:
     so its cells run then and it is taken down (stopped and freed) before any server starts.
 
     NOTE: an Engine kept loaded in this process while a server's cells ran went with ~100 ms slower first 7-11
-    vision forwards of that server in each such run measured, and with none in the runs without it; why is not
-    found (docs/benchmarks.md). "Sequential" means one system up."""
+    vision forwards of that server in each such run measured, and with none in the runs without it, on an AMD
+    VM; on an Intel VM a plain client saw them too, and their cause there was the replicas' malloc arenas,
+    since capped (deployments/args.py, docs/benchmarks.md). "Sequential" means one system up."""
     return [[s] for s in sorted(systems, key=lambda s: s != "engine")]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # NOTE: the in-process systems (Engine, generate) under the replicas' malloc settings (allocator.py)
+    malloc = malloc_as_replicas()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # NOTE: in order with tqdm's stderr
     signal.signal(signal.SIGTERM, _sigterm)
     run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     doc: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                            "machine": report.machine(), "checkpoint_sizes": BENCH_SIZES, "mmserve_args": MMSERVE_ARGS}
-    print(f"machine: {doc['machine']}")
+    print(f"machine: {doc['machine']}; this process's malloc as the replicas': {malloc}")
     ckpt = bench_checkpoint()
     doc["checkpoint"] = str(ckpt)
     doc["calibration"] = cal = calibrate(ckpt, repeats=1 if args.quick else 3)

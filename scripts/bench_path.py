@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_lib import timeline  # noqa: E402
+from bench_lib.allocator import malloc_as_replicas  # noqa: E402
 from bench_lib.idle_tax import idle_tax, serve_processes, wakeups_per_s  # noqa: E402
 from bench_lib.path import (  # noqa: E402
     STREAM_TOKENS,
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--app", action="append", default=[], metavar="KEY=VALUE",
                     help="an app argument as `serve run` takes it, e.g. decoder.embedding_cache_bytes=0 (repeatable)")
     args = ap.parse_args(argv)
+    # NOTE: the in-process Engine under the replicas' malloc settings, set before any thread (allocator.py)
+    print(f"this process's malloc as the replicas': {malloc_as_replicas()}")
     from deployments.args import parse_args
     from mmserve.engine import Engine
 
