@@ -35,7 +35,7 @@ class Encoder:
         configure_step_process(app_args.encoder)
         stages = StageFactory(app_args.engine_config(app_args.encoder))
         self.resolver = PixelResolver(cache_store)
-        self.service = stages.encoder(resolve=self.resolver)
+        self.service = stages.encoder(resolve=self.resolver, alone=True)  # NOTE: no other torch stage here
         stages.release_unused()
         self.stage = self.service.stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -52,9 +52,12 @@ class StageFactory:
                             limits=self.config.limits,
                             block_hashes=self._block_hasher().prompt if stamp else None)
 
-    def encoder(self, resolve: Resolver = inline_pixels) -> EncoderService:
+    def encoder(self, resolve: Resolver = inline_pixels, alone: bool = False) -> EncoderService:
+        """`alone`: no other torch stage runs in this process (a Ray replica), so the vision forwards need not
+        leave their OpenMP pool behind (EncoderRunner's `passing_forwards`)."""
         stage = in_passing_thread(  # NOTE: loading and timing kernels leave no OpenMP pool behind (passing_thread.py)
-            lambda: EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device))
+            lambda: EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device,
+                                       passing_forwards=not alone))
         if self.device.type == "cuda" and self.spec.image_size:  # NOTE: its kernels loaded now, not on the first image
             stage.runner.warm_up(self.spec.image_size)
         return EncoderService(stage, batch_wait_s=batch_wait_s(self.config.encoder.batch_wait_ms, self.device),

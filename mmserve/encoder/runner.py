@@ -41,6 +41,7 @@ class EncoderRunner:
         *,
         device: str | torch.device = "cpu",
         max_batch_items: int | None = None,  # None = by device: GPU_BATCH_ITEMS, CPU_BATCH_ITEMS on a CPU
+        passing_forwards: bool = True,  # on a CPU, each forward in a thread of its own (flag)
     ) -> None:
         self.device = torch.device(device)
         if max_batch_items is None:
@@ -48,6 +49,7 @@ class EncoderRunner:
         if max_batch_items < 1:
             raise ValueError(f"max_batch_items must be >= 1, got {max_batch_items}")
         self.encode_images = encode_images
+        self.passing_forwards = passing_forwards and self.device.type == "cpu"
         self.threads = StepThreads(self.device)  # the count torch has now, re-applied in whatever thread runs us
         self.max_batch_items = max_batch_items  # crops per vision forward
         self.forward_passes = 0  # vision forwards run
@@ -64,10 +66,14 @@ class EncoderRunner:
         if not items:
             return []
         crops, n_crops = _flatten_crops(items)
-        # NOTE: on a CPU in a passing thread, whose OpenMP pool ends with the forward: a pool kept by the
-        # encoder's thread would slow every small step of a decoder in the same process (passing_thread.py)
+        # NOTE: on a CPU beside a decoder in the same process, in a passing thread, whose OpenMP pool ends with
+        # the forward: a pool kept by the encoder's thread would slow every small step of that decoder
+        # (passing_thread.py). A process with no other torch stage (`passing_forwards` off) runs them here, in
+        # the stage's own thread: its pool and malloc arena then stay warm from one forward to the next (a new
+        # thread each time is handed glibc's arenas in turn, and the first forwards fault theirs in:
+        # docs/benchmarks.md).
         per_item = in_passing_thread(lambda: self._encode(crops, n_crops), "mmserve-vision") \
-            if self.device.type == "cpu" else self._encode(crops, n_crops)
+            if self.passing_forwards else self._encode(crops, n_crops)
         if self.device.type == "cuda":
             # NOTE: the forward waited for here: the step's `encoder.forward` is then the forward's time, not its
             # launches', and an error the device raises asynchronously fails this step, whose requests the stage

@@ -67,9 +67,11 @@ class EncoderStage:
         config: EncoderConfig | None = None,
         *,
         device: str | torch.device = "cpu",
+        passing_forwards: bool = True,  # see EncoderRunner (flag)
     ) -> EncoderStage:
         config = config or EncoderConfig()
-        runner = EncoderRunner(encode_images, device=device, max_batch_items=config.max_batch_items)
+        runner = EncoderRunner(encode_images, device=device, max_batch_items=config.max_batch_items,
+                               passing_forwards=passing_forwards)
         return cls(runner, config)
 
     # ---- requests in and out ----

@@ -3,6 +3,7 @@ failure rollback."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -325,6 +326,25 @@ def test_runner_hands_uint8_pixels_to_the_callable_which_owns_the_dtype() -> Non
     (emb,) = EncoderRunner(spy).embed_multimodal([_item(1)])
     assert seen == [torch.uint8]
     assert emb.dtype == torch.bfloat16 and emb.shape == (MM_TOKENS, HIDDEN)
+
+
+@pytest.mark.parametrize("passing", [True, False])
+def test_cpu_forwards_run_in_a_passing_thread_unless_the_stage_is_alone(passing: bool) -> None:
+    """Beside a decoder each vision forward runs in a thread that ends with it (its OpenMP pool too); a process
+    with no other torch stage runs them in the calling thread (the stage's own), whose pool and malloc arena
+    stay warm from one forward to the next."""
+    vision = FakeVision()
+    threads: list[int] = []
+
+    def spy(px: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.get_ident())
+        return vision(px)
+
+    runner = EncoderRunner(spy, passing_forwards=passing)
+    for seed in (1, 2):
+        (emb,) = runner.embed_multimodal([_item(seed)])
+        assert_close_ulps(emb, _alone(vision, _item(seed)), FAKE_ULPS)
+    assert (threading.get_ident() in threads) is not passing and len(threads) == 2
 
 
 def test_real_gemma3_vision_batches_like_alone(tiny_ckpt_224: Any) -> None:
