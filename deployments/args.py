@@ -48,11 +48,13 @@ class Autoscaling(_Strict):
 # after freeing a big block, up to 32 MiB and twice that, but not for every pattern (a Preprocess replica
 # faulted in every new image's buffers again: docs/benchmarks.md has the counts). These are glibc's own
 # ceilings, set from the start. Other C libraries ignore them.
-# NOTE: glibc hands a thread that finds no free arena a new one, up to 8 per core. The Encoder runs each
-# vision forward on a thread of its own (its OpenMP team ends with it: mmserve/runtime/passing_thread.py),
-# and with glibc's default a replica's first ~10 forwards each faulted in 10-20k pages (their threads took
-# arenas that no earlier forward had grown) and ran up to 2x slower; with two arenas, only the first two
-# forwards did (docs/benchmarks.md). Two: one for the serving threads' small blocks, one for compute.
+# NOTE: glibc makes up to 8 malloc arenas per core, and a Ray worker's ~40 threads have taken them all
+# before a replica's first call; a thread started later is handed the next arena in turn. While the Encoder
+# ran each vision forward on a thread of its own, its first ~8 forwards each grew another arena to the
+# forward's working set, faulting in 10-20k pages (up to 2x slower), and every arena kept a copy of it; with
+# two arenas only the first two did (docs/benchmarks.md). Its forwards now run in its step thread
+# (StageFactory.encoder(alone=True)); the cap still keeps any thread that starts later on memory that
+# earlier ones grew, and the replicas smaller: one arena for the serving threads' blocks, one for compute.
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 MALLOC_ARENAS = 2  # glibc arenas per replica process (arenas)
 DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
