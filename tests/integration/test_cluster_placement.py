@@ -48,7 +48,7 @@ def test_replicas_report_the_node_ray_placed_them_on(mm_app: AppInfo):
 
 def test_encoder_replicas_run_torch_on_every_core_with_the_stage_environment(mm_app: AppInfo):
     """Ray gives a 0-CPU replica OMP_NUM_THREADS=1; the stage sets torch's threads itself, and the stage's
-    `env` (libgomp's spin count, glibc's malloc thresholds) reaches the replica's process, and so does the
+    `env` (libgomp's spin count, glibc's malloc thresholds and arena cap) reaches the replica's process, and so does the
     short GIL switch interval and the frozen start-up heap."""
     handle = mm_app.handle("Encoder")
     infos = info_of_every_replica(lambda: handle.replica_info.remote(), 2)
