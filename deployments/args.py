@@ -39,9 +39,12 @@ class Autoscaling(_Strict):
     look_back_period_s: float | None = Field(None, gt=0)  # window the load is averaged over
 
 
-# NOTE: OpenMP threads that finished a parallel region spin-wait (libgomp: 300k spins) before they sleep;
-# with two step processes on few cores that spinning starves the other one (docs/benchmarks.md has the
-# figures). libgomp reads it when torch loads, so it is set in the replica's environment.
+# NOTE: OpenMP threads that finished a parallel region spin-wait (libgomp: 300k spins, a few ms) before they
+# sleep; with two step processes on few cores that spinning starves the other one (docs/benchmarks.md has the
+# figures). libgomp reads it when torch loads, so it is set in the replica's environment. The Decoder keeps
+# libgomp's own spin (DECODER_ENV): a short one put its second thread to sleep between a decode step's ~100
+# small regions, and each wake waited for a core; its steps yield threads instead while an encode on its
+# host's CPU runs (DecoderConfig.threads_beside_encodes), the other step process on a node's cores.
 # NOTE: glibc's malloc serves a block above its mmap threshold with a fresh mapping, and gives the heap's
 # free top back to the kernel past its trim threshold; either way the next request's buffers (a decoded
 # image, its resized copy, activations) fault in their pages again. glibc raises both thresholds itself
@@ -59,6 +62,7 @@ MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on
 MALLOC_ARENAS = 2  # glibc arenas per replica process (arenas)
 DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
                      "MALLOC_TRIM_THRESHOLD_": str(2 * MMAP_THRESHOLD_BYTES), "MALLOC_ARENA_MAX": str(MALLOC_ARENAS)}
+DECODER_ENV = {k: v for k, v in DEFAULT_STAGE_ENV.items() if k != "GOMP_SPINCOUNT"}
 # NOTE: Ray sends a call's argument inline, in the call's own message, up to 100 KiB, and through the
 # object store past that: a put by the caller and a fetch by the callee through their raylet, which cost
 # a 330 KB argument ~3 ms more than inline (docs/benchmarks.md). A request body carrying an image as a
@@ -187,6 +191,7 @@ class PreprocessArgs(StageArgs):
 
 class DecoderArgs(RoutedStageArgs):
     max_ongoing_requests: int = Field(256, ge=1)  # streams a replica holds at once (its batch and queue)
+    env: dict[str, str] = Field(default_factory=lambda: dict(DECODER_ENV))  # replica environment
 
 
 class AppArgs(_Strict):

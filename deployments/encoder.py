@@ -66,7 +66,7 @@ class Encoder:
             arrays, dtype = to_wire(encoded.embeddings)
         timeline.add(encoded.timings)
         timeline.since_start("encoder.replica")  # the call's whole time here: its round trip less this is the hop
-        return EncoderOutput(request_id, arrays, dtype=dtype, timings=timeline.phases)
+        return EncoderOutput(request_id, arrays, dtype=dtype, timings=timeline.phases, host=encoded.host)
 
     async def encode_early(self, request_id: str, features: list[MultiModalFeatureSpec]) -> bool:
         """Start encoding a request's items into this replica's cache before its `encode` call comes (the

@@ -93,6 +93,10 @@ class DecoderConfig(_Bounded):
     small_step_tokens: int = at_least(0, 16)  # a step computing at most this many new tokens is small (decodes)
     small_step_threads: int | None = at_least(1, None)  # threads of a small step
     big_step_threads: int | None = at_least(1, None)  # threads of the other steps (prefill chunks)
+    # ... and at most this many for every step while an encode the decoder waits for computes on its host's CPU
+    # (the Engine's own encoder, or an Encoder replica beside it): two OpenMP teams on the same cores each wait
+    # at every barrier for a member the other preempted (runtime/shared_cores.py); None = no limit
+    threads_beside_encodes: int | None = at_least(1, 1)
     # CPU only: time equivalent forms of a small step's x @ w.T at start-up, per row count and thread count, and
     # use the fastest (runtime/matmul_forms.py); False = F.linear throughout
     measure_matmul_forms: bool = True

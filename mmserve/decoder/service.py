@@ -24,6 +24,7 @@ from mmserve.decoder.embedding_cache import EmbeddingCache
 from mmserve.decoder.stream_pacing import StreamPacing
 from mmserve.errors import OverloadedError
 from mmserve.messages import DecodeRequest, EncoderOutput, PreprocessedRequest, RequestOutput, merge_outputs
+from mmserve.runtime.shared_cores import SharedCores
 from mmserve.runtime.step_loop import StepLoop
 from mmserve.runtime.timeline import Timeline
 
@@ -54,6 +55,8 @@ class DecoderService:
         self._live: dict[str, _Live] = {}
         self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder
         decoder.on_missing = self._on_missing
+        self.shared_cores = SharedCores()  # encodes in flight on this host's CPU: the steps take fewer threads
+        decoder.runner.threads.beside = self.shared_cores.busy
 
     async def generate(
         self, pre: PreprocessedRequest, encode: EncodeFn | None = None
@@ -211,7 +214,9 @@ class DecoderService:
             assert live.encode is not None
             sub = replace(live.pre, request_id=encoder_id, features=[features[i] for i in missing])
             started = time.perf_counter()
-            out = await live.encode(sub)
+            with self.shared_cores.waiting():
+                out = await live.encode(sub)
+            self.shared_cores.answered(out.host)
             # NOTE: the call's round trip and, inside it, the encoder's own phases (the rest is the hop)
             live.timeline.add(((call, (time.perf_counter() - started) * 1e3), *out.timings))
             for i, emb in zip(missing, out.embeddings, strict=True):

@@ -14,6 +14,7 @@ import logging
 from mmserve.encoder.outputs import Resolver, inline_pixels
 from mmserve.encoder.stage import EncoderStage
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec
+from mmserve.runtime.shared_cores import cpu_host
 from mmserve.runtime.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class EncoderService:
         try:
             async for out in self.loop.outputs(request_id):
                 dtype = str(out.embeddings[0].dtype).removeprefix("torch.")  # NOTE: tensors here, not the wire's numpy
-                return EncoderOutput(request_id, list(out.embeddings), dtype=dtype, timings=out.timings)
+                return EncoderOutput(request_id, list(out.embeddings), dtype=dtype, timings=out.timings,
+                                     host=cpu_host(self.stage.runner.device.type))
         except asyncio.CancelledError:  # the caller left before its embeddings came
             self.abort(request_id)
             raise

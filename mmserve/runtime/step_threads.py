@@ -76,6 +76,10 @@ class StepThreads:
         self.medians_ms: dict[str, dict[int, float]] = {}  # each kind measured -> median step by count (ms)
         # a count the config left open is re-measured while serving, on that kind's own steps
         self.trials = self._open_trials() if self.enabled else {}
+        # at most this many threads while `beside()` says other work computes on these cores (None: no limit)
+        self.beside_count = config.threads_beside_encodes if config is not None else None
+        self.beside: Callable[[], bool] = lambda: False  # set by the owner (decoder/service.py: encodes here)
+        self._yielded = False  # whether the step `apply` set up yields to that work (no trial sees it)
 
     def _open_trials(self) -> dict[str, ThreadTrials]:
         counts = (1, self.available)
@@ -103,18 +107,31 @@ class StepThreads:
         return not self.enabled or self.threads_for(num_new_tokens, attended) < self.cores
 
     def apply(self, num_new_tokens: int, attended: int = 0) -> int:
-        """Set torch's threads for the coming step in the calling thread (no-op off CPU) -> the count."""
+        """Set torch's threads for the coming step in the calling thread (no-op off CPU) -> the count: its
+        kind's, or its trial's, or fewer while other work computes on these cores (`beside`: no trial sees
+        such a step)."""
         wanted = self.threads_for(num_new_tokens, attended)
-        trial = self._trial(num_new_tokens, attended)
-        if trial is not None:
+        limit = self._beside_limit(wanted)
+        self._yielded = limit is not None
+        trial = None if self._yielded else self._trial(num_new_tokens, attended)
+        if limit is not None:
+            wanted = limit
+        elif trial is not None:
             wanted = trial[0].count_for(trial[1])
         if self.enabled and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
         return wanted
 
+    def _beside_limit(self, wanted: int) -> int | None:
+        """The fewer threads a step of `wanted` takes while other work computes on these cores; None: as wanted."""
+        limit = self.beside_count
+        if not self.enabled or limit is None or limit >= wanted or not self.beside():
+            return None
+        return limit
+
     def observe(self, num_new_tokens: int, seconds: float, count: int, attended: int = 0) -> None:
         """A step `apply` set up took `seconds` at `count` threads (fed to its kind's trials; CPU only)."""
-        trial = self._trial(num_new_tokens, attended)
+        trial = None if self._yielded else self._trial(num_new_tokens, attended)
         if trial is not None:
             trials, current = trial
             finished = trials.trials
@@ -152,7 +169,7 @@ class StepThreads:
 
     def possible_counts(self) -> set[int]:
         """Every thread count a step may run with: the configured ones, and 1 and all where one is open."""
-        counts = {min(c, self.available) for c in (self.small, self.big) if c is not None}
+        counts = {min(c, self.available) for c in (self.small, self.big, self.beside_count) if c is not None}
         return counts | ({1, self.available} if self.small is None or self.big is None else set())
 
     @property

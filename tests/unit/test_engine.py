@@ -356,3 +356,21 @@ def test_penalties_and_biases_change_what_is_generated(engine):
     allowed = {t for t in range(40, 60) if t not in plain.token_ids}
     [only] = engine.generate([chat("p4", text="Say something", max_tokens=8, allowed_token_ids=tuple(allowed))])
     assert len(only.token_ids) == 8 and set(only.token_ids) <= allowed  # none of them the model's end either
+
+
+def test_the_decoders_steps_see_its_encode_on_this_hosts_cpu_only_while_it_runs(engine, monkeypatch):
+    threads, original = engine.decoder.runner.threads, engine.encoder_service.encode
+    seen: list[bool] = []
+
+    async def watched(request_id: str, features: list[Any], early: bool = False) -> Any:
+        seen.append(threads.beside())
+        out = await original(request_id, features, early)
+        seen.append(threads.beside())
+        return out
+
+    monkeypatch.setattr(engine.encoder_service, "encode", watched)
+    engine.generate([chat("beside-1", data_url(make_image(320, 200, seed=31)))])
+    assert seen == [True, True] and not threads.beside()  # after the call, before the decoder's own steps
+    engine.decoder_service.shared_cores.answered("")  # as if the encoder had moved to an accelerator
+    engine.generate([chat("beside-2", data_url(make_image(320, 200, seed=32)))])
+    assert seen[2:] == [False, False]

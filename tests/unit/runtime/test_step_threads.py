@@ -265,3 +265,29 @@ def test_a_measurement_of_short_steps_goes_on_until_it_can_tell_the_company(cloc
         assert steps_taken(0.1) == 2 * (2 + 64)  # never more rounds than most_rounds
     finally:
         torch.set_num_threads(before)
+
+
+def test_steps_take_fewer_threads_while_work_computes_beside_them_and_no_trial_counts_those_steps() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16))  # counts open: trials run
+        threads.small = threads.heavy = threads.big = 2  # as if measured
+        busy = [False]
+        threads.beside = lambda: busy[0]
+        assert (threads.apply(1), threads.apply(300)) == (2, 2)
+        busy[0] = True
+        assert (threads.apply(1), threads.apply(300)) == (1, 1) and torch.get_num_threads() == 1
+        assert threads.leaves_a_core(1) is False  # what the step's kind takes, not the yield
+        for _ in range(2 * 256):  # more than a trial's first period, all yielded
+            threads.observe(1, 0.001, threads.apply(1))
+        busy[0] = False
+        assert threads.apply(1) == 2  # the trial's period did not run out on yielded steps
+        assert threads.trials["small"].trials == 0
+        assert 1 in threads.possible_counts()
+        unlimited = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=2, big_step_threads=2,
+                                                   threads_beside_encodes=None))
+        unlimited.beside = lambda: True
+        assert unlimited.apply(1) == 2 and unlimited.possible_counts() == {2}
+    finally:
+        torch.set_num_threads(before)
