@@ -37,6 +37,8 @@ from bench_lib.runner import Bench
 from bench_lib.systems import MMSERVE_ARGS
 from bench_lib.workloads import WORKLOADS, cell_requests, probe_requests
 
+from mmserve.runtime.passing_thread import in_passing_thread
+
 SYSTEMS = ("mmserve", "transformers", "generate", "engine")
 
 
@@ -121,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {doc['machine']}; this process's malloc as the replicas': {malloc}")
     ckpt = bench_checkpoint()
     doc["checkpoint"] = str(ckpt)
-    doc["calibration"] = cal = calibrate(ckpt, repeats=1 if args.quick else 3)
+    # NOTE: in a thread that ends: transformers' forwards in this (the main) thread would leave it an OpenMP pool
+    # beside the in-process Engine's step thread's, and a second pool slowed the Engine's steps by ~40%
+    # (mmserve/runtime/passing_thread.py; docs/benchmarks.md)
+    doc["calibration"] = cal = in_passing_thread(lambda: calibrate(ckpt, repeats=1 if args.quick else 3))
     print(f"checkpoint {ckpt.name}: {cal['parameters_millions']:.1f} M parameters; sizes {BENCH_SIZES}")
     print(f"calibration: vision encoder {cal['encoder_ms_per_image']:.0f} ms per 896-px image (target 100-500), "
           f"decoder step {cal['decoder_step_ms_b1']:.1f} ms at batch 1 (target 5-30), "

@@ -8,6 +8,7 @@ to a replica on the caller's node first); every check also asks the replica who 
 
 from __future__ import annotations
 
+import socket
 import uuid
 from typing import Any
 
@@ -135,6 +136,7 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     # ...yet a request still carrying that reference is encoded: the encoder falls back to the store's copy.
     orphan: EncoderOutput = mm_app.handle("Encoder").encode.remote("orphan", first.features).result(timeout_s=120)
     assert orphan.embeddings[0].shape[0] == first.features[0].num_embeds
+    assert orphan.host == socket.gethostname()  # a CPU forward names its host (the local Cluster's nodes share it)
     # The replacement replica finds the item in the store: no processor run, the store's own copy.
     again = process_on(probe_a, url)
     assert again.processor_cache_hits == 1
