@@ -3,9 +3,10 @@
 Owns: the count per step (a small step, i.e. decodes, and a big one, i.e. prefill chunks, may differ;
 among decodes, a light one and a heavy one, by the context rows they attend), choosing a count the
 config leaves open by timing a few steps at 1 and at all of the stage's threads on the loaded model
-(and again while serving, on each kind's own steps: `thread_trials.py`), and applying it in the calling
-thread. Does not own what a step computes (the runners) nor the process-wide default (set by whoever
-starts the stage, e.g. a Ray replica from its stage's `torch_threads`).
+(and again while serving, on each kind's own steps: `thread_trials.py`), taking fewer while work the
+stage waits for computes on the same cores (`beside`: an encode on this host's CPU, `shared_cores.py`),
+and applying it in the calling thread. Does not own what a step computes (the runners) nor the process-wide
+default (set by whoever starts the stage, e.g. a Ray replica from its stage's `torch_threads`).
 
 NOTE: decodes differ in work by more than their token count: a batch of 8 at 8k tokens of context reads
 hundreds of times the keys of one short sequence, and a second thread that changes nothing for the light
