@@ -71,6 +71,10 @@ DECODER_ENV = {k: v for k, v in DEFAULT_STAGE_ENV.items() if k != "GOMP_SPINCOUN
 # ingress.max_body_bytes) still go through the object store, whose fixed cost is small beside their copies.
 INGRESS_INLINE_BYTES = 1 << 20
 INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
+# NOTE: the same limit holds for what a call returns, read in the process that returns it: an Encoder replica's
+# answer (one image's embeddings, 512 KB on the benchmark checkpoint) then travels in the reply itself instead of
+# a put into its node's object store and a fetch by the Decoder (~2 ms less a call, docs/benchmarks.md).
+ENCODER_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
 # The environment mmserve wants every Ray node to start with (Serve has no per-app setting for it): bodies
 # inline as above, in Serve's own processes too.
 # NOTE: HAProxy's mode (`RAY_SERVE_ENABLE_HA_PROXY=1`) is not in it: the Decoder ran slower beside it on the
@@ -189,6 +193,10 @@ class PreprocessArgs(StageArgs):
     early_encode: bool | None = None
 
 
+class EncoderArgs(RoutedStageArgs):
+    env: dict[str, str] = Field(default_factory=lambda: dict(ENCODER_ENV))  # replica environment
+
+
 class DecoderArgs(RoutedStageArgs):
     max_ongoing_requests: int = Field(256, ge=1)  # streams a replica holds at once (its batch and queue)
     env: dict[str, str] = Field(default_factory=lambda: dict(DECODER_ENV))  # replica environment
@@ -205,7 +213,7 @@ class AppArgs(_Strict):
     replica_loss_retries: int = Field(2, ge=0)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     preprocess: PreprocessArgs = Field(default_factory=PreprocessArgs)
-    encoder: RoutedStageArgs = Field(default_factory=RoutedStageArgs)
+    encoder: EncoderArgs = Field(default_factory=EncoderArgs)
     decoder: DecoderArgs = Field(default_factory=DecoderArgs)
 
     def early_encode(self) -> bool:
