@@ -44,7 +44,9 @@ class Autoscaling(_Strict):
 # figures). libgomp reads it when torch loads, so it is set in the replica's environment. The Decoder keeps
 # libgomp's own spin (DECODER_ENV): a short one put its second thread to sleep between a decode step's ~100
 # small regions, and each wake waited for a core; its steps yield threads instead while an encode on its
-# host's CPU runs (DecoderConfig.threads_beside_encodes), the other step process on a node's cores.
+# host's CPU runs (DecoderConfig.threads_beside_encodes), the other step process on a node's cores. What else
+# shares those cores (Preprocess, another Decoder replica) meets its spin: measured with Preprocess beside it
+# only, at 1 to 8 clients (docs/benchmarks.md); a node of several Decoder replicas may want the short spin back.
 # NOTE: glibc's malloc serves a block above its mmap threshold with a fresh mapping, and gives the heap's
 # free top back to the kernel past its trim threshold; either way the next request's buffers (a decoded
 # image, its resized copy, activations) fault in their pages again. glibc raises both thresholds itself

@@ -224,7 +224,8 @@ class EncoderOutput:
     embeddings: list[Any]  # per feature, in feature order: (num_embeds, text_hidden) numpy or tensor
     dtype: str = "float32"  # torch dtype of the embeddings; numpy ones may carry its bits (embeddings_wire)
     timings: PhaseTimes = ()  # the encoder stage's own time on the call (phase, ms)
-    host: str = ""  # the host whose CPU ran the forwards (its name, runtime/shared_cores.py); "" = an accelerator
+    host: str = ""  # the host whose CPU computes this encoder's forwards (its name, runtime/shared_cores.py); "" = an
+    # accelerator (the answer may come from its cache, with no forward run)
 
 
 @dataclass(frozen=True)

@@ -109,26 +109,18 @@ class StepThreads:
 
     def apply(self, num_new_tokens: int, attended: int = 0) -> int:
         """Set torch's threads for the coming step in the calling thread (no-op off CPU) -> the count: its
-        kind's, or its trial's, or fewer while other work computes on these cores (`beside`: no trial sees
-        such a step)."""
+        kind's, or its trial's, or at most `beside_count` while other work computes on these cores (`beside`:
+        no trial runs or counts such a step, whatever the kind's count)."""
         wanted = self.threads_for(num_new_tokens, attended)
-        limit = self._beside_limit(wanted)
-        self._yielded = limit is not None
+        self._yielded = self.enabled and self.beside_count is not None and self.beside()
         trial = None if self._yielded else self._trial(num_new_tokens, attended)
-        if limit is not None:
-            wanted = limit
+        if self._yielded and self.beside_count is not None:
+            wanted = min(wanted, self.beside_count)
         elif trial is not None:
             wanted = trial[0].count_for(trial[1])
         if self.enabled and torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
         return wanted
-
-    def _beside_limit(self, wanted: int) -> int | None:
-        """The fewer threads a step of `wanted` takes while other work computes on these cores; None: as wanted."""
-        limit = self.beside_count
-        if not self.enabled or limit is None or limit >= wanted or not self.beside():
-            return None
-        return limit
 
     def observe(self, num_new_tokens: int, seconds: float, count: int, attended: int = 0) -> None:
         """A step `apply` set up took `seconds` at `count` threads (fed to its kind's trials; CPU only)."""

@@ -23,6 +23,7 @@ from mmserve.errors import (
     UnsupportedURLError,
 )
 from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.runtime.shared_cores import HOST
 from tests.unit.test_parity import data_url, make_image
 
 IMAGE = data_url(make_image(640, 480, seed=11))
@@ -371,6 +372,10 @@ def test_the_decoders_steps_see_its_encode_on_this_hosts_cpu_only_while_it_runs(
     monkeypatch.setattr(engine.encoder_service, "encode", watched)
     engine.generate([chat("beside-1", data_url(make_image(320, 200, seed=31)))])
     assert seen == [True, True] and not threads.beside()  # after the call, before the decoder's own steps
-    engine.decoder_service.shared_cores.answered("")  # as if the encoder had moved to an accelerator
-    engine.generate([chat("beside-2", data_url(make_image(320, 200, seed=32)))])
+    cores = engine.decoder_service.shared_cores
+    cores.answered("")  # as if the encoder had moved to an accelerator
+    try:
+        engine.generate([chat("beside-2", data_url(make_image(320, 200, seed=32)))])
+    finally:
+        cores.answered(HOST)  # NOTE: the engine is the module's: leave it as it was
     assert seen[2:] == [False, False]

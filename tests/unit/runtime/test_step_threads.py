@@ -285,6 +285,14 @@ def test_steps_take_fewer_threads_while_work_computes_beside_them_and_no_trial_c
         assert threads.apply(1) == 2  # the trial's period did not run out on yielded steps
         assert threads.trials["small"].trials == 0
         assert 1 in threads.possible_counts()
+        threads.small = 1  # a kind already at the cap: its trial neither runs nor counts beside the work
+        busy[0] = True
+        for _ in range(2 * 256):
+            assert threads.apply(1) == 1
+            threads.observe(1, 0.001, 1)
+        busy[0] = False
+        assert threads.apply(1) == 1 and threads.trials["small"].trials == 0  # no trial began on those steps
+        torch.set_num_threads(2)  # NOTE: the stage's count is the thread's when it is built
         unlimited = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=2, big_step_threads=2,
                                                    threads_beside_encodes=None))
         unlimited.beside = lambda: True
