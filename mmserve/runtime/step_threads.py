@@ -112,10 +112,11 @@ class StepThreads:
         kind's, or its trial's, or at most `beside_count` while other work computes on these cores (`beside`:
         no trial runs or counts such a step, whatever the kind's count)."""
         wanted = self.threads_for(num_new_tokens, attended)
-        self._yielded = self.enabled and self.beside_count is not None and self.beside()
+        limit = self.beside_count if self.enabled and self.beside() else None
+        self._yielded = limit is not None
         trial = None if self._yielded else self._trial(num_new_tokens, attended)
-        if self._yielded and self.beside_count is not None:
-            wanted = min(wanted, self.beside_count)
+        if limit is not None:
+            wanted = min(wanted, limit)
         elif trial is not None:
             wanted = trial[0].count_for(trial[1])
         if self.enabled and torch.get_num_threads() != wanted:
