@@ -137,13 +137,18 @@ def _heavy(app: AppInfo, n: int) -> Outcome:
 
 
 def _busy_victim(app: AppInfo, deployment: str, out: list[Outcome], counter: itertools.count) -> dict[str, Any]:
-    """Send a burst of heavy requests, then return the actor of a replica caught with one in flight."""
-    burst = [threading.Thread(target=lambda: out.append(_heavy(app, next(counter))), name="heavy", daemon=True)
-             for _ in range(6)]
-    for thread in burst:
-        thread.start()
+    """Send bursts of heavy requests, a new one whenever the last has ended, until a replica of `deployment`
+    is caught with one in flight; return its actor."""
+    burst: list[threading.Thread] = []
 
     def caught() -> str | None:
+        if not any(thread.is_alive() for thread in burst):
+            # NOTE: a new burst when the last one ended uncaught: on a slow 2-core runner the polls below
+            # can take longer than a quick stage holds a whole burst
+            burst[:] = [threading.Thread(target=lambda: out.append(_heavy(app, next(counter))), name="heavy",
+                                         daemon=True) for _ in range(6)]
+            for thread in burst:
+                thread.start()
         # NOTE: several asks at once: Serve routes each to the replica with the shorter queue, so a lone ask
         # kept reaching the idle replica while the other one worked (the burst queued at one Preprocess
         # replica reaches the Encoders one request at a time)
