@@ -3,7 +3,7 @@
 Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, Preprocess's early encodes to
 the Encoder, with the shared ProcessorCacheStore and the MetricsHub) and applying each stage's placement
 from the arguments; and the process-wide defaults for a Ray that `serve run` starts after building the app
-(`CLUSTER_ENV`: request bodies inline, Serve's controller's pace; `cluster_env_started_here`).
+(`CLUSTER_ENV`: request bodies inline, Serve's loops' paces; `cluster_env_started_here`).
 Does not own argument names or defaults (args.py) nor any stage's logic.
 """
 
@@ -39,7 +39,7 @@ def _router(config: dict[str, Any]) -> dict[str, Any]:
 def cluster_env_started_here() -> None:
     """Give a Ray cluster that this process is about to start mmserve's cluster environment (`CLUSTER_ENV`:
     request bodies up to `INGRESS_INLINE_BYTES` inline everywhere, Serve's proxy included, and Serve's
-    controller at `SERVE_CONTROL_LOOP_INTERVAL_S`); a value already set is kept. (HAProxy in front of the
+    controller and metrics flushes at their slower paces); a value already set is kept. (HAProxy in front of the
     Ingress is an opt-in of the same kind: docs/deploying.md.)
 
     NOTE: `serve run <import path>` builds the app before it starts Ray, and the local cluster it starts

@@ -84,13 +84,20 @@ ENCODER_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRE
 # an autoscaling decision, a route change reaching the proxies) waits up to 0.4 s longer; health checks keep
 # their own period (10 s).
 SERVE_CONTROL_LOOP_INTERVAL_S = 0.5
+# Milliseconds between flushes of Serve's cached metrics to Ray's metrics (Ray's default 100), in every replica and
+# every handle's router. NOTE: each flush wakes a loop in each of those processes; at 1,000 ms a small node's
+# Ray processes took 15-19 ms of CPU a second less and woke ~120 times a second less (docs/benchmarks.md).
+# Prometheus reads them every 10 s or so; mmserve's own /metrics (the MetricsHub) and Serve's autoscaling
+# metrics have pushes of their own, untouched.
+SERVE_METRICS_EXPORT_INTERVAL_MS = 1000
 # The environment mmserve wants every Ray node to start with (Serve has no per-app setting for it): bodies
-# inline as above, in Serve's own processes too, and the controller's pace above.
+# inline as above, in Serve's own processes too, and Serve's loops at the paces above.
 # NOTE: HAProxy's mode (`RAY_SERVE_ENABLE_HA_PROXY=1`) is not in it: the Decoder ran slower beside it on the
 # benchmark checkpoint, and its HAProxy binds fixed ports (8404, 9101), so a second Ray in that mode on one
 # machine fails to start. docs/deploying.md has how to opt in and what it gains.
 CLUSTER_ENV = {"RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES),
-               "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": str(SERVE_CONTROL_LOOP_INTERVAL_S)}
+               "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": str(SERVE_CONTROL_LOOP_INTERVAL_S),
+               "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": str(SERVE_METRICS_EXPORT_INTERVAL_MS)}
 
 
 # Requests on the ingress's other routes (/health, /metrics, /v1/models) a replica takes beside a full load of
