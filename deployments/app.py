@@ -3,21 +3,20 @@
 Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, Preprocess's early encodes to
 the Encoder, with the shared ProcessorCacheStore and the MetricsHub) and applying each stage's placement
 from the arguments; and the process-wide defaults for a Ray that `serve run` starts after building the app
-(`CLUSTER_ENV`: request bodies inline, Serve's loops' paces; `cluster_env_started_here`).
+(deployments/cluster_env.py).
 Does not own argument names or defaults (args.py) nor any stage's logic.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, cast
 
-import ray
 from ray.serve import Application, Deployment
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from deployments.args import CLUSTER_ENV, parse_args
+from deployments.args import parse_args
 from deployments.cache_store import ProcessorCacheStore
+from deployments.cluster_env import cluster_env_started_here
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder
 from deployments.ingress import Ingress
@@ -34,23 +33,6 @@ def _deployment(decorated: Any) -> Deployment:
 def _router(config: dict[str, Any]) -> dict[str, Any]:
     """`.options` for a stage's request router; none (Serve's default) for an empty config."""
     return {"request_router_config": RequestRouterConfig(**config)} if config else {}
-
-
-def cluster_env_started_here() -> None:
-    """Give a Ray cluster that this process is about to start mmserve's cluster environment (`CLUSTER_ENV`:
-    request bodies up to `INGRESS_INLINE_BYTES` inline everywhere, Serve's proxy included, and Serve's
-    controller and metrics flushes at their slower paces); a value already set is kept. (HAProxy in front of the
-    Ingress is an opt-in of the same kind: docs/deploying.md.)
-
-    NOTE: `serve run <import path>` builds the app before it starts Ray, and the local cluster it starts
-    inherits this process's environment. Serve has no per-app setting for it: the proxy's reply to the
-    Ingress carries the body (a data URL's image) through the object store past Ray's 100 KiB default. A Ray
-    already running is left alone (`ray start` clusters and
-    config files: docs/deploying.md).
-    """
-    if not ray.is_initialized():
-        for key, value in CLUSTER_ENV.items():
-            os.environ.setdefault(key, value)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -26,7 +26,7 @@ import yaml
 from bench_lib import procs
 from bench_lib.images import data_url
 from bench_lib.workloads import BenchRequest, ImageSpec, openai_messages
-from deployments.args import CLUSTER_ENV
+from deployments.cluster_env import CLUSTER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.args import CLUSTER_ENV
+from deployments.cluster_env import CLUSTER_ENV
 from tests.e2e.e2e_support import Server, http_get
 
 REPO = Path(__file__).resolve().parents[2]

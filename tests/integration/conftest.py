@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from deployments.args import CLUSTER_ENV, DEFAULT_STAGE_ENV
+from deployments.args import DEFAULT_STAGE_ENV
+from deployments.cluster_env import CLUSTER_ENV
 from tests.folder_scope import FolderScope
 from tests.integration.helpers import NodeProbe, deploy, free_port
 

@@ -1,5 +1,6 @@
 """The app builder's process-wide defaults: a Ray cluster that `serve run` starts after building the app gets
-mmserve's cluster environment (bodies inline up to the Ingress's limit, HAProxy in front of the Ingress)."""
+mmserve's cluster environment (bodies inline up to the Ingress's limit, Serve's loops at a slower pace; HAProxy in
+front of the Ingress only by opt-in)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import os
 
 import pytest
 
-from deployments import app
-from deployments.args import CLUSTER_ENV, INGRESS_INLINE_BYTES
+from deployments import app, cluster_env
+from deployments.args import INGRESS_INLINE_BYTES
+from deployments.cluster_env import CLUSTER_ENV
 
 KEY = "RAY_max_direct_call_object_size"
 HA = "RAY_SERVE_ENABLE_HA_PROXY"
@@ -19,9 +21,11 @@ def test_a_cluster_started_after_the_build_gets_the_cluster_env_and_a_users_valu
     for key in CLUSTER_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv(HA, raising=False)
-    monkeypatch.setattr(app.ray, "is_initialized", lambda: False)
-    app.cluster_env_started_here()
+    monkeypatch.setattr(cluster_env.ray, "is_initialized", lambda: False)
+    app.cluster_env_started_here()  # NOTE: the name build_app calls
     assert os.environ[KEY] == str(INGRESS_INLINE_BYTES)
+    assert (os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"], os.environ["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]) == (
+        "0.5", "1000")  # Serve's controller and metrics flushes at a slower pace (deployments/cluster_env.py)
     assert HA not in os.environ  # HAProxy's mode is an opt-in (docs/deploying.md)
 
     monkeypatch.setenv(KEY, "4096")  # the user's own choices
@@ -32,6 +36,6 @@ def test_a_cluster_started_after_the_build_gets_the_cluster_env_and_a_users_valu
 
     for key in CLUSTER_ENV:
         monkeypatch.delenv(key)
-    monkeypatch.setattr(app.ray, "is_initialized", lambda: True)  # too late: the cluster has its settings
+    monkeypatch.setattr(cluster_env.ray, "is_initialized", lambda: True)  # too late: the cluster has its settings
     app.cluster_env_started_here()
     assert not set(CLUSTER_ENV) & set(os.environ)

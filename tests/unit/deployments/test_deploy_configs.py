@@ -26,7 +26,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
-from deployments.args import CLUSTER_ENV, AppArgs, StageArgs, parse_args
+from deployments.args import AppArgs, StageArgs, parse_args
+from deployments.cluster_env import CLUSTER_ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 CLUSTER_YAML = ROOT / "cluster.yaml"
@@ -400,7 +401,7 @@ def test_deploying_md_serve_run_examples_parse() -> None:
 
 
 def test_every_node_starts_with_mmserves_cluster_env() -> None:
-    """What `serve run <import path>` gives the cluster it starts (deployments/args.py: CLUSTER_ENV), every node
+    """What `serve run <import path>` gives the cluster it starts (deployments/cluster_env.py: CLUSTER_ENV), every node
     of the launcher's and KubeRay's clusters gets from its start command or its container."""
     wanted = {f"{key}={value}" for key, value in CLUSTER_ENV.items()}
     config = _load(CLUSTER_YAML)
