@@ -1,19 +1,27 @@
-"""The cluster-wide ProcessorCache: one store deployment owns the objects, every preprocess replica
+"""The cluster-wide ProcessorCache: one store deployment indexes the objects, every preprocess replica
 shares it through a small client.
 
 Owns: translating mmserve's `ItemCache` calls into Ray. A preprocess replica `ray.put`s the pixels it
-made and hands that ref on at once; the store then *adopts* them in the background (`ray.get`, then a
-`ray.put` of its own), so that the cached copy outlives the preprocess replica that made it. The store
-keeps the byte-bounded LRU index of its ObjectRefs (mmserve's ProcessorCache, with refs as its storage
-handles). Each preprocess replica also keeps its own refs to the items it made lately (a second, smaller
-LRU, `processor_cache.replica_capacity_bytes`): a repeat there is a hit without the store's hop, and when
-a lookup shows a new store (a replacement after a death starts empty, under a new epoch) the replica has
-it adopt those items again, so the index is rebuilt from what the replicas still hold. A lookup is by the
+made and hands that ref on at once; the store indexes the maker's ref (`adopt`) and *keeps* the item (a
+`ray.get`, then a `ray.put` of its own) on its first hit here. A kept copy outlives the replica that made
+the item; an item only its maker used again (from its own refs, below) dies with it (a miss the next
+time). The store keeps the byte-bounded LRU index of these
+ObjectRefs (mmserve's ProcessorCache, with refs as its storage handles). Each preprocess replica also
+keeps its own refs to the items it made lately (a second, smaller LRU,
+`processor_cache.replica_capacity_bytes`): a repeat there is a hit without the store's hop, and when a
+lookup shows a new store (a replacement after a death starts empty, under a new epoch) the replica has it
+adopt those items again, so the index is rebuilt from what the replicas still hold. A lookup is by the
 request's bytes first (their source key: a repeat is found before it is decoded), then by the pixels'
 content hash; while either travels to the store, the replica decodes or processes meanwhile
-(mmserve/preprocess/preprocessor.py), so a new image pays no lookup hop. Resolving pixels
-for the encoder falls back to the store's copy if the maker is gone. Does not own the LRU policy
+(mmserve/preprocess/preprocessor.py), so a new image pays no lookup hop. Resolving pixels for the encoder
+falls back to the store's copy if the maker is gone. Does not own the LRU policy
 (mmserve/processor_cache.py).
+
+NOTE: the copy waits for a hit here because most images are seen once, and most repeats are found in their
+maker's own refs: copying each new one cost its request time in the other processes' hops and put every
+image in the object store twice (docs/benchmarks.md). A hit here answers with the kept copy, made then if
+need be, so no answer is a reference whose maker has died (the request would fail at the encoder and be
+retried).
 
 NOTE: an item a replica holds may exist twice in the object store (its object and the store's copy):
 at most `replica_capacity_bytes` more per preprocess replica. Only objects the replica owns are held, so
@@ -66,6 +74,7 @@ class ProcessorCacheStore:
         # evicted entry drops the index's ref, and Ray frees the object once no in-flight spec borrows it.
         self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())
         self.epoch = uuid.uuid4().hex  # NOTE: a replacement replica starts empty: its clients must know
+        self._keeping: dict[str, asyncio.Future[StoredItem | None]] = {}  # copies being made, by content hash
         self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics, metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -74,47 +83,75 @@ class ProcessorCacheStore:
         remembers it)."""
         self.reporter.ensure_started()
         item = self.cache.get(key) if source is None else self.cache.get_linked(key, source)
-        return StoreLookup(self.epoch, item if isinstance(item, StoredItem) else None, key)
+        return StoreLookup(self.epoch, await self._kept(key, item), key)
 
     async def lookup_source(self, source: str) -> StoreLookup:
         """The entry the bytes with source key `source` gave, and its content hash."""
         self.reporter.ensure_started()
         found = self.cache.get_source(source)
-        if found is None or not isinstance(found[1], StoredItem):
+        if found is None or (kept := await self._kept(*found)) is None:
             return StoreLookup(self.epoch, None)
-        return StoreLookup(self.epoch, found[1], found[0])
+        return StoreLookup(self.epoch, kept, found[0])
 
     async def kept_copy(self, key: str) -> CachedItem | None:
-        """The store's entry for `key` for the encoder's fallback: not a request's lookup, so it is
-        neither counted in the hit rate nor made recent."""
-        return self.cache.peek(key)
+        """The store's copy of `key` for the encoder's fallback: not a request's lookup, so it is neither
+        counted in the hit rate nor made recent."""
+        return await self._kept(key, self.cache.peek(key))
 
     async def adopt(self, key: str, boxed: list[ray.ObjectRef], num_tiles: int, nbytes: int,
                     source: str | None = None) -> None:
-        """Index the maker's ProcessedItem behind `boxed[0]` at once (under its content hash `key`, and
-        found by the source key of the bytes it came from), then swap in a copy this replica owns (if it fits
-        the byte bound).
+        """Index the maker's ProcessedItem behind `boxed[0]` (under its content hash `key`, and found by the
+        source key of the bytes it came from), if it fits the byte bound; it is copied on its first hit here.
 
-        NOTE: until the copy is made, lookups answer with the maker's ref: a hit from the moment this
-        call arrives (requests that missed before it may still process the image again). The ref
-        travels inside a list so that it arrives as a ref (a top-level one would be resolved on the way
-        in) and the pixels are read here, zero-copy, only once.
+        NOTE: the ref travels inside a list so that it arrives as a ref (a top-level one would be resolved
+        on the way in).
         """
         if key in self.cache:  # another replica made it too, meanwhile (maybe from other bytes); keep the first
             if source is not None:
                 self.cache.link(source, key)
             return
-        if not self.cache.put(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes), source):
-            return  # too big for the cache (or the cache is off)
-        try:
-            item: ProcessedItem = await boxed[0]
+        self.cache.put(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes), source)
+
+    async def held(self, key: str) -> CachedItem | None:
+        """Read-only introspection (tests, debugging): the entry for `key` as it is, neither kept nor counted."""
+        return self.cache.peek(key)
+
+    async def _kept(self, key: str, item: CachedItem | None) -> StoredItem | None:
+        """`item` (the entry for `key`) as the store's own copy, made now if it is still its maker's; None on a
+        miss, or if the maker died first (the entry is then dropped).
+
+        NOTE: a hit on a maker that died counts in the hit rate but is answered as a miss."""
+        if not isinstance(item, StoredItem):
+            return None
+        if item.kept:
+            return item
+        # NOTE: shielded: a caller that gives up (its timeout) leaves the copy to the next
+        return await asyncio.shield(self._keeping_of(key, item))
+
+    def _keeping_of(self, key: str, item: StoredItem) -> asyncio.Future[StoredItem | None]:
+        """The copy of `item` in the making (one per key at a time)."""
+        if key not in self._keeping:
+            self._keeping[key] = asyncio.ensure_future(self._keep(key, item))
+            self._keeping[key].add_done_callback(lambda _: self._keeping.pop(key, None))
+        return self._keeping[key]
+
+    async def _keep(self, key: str, item: StoredItem) -> StoredItem | None:
+        """Copy the maker's object into one this replica owns and swap it into the index (if still held)."""
+        try:  # NOTE: zero-copy from this node's object store; from another node's, a transfer
+            made: ProcessedItem = await asyncio.wait_for(item.ref, RESOLVE_TIMEOUT_S)
         except Exception:  # the maker died first: forget it; the next sighting processes again
-            log.warning("could not adopt processed item %s", key, exc_info=True)
-            self.cache.discard(key)
-            return
-        # NOTE: in a thread: a put of several MiB on this loop would hold every replica's lookups meanwhile
-        copy = await asyncio.to_thread(ray.put, item)
-        self.cache.replace(key, StoredItem(ref=copy, num_tiles=num_tiles, nbytes=nbytes))  # if still held
+            log.warning("could not keep processed item %s", key, exc_info=True)
+            if self.cache.peek(key) == item:  # (not an entry adopted since)
+                self.cache.discard(key)
+            return None
+        try:  # NOTE: in a thread: a put of several MiB on this loop would hold every replica's lookups meanwhile
+            kept = StoredItem(ref=await asyncio.to_thread(ray.put, made), num_tiles=item.num_tiles,
+                              nbytes=item.nbytes, kept=True)
+        except Exception:  # e.g. the object store full: the maker's object still serves; the next hit tries again
+            log.warning("could not copy processed item %s", key, exc_info=True)
+            return item
+        self.cache.replace(key, kept)
+        return kept
 
     def metrics(self) -> MetricsSnapshot:
         return processor_cache_snapshot(self.cache.stats())
@@ -152,7 +189,7 @@ class SharedProcessorCache:
     def store(self, key: str, item: ProcessedItem, source: str) -> StoredItem:
         ref = ray.put(item)  # owned by this replica; the request carries it on at once
         stored = StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes)
-        # NOTE: not awaited: the store indexes it on arrival and copies it in the background
+        # NOTE: not awaited: the store indexes it on arrival (and copies it on its first hit there)
         self._store.send("adopt", key, [ref], item.num_tiles, item.nbytes, source)
         self.own.put(key, stored, source)
         return stored

@@ -143,6 +143,7 @@ class StoredItem:
     ref: Any  # a reference (e.g. ObjectRef) to a ProcessedItem
     num_tiles: int  # images the item encodes: the whole image plus its crops (images)
     nbytes: int  # bytes of its pixel values (bytes)
+    kept: bool = False  # the shared store's own copy, which outlives the replica that made the item (flag)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The cluster-wide ProcessorCache: the HF image processor runs once for an image whichever
-preprocess replica (on whichever node) sees it next, and a stored item outlives the replica that
-made it, because the store replica adopts (copies and owns) the object; a request still carrying the
-maker's lost reference is served from that copy.
+preprocess replica (on whichever node) sees it next, and an item found at the store outlives the replica
+that made it, because the store replica then keeps (copies and owns) the object; a request still carrying
+the maker's lost reference is served from that copy. An item never found at the store is not copied: it
+dies with its maker, and is a miss afterwards.
 
 Each preprocess replica is reached from a `NodeProbe` on its own node (Serve routes a handle's calls
 to a replica on the caller's node first); every check also asks the replica who it is."""
@@ -17,7 +18,7 @@ import pytest
 import ray
 
 from mmserve.engine import Engine
-from mmserve.messages import ChatRequest, EncoderOutput, PreprocessedRequest, SamplingParams
+from mmserve.messages import ChatRequest, EncoderOutput, PreprocessedRequest, SamplingParams, StoredItem
 from tests.integration.conftest import PREPROCESS_NODES, AppInfo
 from tests.integration.helpers import (
     chat_body,
@@ -50,9 +51,14 @@ def store_hits(app: AppInfo) -> float:
         "mmserve_processor_cache_hits_total")
 
 
+def held(app: AppInfo, key: str) -> StoredItem | None:
+    """The store's entry for `key` as it is (neither a lookup nor a reuse: it is not copied for this)."""
+    return app.handle("ProcessorCacheStore").held.remote(key).result(timeout_s=60)
+
+
 def stored_ref(app: AppInfo, key: str) -> Any:
     """The ref the store's index holds for `key`, or None."""
-    found = app.handle("ProcessorCacheStore").lookup.remote(key).result(timeout_s=60).item
+    found = held(app, key)
     return None if found is None else found.ref
 
 
@@ -72,11 +78,12 @@ def test_processor_runs_once_cluster_wide_and_the_other_node_hits(mm_app: AppInf
     url = data_url(seed=201)
     first = process_on(probe_a, url)  # a miss on node A: A's replica runs the HF processor and stores
     made = first.features[0].data.ref
-    # NOTE: A's `adopt` is not awaited: until the store holds its own copy, B's lookup could miss (and run
-    # B's processor) or get the maker's object
-    wait_until(lambda: stored_ref(mm_app, first.features[0].identifier) not in (None, made), timeout=30,
-               interval=0.05, what="the store to adopt its copy")
-    hits_before = store_hits(mm_app)  # after the wait: stored_ref's lookups count as hits
+    # NOTE: A's `adopt` is not awaited: until the store indexes the item, B's lookup could miss (and run
+    # B's processor)
+    wait_until(lambda: stored_ref(mm_app, first.features[0].identifier) is not None, timeout=30,
+               interval=0.05, what="the store to index the item")
+    assert held(mm_app, first.features[0].identifier) == first.features[0].data  # the maker's: no copy yet
+    hits_before = store_hits(mm_app)
     repeats = [process_on(probe_b, url) for _ in range(3)]  # node B's replica: hits, no processor run
 
     after = {role: info_on(p) for role, p in preprocess_probes.items()}
@@ -86,7 +93,8 @@ def test_processor_runs_once_cluster_wide_and_the_other_node_hits(mm_app: AppInf
     assert after[node_a]["image_processor_calls"] == before[node_a]["image_processor_calls"] + 1
     assert after[node_b]["image_processor_calls"] == before[node_b]["image_processor_calls"]
     assert store_hits(mm_app) == hits_before + 3
-    # Every request carries the processed pixels: the first the maker's object, the repeats the store's copy.
+    # Every request carries the processed pixels: the first the maker's object, the repeats the store's copy
+    # (made on the first hit).
     pixels = ray.get(made, timeout=60).pixel_values
     assert pixels.shape[1:] == (3, 224, 224) and np.isfinite(pixels).all()
     for r in repeats:
@@ -107,13 +115,18 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     url = data_url(seed=203)  # an image no stage has seen: the encoder will need its pixels
     first = process_on(probe_a, url)
     assert first.processor_cache_hits == 0
+    once = process_on(probe_a, data_url(seed=204))  # never found at the store: it dies with its maker
     victim_id = info_on(probe_a)["replica_id"]
     [victim] = [a for a in replica_actors(mm_app.name, "Preprocess") if replica_suffix(a["name"]) == victim_id]
     assert victim["node_id"] == mm_app.cluster.node_ids[node_a]
 
     key = first.features[0].identifier
-    wait_until(lambda: stored_ref(mm_app, key) not in (None, first.features[0].data.ref), timeout=30,
-               interval=0.05, what="the store to adopt its copy")
+    wait_until(lambda: stored_ref(mm_app, key) is not None, timeout=30, interval=0.05, what="the store to index it")
+    assert process_on(probe_b, url).processor_cache_hits == 1  # a hit at the store: it keeps a copy
+    assert (kept := held(mm_app, key)) is not None and kept.kept
+    wait_until(lambda: stored_ref(mm_app, once.features[0].identifier) is not None, timeout=30, interval=0.05,
+               what="the store to index the other item")
+    assert (other := held(mm_app, once.features[0].identifier)) is not None and not other.kept
     ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
 
     def replaced() -> bool:  # Serve started a new replica in its place (it can only go on node A)
@@ -151,6 +164,10 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     assert info_on(probe_b)["image_processor_calls"] == calls_b
     assert store_hits(mm_app) == hits_before + 2  # the two requests; the encoder's fallback is not a lookup
     assert encoder_forward_passes(mm_app) > passes_before
+    # The item the store never copied died with its maker: a miss (processed again), not a failed request.
+    lost = process_on(probe_b, data_url(seed=204))
+    assert lost.processor_cache_hits == 0 and info_on(probe_b)["image_processor_calls"] == calls_b + 1
+    assert lost.features[0].identifier == once.features[0].identifier
 
 
 def test_a_repeat_on_its_maker_skips_the_store_and_a_replaced_store_is_refilled(mm_app: AppInfo, preprocess_probes):
