@@ -2,13 +2,13 @@
 shares it through a small client.
 
 Owns: translating mmserve's `ItemCache` calls into Ray. A preprocess replica `ray.put`s the pixels it
-made and hands that ref on at once; the store indexes the maker's ref (`adopt`) and *keeps* the item (a
-`ray.get`, then a `ray.put` of its own) on its first hit here. A kept copy outlives the replica that made
-the item; an item only its maker used again (from its own refs, below) dies with it (a miss the next
-time). The store keeps the byte-bounded LRU index of these
-ObjectRefs (mmserve's ProcessorCache, with refs as its storage handles). Each preprocess replica also
-keeps its own refs to the items it made lately (a second, smaller LRU,
-`processor_cache.replica_capacity_bytes`): a repeat there is a hit without the store's hop, and when a
+made and hands that ref on at once; the store indexes the maker's ref (`adopt`) and copies the item into an
+object of its own on its first hit there (cache_keeper.py), so that an item found there outlives the
+replica that made it; an item only its maker found again (from its own refs, below) is copied when that
+replica shuts down gracefully (`keep`), and dies with it in a crash (a miss the next time). The store keeps
+the byte-bounded LRU index of these ObjectRefs (mmserve's ProcessorCache, with refs as its storage
+handles). Each preprocess replica also keeps its own refs to the items it made lately (a second, smaller
+LRU, `processor_cache.replica_capacity_bytes`): a repeat there is a hit without the store's hop, and when a
 lookup shows a new store (a replacement after a death starts empty, under a new epoch) the replica has it
 adopt those items again, so the index is rebuilt from what the replicas still hold. A lookup is by the
 request's bytes first (their source key: a repeat is found before it is decoded), then by the pixels'
@@ -17,15 +17,10 @@ content hash; while either travels to the store, the replica decodes or processe
 falls back to the store's copy if the maker is gone. Does not own the LRU policy
 (mmserve/processor_cache.py).
 
-NOTE: the copy waits for a hit here because most images are seen once, and most repeats are found in their
-maker's own refs: copying each new one cost its request time in the other processes' hops and put every
-image in the object store twice (docs/benchmarks.md). A hit here answers with the kept copy, made then if
-need be, so no answer is a reference whose maker has died (the request would fail at the encoder and be
-retried).
-
-NOTE: an item a replica holds may exist twice in the object store (its object and the store's copy):
-at most `replica_capacity_bytes` more per preprocess replica. Only objects the replica owns are held, so
-none of them can be lost while it serves them.
+NOTE: the object store holds at most the index's bytes (`capacity_bytes`; an entry not copied yet lives on
+its maker's node) plus each preprocess replica's own refs (`replica_capacity_bytes`), which the index's
+entries overlap until they are copied. Only objects the replica owns are held, so none of them can be lost
+while it serves them.
 
 NOTE: Ray 2.56 removed `ray.put(_owner=...)`, which would have let the store own the first copy. Sending
 the pixels to the store and waiting for its ref cost the request several times a local `ray.put`
@@ -46,6 +41,7 @@ import ray
 from ray import serve
 from ray.exceptions import ObjectLostError
 
+from deployments.cache_keeper import Keeper
 from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import replica_lost
@@ -74,7 +70,7 @@ class ProcessorCacheStore:
         # evicted entry drops the index's ref, and Ray frees the object once no in-flight spec borrows it.
         self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())
         self.epoch = uuid.uuid4().hex  # NOTE: a replacement replica starts empty: its clients must know
-        self._keeping: dict[str, asyncio.Future[StoredItem | None]] = {}  # copies being made, by content hash
+        self.keeper = Keeper(self.cache)
         self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics, metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -83,75 +79,42 @@ class ProcessorCacheStore:
         remembers it)."""
         self.reporter.ensure_started()
         item = self.cache.get(key) if source is None else self.cache.get_linked(key, source)
-        return StoreLookup(self.epoch, await self._kept(key, item), key)
+        return StoreLookup(self.epoch, await self.keeper.kept(key, item, counted=True), key)
 
     async def lookup_source(self, source: str) -> StoreLookup:
         """The entry the bytes with source key `source` gave, and its content hash."""
         self.reporter.ensure_started()
         found = self.cache.get_source(source)
-        if found is None or (kept := await self._kept(*found)) is None:
+        if found is None or (kept := await self.keeper.kept(*found, counted=True)) is None:
             return StoreLookup(self.epoch, None)
         return StoreLookup(self.epoch, kept, found[0])
 
     async def kept_copy(self, key: str) -> CachedItem | None:
         """The store's copy of `key` for the encoder's fallback: not a request's lookup, so it is neither
         counted in the hit rate nor made recent."""
-        return await self._kept(key, self.cache.peek(key))
+        return await self.keeper.kept(key, self.cache.peek(key), counted=False)
 
     async def adopt(self, key: str, boxed: list[ray.ObjectRef], num_tiles: int, nbytes: int,
-                    source: str | None = None) -> None:
-        """Index the maker's ProcessedItem behind `boxed[0]` (under its content hash `key`, and found by the
-        source key of the bytes it came from), if it fits the byte bound; it is copied on its first hit here.
+                    source: str | None = None, maker: str | None = None) -> None:
+        """Index the ProcessedItem behind `boxed[0]`, made by the worker `maker`, under its content hash `key`
+        (found by the source key of the bytes it came from too), if it fits the byte bound; it is copied on
+        its first hit here.
 
         NOTE: the ref travels inside a list so that it arrives as a ref (a top-level one would be resolved
         on the way in).
         """
-        if key in self.cache:  # another replica made it too, meanwhile (maybe from other bytes); keep the first
-            if source is not None:
-                self.cache.link(source, key)
-            return
-        self.cache.put(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes), source)
+        self.keeper.adopt(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes), source, maker)
+
+    async def keep(self, keys: list[str]) -> int:
+        """Copy the entries of `keys` that are still their maker's (a maker shutting down hands them over);
+        how many are kept now."""
+        kept = await asyncio.gather(*(self.keeper.kept(key, self.cache.peek(key), counted=False, wait_s=None)
+                                      for key in keys))
+        return sum(item is not None for item in kept)
 
     async def held(self, key: str) -> CachedItem | None:
         """Read-only introspection (tests, debugging): the entry for `key` as it is, neither kept nor counted."""
         return self.cache.peek(key)
-
-    async def _kept(self, key: str, item: CachedItem | None) -> StoredItem | None:
-        """`item` (the entry for `key`) as the store's own copy, made now if it is still its maker's; None on a
-        miss, or if the maker died first (the entry is then dropped).
-
-        NOTE: a hit on a maker that died counts in the hit rate but is answered as a miss."""
-        if not isinstance(item, StoredItem):
-            return None
-        if item.kept:
-            return item
-        # NOTE: shielded: a caller that gives up (its timeout) leaves the copy to the next
-        return await asyncio.shield(self._keeping_of(key, item))
-
-    def _keeping_of(self, key: str, item: StoredItem) -> asyncio.Future[StoredItem | None]:
-        """The copy of `item` in the making (one per key at a time)."""
-        if key not in self._keeping:
-            self._keeping[key] = asyncio.ensure_future(self._keep(key, item))
-            self._keeping[key].add_done_callback(lambda _: self._keeping.pop(key, None))
-        return self._keeping[key]
-
-    async def _keep(self, key: str, item: StoredItem) -> StoredItem | None:
-        """Copy the maker's object into one this replica owns and swap it into the index (if still held)."""
-        try:  # NOTE: zero-copy from this node's object store; from another node's, a transfer
-            made: ProcessedItem = await asyncio.wait_for(item.ref, RESOLVE_TIMEOUT_S)
-        except Exception:  # the maker died first: forget it; the next sighting processes again
-            log.warning("could not keep processed item %s", key, exc_info=True)
-            if self.cache.peek(key) == item:  # (not an entry adopted since)
-                self.cache.discard(key)
-            return None
-        try:  # NOTE: in a thread: a put of several MiB on this loop would hold every replica's lookups meanwhile
-            kept = StoredItem(ref=await asyncio.to_thread(ray.put, made), num_tiles=item.num_tiles,
-                              nbytes=item.nbytes, kept=True)
-        except Exception:  # e.g. the object store full: the maker's object still serves; the next hit tries again
-            log.warning("could not copy processed item %s", key, exc_info=True)
-            return item
-        self.cache.replace(key, kept)
-        return kept
 
     def metrics(self) -> MetricsSnapshot:
         return processor_cache_snapshot(self.cache.stats())
@@ -169,6 +132,7 @@ class SharedProcessorCache:
         self._store = FromThread(store)
         self.bind = self._store.bind
         self.own = ProcessorCache(replica_capacity_bytes)  # key -> StoredItem of an object this replica made
+        self._maker = ray.get_runtime_context().get_worker_id()  # the owner of those objects, for the store
         self._epoch: str | None = None  # of the store that answered the last lookup
         self._lock = threading.Lock()
 
@@ -190,7 +154,7 @@ class SharedProcessorCache:
         ref = ray.put(item)  # owned by this replica; the request carries it on at once
         stored = StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes)
         # NOTE: not awaited: the store indexes it on arrival (and copies it on its first hit there)
-        self._store.send("adopt", key, [ref], item.num_tiles, item.nbytes, source)
+        self._store.send("adopt", key, [ref], item.num_tiles, item.nbytes, source, self._maker)
         self.own.put(key, stored, source)
         return stored
 
@@ -215,6 +179,13 @@ class SharedProcessorCache:
         self._store.submit(method, *args, timeout_s=LOOKUP_TIMEOUT_S).add_done_callback(settle)
         return answer
 
+    def hand_over(self, timeout_s: float) -> Future[int] | None:
+        """On this replica's graceful shutdown: have the store copy the items this replica made and still
+        holds (requests in flight may carry them), before they go with it; the number kept, or None if
+        there is nothing to hand over."""
+        keys = self.own.keys()
+        return self._store.submit("keep", keys, timeout_s=timeout_s) if keys else None
+
     def own_stats(self) -> ProcessorCacheStats:
         return self.own.stats()
 
@@ -230,7 +201,8 @@ class SharedProcessorCache:
         for key in keys:
             stored = self.own.peek(key)
             if isinstance(stored, StoredItem):
-                self._store.send("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes, sources.get(key))
+                self._store.send("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes, sources.get(key),
+                                 self._maker)
 
 
 class PixelResolver:

@@ -24,6 +24,8 @@ from mmserve.runtime.timeline import Timeline
 from mmserve.stages import StageFactory
 
 log = logging.getLogger("ray.serve")
+# NOTE: short: when the whole app shuts down the store may be gone first, and the call then waits this long
+HAND_OVER_TIMEOUT_S = 2.0
 
 
 @serve.deployment
@@ -69,6 +71,18 @@ class Preprocess:
         task = asyncio.ensure_future(_settle(sent))
         self._early.add(task)
         task.add_done_callback(self._early.discard)
+
+    async def __del__(self) -> None:
+        """Serve calls this on a graceful shutdown (a downscale): the store copies the items this replica made
+        and still holds, so that requests in flight with them, and later repeats, do not lose them."""
+        cache = getattr(self, "cache", None)  # None: __init__ failed
+        handed = None if cache is None else cache.hand_over(HAND_OVER_TIMEOUT_S)
+        if handed is None:
+            return
+        try:
+            log.info("the processor cache store kept %d items this replica made", await asyncio.wrap_future(handed))
+        except Exception as exc:  # NOTE: the store may be shutting down too (the whole app is)
+            log.info("processed items not handed over to the store: %r", exc)
 
     async def served_model(self) -> ServedModel:
         """The model's name and context length, for the ingress (which reads no checkpoint itself)."""

@@ -124,6 +124,11 @@ class ProcessorCache:
             self._index.move_to_end(key)
             return entry.handle
 
+    def unhit(self) -> None:
+        """Take back one counted hit whose item the caller then found gone: that query missed after all."""
+        with self._lock:
+            self._hits = max(0, self._hits - 1)
+
     def get_source(self, source: str) -> tuple[str, CachedItem] | None:
         """(content hash, item) last stored or found under the source key `source`; counts a query."""
         with self._lock:

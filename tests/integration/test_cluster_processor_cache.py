@@ -115,7 +115,9 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     url = data_url(seed=203)  # an image no stage has seen: the encoder will need its pixels
     first = process_on(probe_a, url)
     assert first.processor_cache_hits == 0
-    once = process_on(probe_a, data_url(seed=204))  # never found at the store: it dies with its maker
+    # Never found at the store: these die with their maker (the second dropped once the first is found lost).
+    once, twice = (process_on(probe_a, data_url(seed=seed)).features[0].identifier for seed in (204, 205))
+    handed = process_on(probe_a, data_url(seed=206)).features[0].identifier  # kept as a graceful shutdown would
     victim_id = info_on(probe_a)["replica_id"]
     [victim] = [a for a in replica_actors(mm_app.name, "Preprocess") if replica_suffix(a["name"]) == victim_id]
     assert victim["node_id"] == mm_app.cluster.node_ids[node_a]
@@ -124,9 +126,10 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     wait_until(lambda: stored_ref(mm_app, key) is not None, timeout=30, interval=0.05, what="the store to index it")
     assert process_on(probe_b, url).processor_cache_hits == 1  # a hit at the store: it keeps a copy
     assert (kept := held(mm_app, key)) is not None and kept.kept
-    wait_until(lambda: stored_ref(mm_app, once.features[0].identifier) is not None, timeout=30, interval=0.05,
-               what="the store to index the other item")
-    assert (other := held(mm_app, once.features[0].identifier)) is not None and not other.kept
+    wait_until(lambda: all(held(mm_app, k) is not None for k in (once, twice, handed)), timeout=30,
+               interval=0.05, what="the store to index the other items")
+    assert all((entry := held(mm_app, k)) is not None and not entry.kept for k in (once, twice, handed))
+    assert mm_app.handle("ProcessorCacheStore").keep.remote([handed]).result(timeout_s=60) == 1
     ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
 
     def replaced() -> bool:  # Serve started a new replica in its place (it can only go on node A)
@@ -164,10 +167,13 @@ def test_killing_the_replica_that_stored_an_item_does_not_lose_it(mm_app: AppInf
     assert info_on(probe_b)["image_processor_calls"] == calls_b
     assert store_hits(mm_app) == hits_before + 2  # the two requests; the encoder's fallback is not a lookup
     assert encoder_forward_passes(mm_app) > passes_before
-    # The item the store never copied died with its maker: a miss (processed again), not a failed request.
+    # An item the store never copied died with its maker: a miss (processed again), not a failed request, nor
+    # a hit in the counts; the maker's other such entry is dropped with it, the one handed over is kept.
     lost = process_on(probe_b, data_url(seed=204))
     assert lost.processor_cache_hits == 0 and info_on(probe_b)["image_processor_calls"] == calls_b + 1
-    assert lost.features[0].identifier == once.features[0].identifier
+    assert lost.features[0].identifier == once and store_hits(mm_app) == hits_before + 2
+    assert held(mm_app, twice) is None
+    assert (kept := held(mm_app, handed)) is not None and kept.kept
 
 
 def test_a_repeat_on_its_maker_skips_the_store_and_a_replaced_store_is_refilled(mm_app: AppInfo, preprocess_probes):

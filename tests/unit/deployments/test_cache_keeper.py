@@ -1,0 +1,142 @@
+"""The ProcessorCacheStore's copies (deployments/cache_keeper.py), without Ray: a maker's "ref" is an
+asyncio future that resolves to the pixels (or fails as Ray would), and `ray.put` is replaced by a fake
+that records what it copied."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from ray.exceptions import ObjectLostError, OwnerDiedError
+
+from deployments import cache_keeper
+from deployments.cache_keeper import Keeper
+from mmserve.messages import ProcessedItem, StoredItem
+from mmserve.preprocess.processor_cache import ProcessorCache
+
+ITEM = ProcessedItem(pixel_values=np.zeros((1, 3, 4, 4), dtype=np.uint8))
+
+
+class Puts:
+    """A stand-in for `ray.put`: each call returns a new ref-like tag."""
+
+    def __init__(self) -> None:
+        self.made: list[ProcessedItem] = []
+
+    def __call__(self, value: ProcessedItem) -> str:
+        self.made.append(value)
+        return f"copy-{len(self.made)}"
+
+
+@pytest.fixture
+def puts(monkeypatch: pytest.MonkeyPatch) -> Puts:
+    fake = Puts()
+    monkeypatch.setattr(cache_keeper.ray, "put", fake)
+    return fake
+
+
+def made(result: Any = ITEM) -> StoredItem:
+    """A maker's entry whose object resolves to `result` (an exception: the object is lost that way)."""
+    ref: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    if isinstance(result, BaseException):
+        ref.set_exception(result)
+    elif result is not None:
+        ref.set_result(result)
+    return StoredItem(ref=ref, num_tiles=1, nbytes=ITEM.nbytes)
+
+
+def owner_died() -> OwnerDiedError:
+    return OwnerDiedError("00" * 28, None, "")
+
+
+def adopted(keeper: Keeper, key: str, item: StoredItem, maker: str = "A") -> StoredItem:
+    keeper.adopt(key, item, source=None, maker=maker)
+    return item
+
+
+def test_a_hit_copies_the_item_once_and_answers_the_copy(puts: Puts):
+    async def run() -> None:
+        cache = ProcessorCache(1 << 20)
+        keeper = Keeper(cache)
+        item = adopted(keeper, "k", made())
+        assert cache.peek("k") is item  # indexed as the maker's object: nothing copied on sight
+        assert puts.made == []
+        hit = cache.get("k")
+        answers = await asyncio.gather(*(keeper.kept("k", hit, counted=True) for _ in range(3)))
+        assert [(a.ref, a.kept) for a in answers if a is not None] == [("copy-1", True)] * 3
+        assert len(puts.made) == 1 and cache.peek("k") == answers[0]
+        assert await keeper.kept("k", cache.peek("k"), counted=True) == answers[0]  # kept: no second copy
+        assert len(puts.made) == 1 and cache.stats().hits == 1
+
+    asyncio.run(run())
+
+
+def test_a_dead_maker_answers_a_miss_and_its_other_entries_go_too(puts: Puts):
+    async def run() -> None:
+        cache = ProcessorCache(1 << 20)
+        keeper = Keeper(cache)
+        dead = adopted(keeper, "dead", made(owner_died()))
+        adopted(keeper, "sibling", made(None))  # the same maker's: never read, dropped with it
+        alive = adopted(keeper, "alive", made(), maker="B")
+        kept_first = adopted(keeper, "kept", made())
+        assert await keeper.kept("kept", kept_first, counted=False) is not None  # copied before the death
+        assert await keeper.kept("dead", cache.get("dead"), counted=True) is None
+        assert "dead" not in cache and "sibling" not in cache
+        assert cache.peek("alive") is alive and cache.peek("kept").kept  # type: ignore[union-attr]
+        assert cache.stats().hits == 0 and cache.stats().queries == 1  # the lost hit counts as a miss
+        assert dead.ref.done()
+
+    asyncio.run(run())
+
+
+def test_an_entry_adopted_again_during_a_failing_copy_takes_its_place(puts: Puts):
+    async def run() -> None:
+        cache = ProcessorCache(1 << 20)
+        keeper = Keeper(cache)
+        first = adopted(keeper, "k", made(None))  # its read pends until the test fails it
+        pending = asyncio.ensure_future(keeper.kept("k", first, counted=False, wait_s=None))
+        await asyncio.sleep(0)
+        second = adopted(keeper, "k", made(), maker="B")  # another replica made it too, meanwhile
+        assert cache.peek("k") is first
+        first.ref.set_exception(ObjectLostError("00" * 28, None, ""))
+        assert await pending is None
+        assert cache.peek("k") is second  # the spare, not a miss for the next request
+        assert (await keeper.kept("k", second, counted=False)).ref == "copy-1"  # type: ignore[union-attr]
+
+    asyncio.run(run())
+
+
+def test_a_slow_copy_answers_a_miss_and_goes_on(puts: Puts):
+    async def run() -> None:
+        cache = ProcessorCache(1 << 20)
+        keeper = Keeper(cache)
+        item = adopted(keeper, "k", made(None))
+        assert await keeper.kept("k", cache.get("k"), counted=True, wait_s=0.01) is None
+        assert cache.stats().hits == 0  # answered as a miss
+        item.ref.set_result(ITEM)  # the maker's object arrives after the hit gave up
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if cache.peek("k") != item:
+                break
+        assert cache.peek("k").kept  # type: ignore[union-attr]
+        assert len(puts.made) == 1
+
+    asyncio.run(run())
+
+
+def test_a_failed_copy_leaves_the_makers_object_serving(monkeypatch: pytest.MonkeyPatch):
+    def full(_: Any) -> None:
+        raise MemoryError("object store full")
+
+    monkeypatch.setattr(cache_keeper.ray, "put", full)
+
+    async def run() -> None:
+        cache = ProcessorCache(1 << 20)
+        keeper = Keeper(cache)
+        item = adopted(keeper, "k", made())
+        assert await keeper.kept("k", item, counted=False) is item
+        assert cache.peek("k") is item
+
+    asyncio.run(run())
