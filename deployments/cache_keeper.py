@@ -84,28 +84,33 @@ class Keeper:
         copy = self._copies.get(key)
         if copy is not None and copy.item == item:
             return copy.future
-        made = _Copy(item, asyncio.ensure_future(self._copy(key, item)))
+        # NOTE: the maker read now: by the time its object is found lost, the key may be another maker's
+        made = _Copy(item, asyncio.ensure_future(self._copy(key, item, self._makers.get(key))))
         self._copies[key] = made
 
         def done(_: asyncio.Future[StoredItem | None]) -> None:
             if self._copies.get(key) is made:
                 del self._copies[key]
+                self._spares.pop(key, None)  # NOTE: not needed past the copy, whatever its outcome
 
         made.future.add_done_callback(done)
         return made.future
 
-    async def _copy(self, key: str, item: StoredItem) -> StoredItem | None:
+    async def _copy(self, key: str, item: StoredItem, maker: str | None) -> StoredItem | None:
         """Copy the maker's object into one this replica owns and swap it into the index (if still held)."""
         try:  # NOTE: zero-copy from this node's object store; from another node's, a transfer
             made: ProcessedItem = await asyncio.wait_for(item.ref, READ_TIMEOUT_S)
         except OwnerDiedError:
-            maker = self._makers.get(key)
             log.info("processed item %s died with its maker %s; dropping what that maker made", key, maker)
             self._drop(key, item)
             self._drop_made_by(maker)
             return None
         except (ObjectLostError, TimeoutError) as exc:
             log.info("processed item %s could not be read (%s); dropped", key, type(exc).__name__)
+            self._drop(key, item)
+            return None
+        except Exception:  # NOTE: any other failure too: a lookup answers a miss, never an error
+            log.warning("processed item %s could not be read; dropped", key, exc_info=True)
             self._drop(key, item)
             return None
         try:  # NOTE: in a thread: a put of several MiB on this loop would hold every replica's lookups meanwhile
@@ -130,8 +135,9 @@ class Keeper:
 
     def _drop_made_by(self, maker: str | None) -> None:
         """Forget every entry still the object of the worker `maker` (dead): each would be a failed copy later,
-        and meanwhile holds its bytes of the bound."""
-        for key in [k for k, m in self._makers.items() if m == maker and maker is not None]:
+        and meanwhile holds its bytes of the bound. An entry with a copy under way is left to that copy (its
+        read may be done already)."""
+        for key in [k for k, m in self._makers.items() if m == maker and maker is not None and k not in self._copies]:
             entry = self.cache.peek(key)
             if isinstance(entry, StoredItem) and _borrowed(entry):
                 self._drop(key, entry)

@@ -110,7 +110,7 @@ class ProcessorCacheStore:
         how many are kept now."""
         kept = await asyncio.gather(*(self.keeper.kept(key, self.cache.peek(key), counted=False, wait_s=None)
                                       for key in keys))
-        return sum(item is not None for item in kept)
+        return sum(item is not None and item.kept for item in kept)
 
     async def held(self, key: str) -> CachedItem | None:
         """Read-only introspection (tests, debugging): the entry for `key` as it is, neither kept nor counted."""

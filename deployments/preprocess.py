@@ -76,11 +76,11 @@ class Preprocess:
         """Serve calls this on a graceful shutdown (a downscale): the store copies the items this replica made
         and still holds, so that requests in flight with them, and later repeats, do not lose them."""
         cache = getattr(self, "cache", None)  # None: __init__ failed
-        handed = None if cache is None else cache.hand_over(HAND_OVER_TIMEOUT_S)
-        if handed is None:
-            return
         try:
-            log.info("the processor cache store kept %d items this replica made", await asyncio.wrap_future(handed))
+            handed = None if cache is None else cache.hand_over(HAND_OVER_TIMEOUT_S)
+            if handed is not None:
+                kept = await asyncio.wrap_future(handed)
+                log.info("the processor cache store kept %d items this replica made", kept)
         except Exception as exc:  # NOTE: the store may be shutting down too (the whole app is)
             log.info("processed items not handed over to the store: %r", exc)
 

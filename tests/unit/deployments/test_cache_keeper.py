@@ -86,7 +86,7 @@ def test_a_dead_maker_answers_a_miss_and_its_other_entries_go_too(puts: Puts):
         assert "dead" not in cache and "sibling" not in cache
         assert cache.peek("alive") is alive and cache.peek("kept").kept  # type: ignore[union-attr]
         assert cache.stats().hits == 0 and cache.stats().queries == 1  # the lost hit counts as a miss
-        assert dead.ref.done()
+        assert cache.peek("dead") is None and dead.nbytes > 0
 
     asyncio.run(run())
 
@@ -104,6 +104,26 @@ def test_an_entry_adopted_again_during_a_failing_copy_takes_its_place(puts: Puts
         assert await pending is None
         assert cache.peek("k") is second  # the spare, not a miss for the next request
         assert (await keeper.kept("k", second, counted=False)).ref == "copy-1"  # type: ignore[union-attr]
+
+    asyncio.run(run())
+
+
+def test_a_dead_makers_entries_go_but_not_another_makers_that_took_one_of_their_places(puts: Puts):
+    async def run() -> None:
+        cache = ProcessorCache(1 << 20)
+        keeper = Keeper(cache)
+        first = adopted(keeper, "x", made(owner_died()))
+        second = adopted(keeper, "y", made(None))  # A's too; its read pends until the test fails it
+        pending = asyncio.ensure_future(keeper.kept("y", second, counted=False, wait_s=None))
+        await asyncio.sleep(0)
+        spare = adopted(keeper, "y", made(), maker="B")  # B made it too, meanwhile
+        # x is found lost: A's other entries go, but not y, whose copy is under way (its read may be done)
+        assert await keeper.kept("x", first, counted=False) is None
+        assert cache.peek("x") is None and cache.peek("y") is second
+        second.ref.set_exception(owner_died())  # y is found lost too: B's spare takes its place, and stays
+        assert await pending is None
+        assert cache.peek("y") is spare
+        assert (await keeper.kept("y", spare, counted=False)).ref == "copy-1"  # type: ignore[union-attr]
 
     asyncio.run(run())
 
