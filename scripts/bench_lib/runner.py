@@ -139,7 +139,9 @@ class Bench:
         send = http_sender(server.base_url, server.model, reqs, server.request_kwargs)
         before = poller = None
         if server.has_metrics:
-            time.sleep(1.2)  # NOTE: replicas push their metrics every second
+            # NOTE: replicas push their metrics every `metrics_push_interval_s`: a scrape sooner after a cell
+            # missed its last requests' counts (and gave them to the next cell)
+            time.sleep(server.metrics_lag_s + 0.5)
             before = prom.scrape(server.root)
             poller = prom.GaugePoller(server.root)
         assert server.sampler is not None
@@ -158,7 +160,7 @@ class Bench:
         summary = summarize(run)
         summary["peak_rss_bytes"] = server.sampler.window_peak
         if poller is not None and before is not None:
-            time.sleep(1.2)
+            time.sleep(server.metrics_lag_s + 0.5)
             summary.update(prom.cache_figures(before, prom.scrape(server.root)))
             summary["gauge_peaks"] = poller.peaks
             self.memory["samples"] += poller.samples

@@ -26,6 +26,7 @@ import yaml
 from bench_lib import procs
 from bench_lib.images import data_url
 from bench_lib.workloads import BenchRequest, ImageSpec, openai_messages
+from deployments.args import AppArgs
 from deployments.cluster_env import CLUSTER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +57,7 @@ def _url(spec: ImageSpec) -> str:
 class HttpSystem:
     name = "?"
     has_metrics = False
+    metrics_lag_s = 0.0  # how long its `/metrics` may lag what it served (s)
 
     def __init__(self, model_dir: Path, run_dir: Path, name: str | None = None, env: dict[str, str] | None = None,
                  app_args: dict[str, str] | None = None):
@@ -117,6 +119,9 @@ class Mmserve(HttpSystem):
         # NOTE: the variant's overrides go on after MMSERVE_ARGS as they are ("decoder.torch_threads": "1"):
         # the app's own parse_args nests and parses them exactly as `serve run ... k=v`.
         self.app_args: dict[str, Any] = {**MMSERVE_ARGS, **(app_args or {})}
+        # NOTE: its replicas push their metrics this often (the app's argument, else its default)
+        pushed = AppArgs.model_fields["metrics_push_interval_s"].default
+        self.metrics_lag_s = float(self.app_args.get("metrics_push_interval_s", pushed))
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         # NOTE: `serve run deployments.app:build_app k=v` always binds port 8000 (the import-path form has
