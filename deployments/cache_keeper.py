@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # NOTE: under the client's lookup timeout (cache_store.LOOKUP_TIMEOUT_S): a copy slower than this (another
 # node's object, a maker whose node is being declared dead) answers that hit as a miss, and goes on.
 KEEP_WAIT_S = 2.0
-READ_TIMEOUT_S = 60.0  # reading the maker's object (another node's: a transfer)
+READ_TIMEOUT_S = 60.0  # reading pixels from the object store (another node's: a transfer)
 
 
 @dataclass
@@ -105,12 +105,10 @@ class Keeper:
             self._drop(key, item)
             self._drop_made_by(maker)
             return None
-        except (ObjectLostError, TimeoutError) as exc:
-            log.info("processed item %s could not be read (%s); dropped", key, type(exc).__name__)
-            self._drop(key, item)
-            return None
-        except Exception:  # NOTE: any other failure too: a lookup answers a miss, never an error
-            log.warning("processed item %s could not be read; dropped", key, exc_info=True)
+        except Exception as exc:  # NOTE: any failure: a lookup answers a miss, never an error
+            expected = isinstance(exc, (ObjectLostError, TimeoutError))  # (logged without a traceback)
+            log.log(logging.INFO if expected else logging.WARNING, "processed item %s could not be read (%s); "
+                    "dropped", key, type(exc).__name__, exc_info=not expected)
             self._drop(key, item)
             return None
         try:  # NOTE: in a thread: a put of several MiB on this loop would hold every replica's lookups meanwhile
@@ -137,9 +135,11 @@ class Keeper:
         """Forget every entry still the object of the worker `maker` (dead): each would be a failed copy later,
         and meanwhile holds its bytes of the bound. An entry with a copy under way is left to that copy (its
         read may be done already)."""
-        for key in [k for k, m in self._makers.items() if m == maker and maker is not None and k not in self._copies]:
+        if maker is None:
+            return
+        for key in [k for k, m in self._makers.items() if m == maker and k not in self._copies]:
             entry = self.cache.peek(key)
-            if isinstance(entry, StoredItem) and _borrowed(entry):
+            if isinstance(entry, StoredItem) and not entry.kept:
                 self._drop(key, entry)
 
 

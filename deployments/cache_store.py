@@ -41,7 +41,7 @@ import ray
 from ray import serve
 from ray.exceptions import ObjectLostError
 
-from deployments.cache_keeper import Keeper
+from deployments.cache_keeper import READ_TIMEOUT_S, Keeper
 from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import replica_lost
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 # NOTE: a lookup answers in about a millisecond; this long means the store is down or restarting (Serve
 # queues calls to a deployment without replicas), and the item is cheaper to process again.
 LOOKUP_TIMEOUT_S = 5.0
-RESOLVE_TIMEOUT_S = 60.0  # reading pixels from the object store (another node's: a transfer)
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
@@ -219,7 +218,7 @@ class PixelResolver:
         if not isinstance(data, StoredItem):
             return data
         try:
-            return ray.get(data.ref, timeout=RESOLVE_TIMEOUT_S)
+            return ray.get(data.ref, timeout=READ_TIMEOUT_S)
         except ObjectLostError as lost:  # OwnerDiedError included
             # NOTE: whatever goes wrong from here, the loss is the reason reported: callers retry a request
             # whose pixels were lost from its preprocessing on (deployments/retry.py)
@@ -227,7 +226,7 @@ class PixelResolver:
                 kept = self._store.call("kept_copy", spec.identifier, timeout_s=LOOKUP_TIMEOUT_S)  # key: the hash
                 if isinstance(kept, StoredItem):
                     log.info("pixels of %s lost with their maker; using the store's copy", spec.identifier)
-                    return ray.get(kept.ref, timeout=RESOLVE_TIMEOUT_S)
+                    return ray.get(kept.ref, timeout=READ_TIMEOUT_S)
             except Exception:
                 log.warning("no kept copy of %s either", spec.identifier, exc_info=True)
             raise lost from None

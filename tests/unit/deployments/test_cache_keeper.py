@@ -51,6 +51,18 @@ def owner_died() -> OwnerDiedError:
     return OwnerDiedError("00" * 28, None, "")
 
 
+def fresh() -> tuple[ProcessorCache, Keeper]:
+    cache = ProcessorCache(1 << 20)
+    return cache, Keeper(cache)
+
+
+async def copying(keeper: Keeper, key: str, item: StoredItem) -> asyncio.Future[StoredItem | None]:
+    """A hit on `item` that waits for its copy, started (its read pending until the test settles it)."""
+    hit = asyncio.ensure_future(keeper.kept(key, item, counted=False, wait_s=None))
+    await asyncio.sleep(0)
+    return hit
+
+
 def adopted(keeper: Keeper, key: str, item: StoredItem, maker: str = "A") -> StoredItem:
     keeper.adopt(key, item, source=None, maker=maker)
     return item
@@ -58,8 +70,7 @@ def adopted(keeper: Keeper, key: str, item: StoredItem, maker: str = "A") -> Sto
 
 def test_a_hit_copies_the_item_once_and_answers_the_copy(puts: Puts):
     async def run() -> None:
-        cache = ProcessorCache(1 << 20)
-        keeper = Keeper(cache)
+        cache, keeper = fresh()
         item = adopted(keeper, "k", made())
         assert cache.peek("k") is item  # indexed as the maker's object: nothing copied on sight
         assert puts.made == []
@@ -75,8 +86,7 @@ def test_a_hit_copies_the_item_once_and_answers_the_copy(puts: Puts):
 
 def test_a_dead_maker_answers_a_miss_and_its_other_entries_go_too(puts: Puts):
     async def run() -> None:
-        cache = ProcessorCache(1 << 20)
-        keeper = Keeper(cache)
+        cache, keeper = fresh()
         dead = adopted(keeper, "dead", made(owner_died()))
         adopted(keeper, "sibling", made(None))  # the same maker's: never read, dropped with it
         alive = adopted(keeper, "alive", made(), maker="B")
@@ -93,11 +103,9 @@ def test_a_dead_maker_answers_a_miss_and_its_other_entries_go_too(puts: Puts):
 
 def test_an_entry_adopted_again_during_a_failing_copy_takes_its_place(puts: Puts):
     async def run() -> None:
-        cache = ProcessorCache(1 << 20)
-        keeper = Keeper(cache)
+        cache, keeper = fresh()
         first = adopted(keeper, "k", made(None))  # its read pends until the test fails it
-        pending = asyncio.ensure_future(keeper.kept("k", first, counted=False, wait_s=None))
-        await asyncio.sleep(0)
+        pending = await copying(keeper, "k", first)
         second = adopted(keeper, "k", made(), maker="B")  # another replica made it too, meanwhile
         assert cache.peek("k") is first
         first.ref.set_exception(ObjectLostError("00" * 28, None, ""))
@@ -110,12 +118,10 @@ def test_an_entry_adopted_again_during_a_failing_copy_takes_its_place(puts: Puts
 
 def test_a_dead_makers_entries_go_but_not_another_makers_that_took_one_of_their_places(puts: Puts):
     async def run() -> None:
-        cache = ProcessorCache(1 << 20)
-        keeper = Keeper(cache)
+        cache, keeper = fresh()
         first = adopted(keeper, "x", made(owner_died()))
         second = adopted(keeper, "y", made(None))  # A's too; its read pends until the test fails it
-        pending = asyncio.ensure_future(keeper.kept("y", second, counted=False, wait_s=None))
-        await asyncio.sleep(0)
+        pending = await copying(keeper, "y", second)
         spare = adopted(keeper, "y", made(), maker="B")  # B made it too, meanwhile
         # x is found lost: A's other entries go, but not y, whose copy is under way (its read may be done)
         assert await keeper.kept("x", first, counted=False) is None
@@ -130,8 +136,7 @@ def test_a_dead_makers_entries_go_but_not_another_makers_that_took_one_of_their_
 
 def test_a_slow_copy_answers_a_miss_and_goes_on(puts: Puts):
     async def run() -> None:
-        cache = ProcessorCache(1 << 20)
-        keeper = Keeper(cache)
+        cache, keeper = fresh()
         item = adopted(keeper, "k", made(None))
         assert await keeper.kept("k", cache.get("k"), counted=True, wait_s=0.01) is None
         assert cache.stats().hits == 0  # answered as a miss
@@ -153,8 +158,7 @@ def test_a_failed_copy_leaves_the_makers_object_serving(monkeypatch: pytest.Monk
     monkeypatch.setattr(cache_keeper.ray, "put", full)
 
     async def run() -> None:
-        cache = ProcessorCache(1 << 20)
-        keeper = Keeper(cache)
+        cache, keeper = fresh()
         item = adopted(keeper, "k", made())
         assert await keeper.kept("k", item, counted=False) is item
         assert cache.peek("k") is item
