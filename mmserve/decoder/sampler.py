@@ -15,7 +15,7 @@ them (`RowMasks`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,11 +31,28 @@ class RowMasks:
     """The tokens that some rows of a batch may not sample (their grammars', `grammar.Grammars.forbidden`).
 
     NOTE: `forbid` must include the model's never-sampled tokens (`Sampler`'s `never`; `Grammars.forbidden`
-    adds them): the sampler does not filter them out of a masked row again.
+    adds them): the sampler does not filter them out of a masked row again. On a CPU, the numpy forms that
+    `masked_on_cpu` reads are made here, on the thread that makes the masks (the grammar thread), not after
+    the forward: every call after a forward pays for caches the forward has swept (docs/benchmarks.md).
     """
 
     rows: tuple[int, ...]  # the masked rows' indices in the batch's logits (g of them)
     forbid: torch.Tensor  # (g, vocab) bool: True where row rows[j] may not sample the token
+    on_host: _HostForms | None = field(init=False, default=None, compare=False)  # for a CPU's forbid
+
+    def __post_init__(self) -> None:
+        if self.forbid.device.type == "cpu":
+            object.__setattr__(self, "on_host", _HostForms(np.asarray(self.rows, dtype=np.int64),
+                                                           np.arange(len(self.rows)), self.forbid.numpy()))
+
+
+@dataclass(frozen=True)
+class _HostForms:
+    """A CPU's `RowMasks` as numpy reads them."""
+
+    rows: np.ndarray  # (g,) int64: RowMasks.rows
+    order: np.ndarray  # (g,) int64: 0 .. g - 1
+    forbid: np.ndarray  # (g, vocab) bool: RowMasks.forbid's own memory
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -145,28 +162,36 @@ def masked_by_torch(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
 def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
                   greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`Sampler._masked` for float32 CPU logits, in numpy: the same results in a few µs of calls where torch's
-    dispatch takes tens (a step's sampler runs once per token). `tokens` must be writable in place."""
-    rows = np.asarray(masks.rows, dtype=np.int64)  # (g,)
-    forbid = masks.forbid.numpy()  # (g, V) bool
+    dispatch takes tens (a step's sampler runs once per token). `tokens` must be writable in place.
+
+    NOTE: as few calls as the results allow, on forms made with the masks (`RowMasks.on_host`): right after a
+    forward each distinct call costs tens of µs on this path (docs/benchmarks.md).
+    """
+    forms = masks.on_host
+    assert forms is not None, "masks for CPU logits are made on the CPU"
+    rows, order, forbid = forms.rows, forms.order, forms.forbid  # (g,), (g,), (g, V) bool
     values = logits.detach().numpy()  # (n, V) float32, the logits' own memory
+    picked = tokens.numpy()  # (n,)
     if greedy:
-        picks = tokens.numpy()[rows]  # (g,) each row's first maximum
-        if not forbid[np.arange(len(rows)), picks].any() and (values[rows, picks] > -np.inf).all():
+        picks = picked[rows]  # (g,) each row's first maximum
+        if not forbid[order, picks].any() and (values[rows, picks] > -np.inf).all():
             # NOTE: each row's first maximum is allowed (and finite), so it is also the first maximum of its allowed
             # tokens: the usual case for a trained model following its grammar, and no (g, V) pass is needed
             return logits, None  # no row left without a token
     sub = np.where(forbid, np.float32(-np.inf), values[rows])  # (g, V) float32
-    picks = sub.argmax(axis=-1).astype(np.int64, copy=False)  # (g,): the first of tied maxima, as torch's
-    tokens.numpy()[rows] = picks
-    left_none = sub[np.arange(len(rows)), picks] == -np.inf  # (g,)
-    dead = np.zeros(len(values), dtype=bool)  # (n,)
-    dead[rows[left_none]] = True
+    picks = sub.argmax(axis=-1)  # (g,): the first of tied maxima, as torch's
+    picked[rows] = picks
+    left_none = sub[order, picks] == -np.inf  # (g,)
+    dead = None  # NOTE: the usual case: no (n,) mask, and the caller then makes no call to apply one
+    if left_none.any():
+        dead = torch.zeros(len(values), dtype=torch.bool)  # (n,)
+        dead.numpy()[rows[left_none]] = True
     if greedy:
-        return logits, torch.from_numpy(dead)
+        return logits, dead
     sub[left_none] = 0.0  # NOTE: so that the draws stay defined
     drawn = logits.detach().clone()  # (n, V): the caller's logits stay as they were
     drawn.numpy()[rows] = sub
-    return drawn, torch.from_numpy(dead)
+    return drawn, dead
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
