@@ -1,6 +1,9 @@
 """Preprocess autoscaling on its own: a second app on the same Serve instance whose Preprocess
 scales between 1 and 3 replicas on ongoing requests. Load comes from images served slowly by a
-local HTTP server, so each request occupies a replica for a known time without using the CPU."""
+local HTTP server, so each request occupies a replica for a known time without using the CPU.
+While it is scaled up, distinct quick images are processed on its replicas; after it has scaled back
+down, each of them is still a processor-cache hit: a replica that Serve stops hands the items it made
+to the ProcessorCacheStore first (`Preprocess.__del__`)."""
 
 from __future__ import annotations
 
@@ -12,12 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mmserve.messages import ChatRequest, SamplingParams
 from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
-from tests.integration.helpers import deploy, make_png, replica_states
+from tests.integration.helpers import data_url, deploy, info_of_every_replica, make_png, replica_states
 from tests.waiting import wait_until
 
 APP = "mm_auto"
@@ -25,6 +29,7 @@ MIN_REPLICAS, MAX_REPLICAS = 1, 3
 IMAGE_DELAY_S = 1.5  # each image fetch takes this long: a request keeps its replica busy meanwhile
 CONCURRENCY = 8  # requests in flight during the burst; at target 1 that asks for 8 > MAX replicas
 ACTIVE = ("RUNNING", "STARTING", "UPDATING", "RECOVERING")  # replica states that count toward the size
+QUICK_SEEDS = range(520, 532)  # distinct small images processed while scaled up
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,18 @@ def slow_request(url: str) -> ChatRequest:
     return ChatRequest(f"auto-{uuid.uuid4().hex}", [{"role": "user", "content": content}], SamplingParams(max_tokens=4))
 
 
+def processor_calls(handle: Any, replicas: int) -> dict[str, int]:
+    """replica id -> its image processor calls, for `replicas` running replicas."""
+    infos = info_of_every_replica(lambda: handle.replica_info.remote(), replicas)
+    return {rid: info["image_processor_calls"] for rid, info in infos.items()}
+
+
+def process_quick_images(handle: Any) -> list[int]:
+    """Process each QUICK_SEEDS image once, concurrently, over the replicas running -> the requests' hits."""
+    sent = [handle.process.remote(slow_request(data_url(seed, 64, 48))) for seed in QUICK_SEEDS]
+    return [r.result(timeout_s=60).processor_cache_hits for r in sent]
+
+
 def test_preprocess_scales_up_under_load_within_bounds_and_back_down(auto_app: AppInfo, slow_images: SlowImages):
     assert replica_states(APP, "Preprocess") == {"RUNNING": MIN_REPLICAS}
     handle = auto_app.handle("Preprocess")
@@ -133,6 +150,10 @@ def test_preprocess_scales_up_under_load_within_bounds_and_back_down(auto_app: A
             while time.monotonic() < hold and not errors:
                 observe()
                 time.sleep(0.2)
+            running = replica_states(APP, "Preprocess").get("RUNNING", 0)
+            before = processor_calls(handle, running)
+            first_hits = process_quick_images(handle)
+            made = {rid: n - before.get(rid, 0) for rid, n in processor_calls(handle, running).items()}
         finally:
             stop.set()
     assert not errors, errors[:3]
@@ -149,3 +170,11 @@ def test_preprocess_scales_up_under_load_within_bounds_and_back_down(auto_app: A
     except AssertionError as exc:
         raise AssertionError(f"{exc}; replica states over time: {history}") from None
     assert max(active_seen) <= MAX_REPLICAS, f"over max_replicas: {history}"
+
+    # The quick images were new, and some were made by a replica that is gone now...
+    assert first_hits == [0] * len(QUICK_SEEDS), first_hits
+    [(survivor, calls)] = processor_calls(handle, MIN_REPLICAS).items()
+    assert sum(n for rid, n in made.items() if rid != survivor) >= 1, f"none made on a stopped replica: {made}"
+    # ...yet each is still a hit: the stopped replicas handed their items to the store before they went.
+    assert process_quick_images(handle) == [1] * len(QUICK_SEEDS)
+    assert processor_calls(handle, MIN_REPLICAS) == {survivor: calls}
