@@ -6,9 +6,9 @@ Owns: how each server is launched on a free port, when it is ready, what its pro
 - mmserve: `serve run` of `deployments.app:build_app` on a fresh local Ray (private RAY_TMPDIR),
   greedy, `ignore_eos`, pan-and-scan through `mm_processor_kwargs`, usage via `stream_options`.
 - transformers serve: plain mode (its best for images), greedy; it has no `ignore_eos`, so 32 tokens
-  are forced with a per-request `generation_config` (`min_new_tokens`); it accepts no
-  `stream_options` but sends usage in the last chunk; pan-and-scan goes in `chat_template_kwargs`,
-  which it forwards to the processor.
+  are forced with a per-request `generation_config` (`min_new_tokens`); usage via `stream_options`
+  (without it the client could count only its non-empty chunks: 9-32 for 32 tokens of the random
+  weights); pan-and-scan goes in `chat_template_kwargs`, which it forwards to the processor.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class TransformersServe(HttpSystem):
         if req.pan_and_scan:
             extra["chat_template_kwargs"] = {"do_pan_and_scan": True}
         return {"messages": openai_messages(req, _url), "max_tokens": req.max_tokens, "temperature": 0.0,
-                "extra_body": extra}
+                "stream_options": {"include_usage": True}, "extra_body": extra}
 
 
 HTTP_SYSTEMS = {"mmserve": Mmserve, "transformers": TransformersServe}
