@@ -6,7 +6,7 @@ that a byte-identical repeat is found before its bytes are decoded. A query is o
 source, then (on a miss) by content hash as the second look of the same query.
 Does not own: where the values live. A `CacheStorage` keeps them: `InMemoryStorage` here; the Ray
 app supplies one backed by the object store, so only handles (ObjectRefs) sit in this index.
-Not owned either: hashing (hashing.py) or running the processor (processing.py).
+Not owned either: hashing (hashing.py) or running the processor (preprocessor.py).
 """
 
 from __future__ import annotations
