@@ -38,7 +38,7 @@ class RowMasks:
 
     rows: tuple[int, ...]  # the masked rows' indices in the batch's logits (g of them)
     forbid: torch.Tensor  # (g, vocab) bool: True where row rows[j] may not sample the token
-    on_host: _HostForms | None = field(init=False, default=None, compare=False)  # for a CPU's forbid
+    on_host: _HostForms | None = field(init=False, default=None, compare=False, repr=False)  # for a CPU's forbid
 
     def __post_init__(self) -> None:
         if self.forbid.device.type == "cpu":
