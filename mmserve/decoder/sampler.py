@@ -33,7 +33,8 @@ class RowMasks:
     NOTE: `forbid` must include the model's never-sampled tokens (`Sampler`'s `never`; `Grammars.forbidden`
     adds them): the sampler does not filter them out of a masked row again. On a CPU, the numpy forms that
     `masked_on_cpu` reads are made here, on the thread that makes the masks (the grammar thread), not after
-    the forward: every call after a forward pays for caches the forward has swept (docs/benchmarks.md).
+    the forward: every call after a forward pays for caches the forward has swept (docs/benchmarks.md). (A
+    subset that `GrammarStep.finish` takes when the step's rows changed makes its own there: rare.)
     """
 
     rows: tuple[int, ...]  # the masked rows' indices in the batch's logits (g of them)
@@ -139,7 +140,7 @@ class Sampler:
         logits are copied with them only when one of them draws: a greedy row needs only its masked max.
         """
         greedy = all(params[i].greedy for i in masks.rows)
-        if _numpy_can(logits):
+        if _numpy_can(logits) and masks.on_host is not None:
             return masked_on_cpu(logits, tokens, masks, greedy)
         return masked_by_torch(logits, tokens, masks, greedy)
 
@@ -168,7 +169,8 @@ def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
     forward each distinct call costs tens of µs on this path (docs/benchmarks.md).
     """
     forms = masks.on_host
-    assert forms is not None, "masks for CPU logits are made on the CPU"
+    if forms is None:
+        raise ValueError("masked_on_cpu needs masks on the CPU")
     rows, order, forbid = forms.rows, forms.order, forms.forbid  # (g,), (g,), (g, V) bool
     values = logits.detach().numpy()  # (n, V) float32, the logits' own memory
     picked = tokens.numpy()  # (n,)

@@ -104,10 +104,12 @@ def processor_calls(handle: Any, replicas: int) -> dict[str, int]:
     return {rid: info["image_processor_calls"] for rid, info in infos.items()}
 
 
-def process_quick_images(handle: Any) -> list[int]:
-    """Process each QUICK_SEEDS image once, concurrently, over the replicas running -> the requests' hits."""
+def process_quick_images(handle: Any) -> tuple[list[str], list[int]]:
+    """Process each QUICK_SEEDS image once, concurrently, over the replicas running -> (their cache keys, the
+    requests' hits)."""
     sent = [handle.process.remote(slow_request(data_url(seed, 64, 48))) for seed in QUICK_SEEDS]
-    return [r.result(timeout_s=60).processor_cache_hits for r in sent]
+    done = [r.result(timeout_s=60) for r in sent]
+    return [r.features[0].identifier for r in done], [r.processor_cache_hits for r in done]
 
 
 def test_preprocess_scales_up_under_load_within_bounds_and_back_down(auto_app: AppInfo, slow_images: SlowImages):
@@ -150,10 +152,7 @@ def test_preprocess_scales_up_under_load_within_bounds_and_back_down(auto_app: A
             while time.monotonic() < hold and not errors:
                 observe()
                 time.sleep(0.2)
-            running = replica_states(APP, "Preprocess").get("RUNNING", 0)
-            before = processor_calls(handle, running)
-            first_hits = process_quick_images(handle)
-            made = {rid: n - before.get(rid, 0) for rid, n in processor_calls(handle, running).items()}
+            keys, first_hits = process_quick_images(handle)
         finally:
             stop.set()
     assert not errors, errors[:3]
@@ -171,10 +170,13 @@ def test_preprocess_scales_up_under_load_within_bounds_and_back_down(auto_app: A
         raise AssertionError(f"{exc}; replica states over time: {history}") from None
     assert max(active_seen) <= MAX_REPLICAS, f"over max_replicas: {history}"
 
-    # The quick images were new, and some were made by a replica that is gone now...
+    # The quick images were new, each seen once, so the store copied none on a hit: its own copies ("kept") are
+    # those of the items a stopped replica handed over as it went...
     assert first_hits == [0] * len(QUICK_SEEDS), first_hits
+    store = auto_app.handle("ProcessorCacheStore")
+    kept = [k for k in keys if (entry := store.held.remote(k).result(timeout_s=60)) is not None and entry.kept]
+    assert kept, "no quick image was handed over by a stopped replica"
+    # ...and each is still a hit, the survivor's own or the store's copy, with no processor run.
     [(survivor, calls)] = processor_calls(handle, MIN_REPLICAS).items()
-    assert sum(n for rid, n in made.items() if rid != survivor) >= 1, f"none made on a stopped replica: {made}"
-    # ...yet each is still a hit: the stopped replicas handed their items to the store before they went.
-    assert process_quick_images(handle) == [1] * len(QUICK_SEEDS)
+    assert process_quick_images(handle) == (keys, [1] * len(QUICK_SEEDS))
     assert processor_calls(handle, MIN_REPLICAS) == {survivor: calls}
