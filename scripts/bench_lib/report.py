@@ -79,6 +79,8 @@ def cell_table(results: dict[str, dict[str, dict[int, dict[str, Any]]]], systems
                     cells.append(f"{text:>18}")
                 toks = (f"{row['output_tokens_min']}-{row['output_tokens_max']}"
                         if row.get("output_tokens_min") is not None else "-")
+                if row.get("output_tokens_min") is not None and row.get("prompt_tokens_mean") is None:
+                    toks += "?"  # NOTE: no usage came back: non-empty chunks counted, which may be fewer than tokens
                 hit = {k: "-" if row.get(k) is None else f"{row[k]:.0%}"
                        for k in ("processor_cache_hit_rate", "encoder_cache_hit_rate", "prefix_cache_hit_rate")}
                 rss = row.get("peak_rss_bytes")
@@ -93,5 +95,6 @@ def cell_table(results: dict[str, dict[str, dict[int, dict[str, Any]]]], systems
                  "mmserve; latencies: lower is better). Peak RSS: serving process tree (mmserve: every Ray "
                  "process; generate/engine: the benchmark process itself). others: CPU cores that processes outside "
                  "this benchmark used during the cell (0 on a quiet machine; the machine has "
-                 f"{os.cpu_count()}).")
+                 f"{os.cpu_count()}). out tok ending in '?': the server sent no usage, so its non-empty stream "
+                 "chunks were counted (fewer than its tokens where a token decodes to no text).")
     return "\n".join(lines)
