@@ -86,7 +86,7 @@ class StepThreads:
         counts = (1, self.available)
         trials = {kind: ThreadTrials(counts, CLOSE) for kind in (SMALL, HEAVY) if self.small is None}
         if self.big is None:
-            trials[BIG] = ThreadTrials(counts, CLOSE, BIG_FIRST_PERIOD, BIG_SIZE_TOLERANCE)
+            trials[BIG] = ThreadTrials(counts, CLOSE, BIG_FIRST_PERIOD, BIG_SIZE_TOLERANCE, run_length=1)
         return trials
 
     def kind(self, num_new_tokens: int, attended: int = 0) -> str:

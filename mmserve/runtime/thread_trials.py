@@ -2,15 +2,23 @@
 
 Owns: when to try the other count (after `period` steps of the kind, the period doubling while trials keep
 confirming the count and starting over at `first_period` when one changes it), running a trial (the two
-counts alternating step by step in pairs, the first of each pair taking turns (ABBA), so that the
-machine's drift, the batch's slow growth and any fixed order of a request's steps fall on both alike), and
-the verdict (the two counts' ratio of times per new token over pairs of steps of about the same size,
-neighbours first, its median weighed by time; the fewer threads when within `close`). Does not own applying
-a count, which kinds of step have trials, or the start-up measurement (`step_threads.py`).
+counts alternating in runs of `run_length` steps, in pairs of runs whose first takes turns (ABBA), so that
+the machine's drift, the batch's slow growth and any fixed order of a request's steps fall on both alike;
+only the last step of each run timed), and the verdict (the two counts' ratio of times per new token over
+pairs of timed steps of about the same size, neighbours first, its median weighed by time; the fewer
+threads when within `close`). Does not own applying a count, which kinds of step have trials, or the
+start-up measurement (`step_threads.py`).
 
 NOTE: a count measured once at start-up is measured while the other replicas on the node start too (each
 importing torch and loading weights on the same cores), which can favour one thread; and what is fastest
 under load differs from what is fastest alone. A trial costs a few steps at the slower count each period.
+
+NOTE: the step right after a switch is not what the count costs while it serves: after a step at one thread
+the other OpenMP threads have gone to sleep, and on a node whose other processes took the freed core
+meanwhile the first step back at more threads waits for them to get a core. Served, such steps ran up to
+several times a settled step's time, and trials of single alternating steps chose one thread for decodes
+that two made ~10% faster (docs/benchmarks.md). So decodes alternate in runs of two and only the second
+step of each run counts; a prefill chunk, tens of milliseconds or more, runs alone (`run_length` 1).
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from dataclasses import dataclass, field
 
 FIRST_PERIOD = 256  # steps of the kind before the first trial (steps)
 LONGEST_PERIOD = 16384  # the period stops doubling here (steps)
-TRIAL_STEPS = 16  # steps of one trial, half at each count (steps)
+TIMED_STEPS = 16  # timed steps of one trial, half at each count (steps)
+RUN_LENGTH = 2  # steps at one count in a row within a trial; the last of each run is timed (steps)
 MIN_PAIRS = 4  # pairs of same-size steps a verdict needs (pairs)
 
 
@@ -31,9 +40,11 @@ class ThreadTrials:
     first_period: int = FIRST_PERIOD  # steps of the kind before the first trial, and after a change (steps)
     # two steps compare when the larger has at most this fraction more new tokens than the smaller (0 = equal)
     size_tolerance: float = 0.0
+    run_length: int = RUN_LENGTH  # steps at one count in a row within a trial, the last of them timed (steps)
     period: int = field(init=False)  # steps of the kind between trials now (steps)
     _since: int = 0  # steps of the kind since the last trial ended
-    _trial: list[tuple[int, int, float]] | None = None  # (count, step size, seconds) of the trial so far
+    _trial: list[tuple[int, int, float]] | None = None  # (count, step size, seconds) of the trial's timed steps
+    _trial_steps: int = 0  # steps of the trial so far, timed or not
     trials: int = 0  # trials finished (for stats and tests)
     changes: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of each trial that changed it
     # the last trial's weighted median of (more threads' time per token / fewer's); None before the first trial
@@ -42,6 +53,11 @@ class ThreadTrials:
 
     def __post_init__(self) -> None:
         self.period = self.first_period
+
+    @property
+    def trial_steps(self) -> int:
+        """Steps of one trial, timed or not (steps)."""
+        return TIMED_STEPS * self.run_length
 
     def soon(self, steps: int) -> None:
         """Have the next trial begin after at most `steps` more steps of the kind (the count in use is in
@@ -53,20 +69,22 @@ class ThreadTrials:
         if self._trial is None:
             if self._since < self.period:
                 return current
-            self._trial = []
+            self._trial, self._trial_steps = [], 0
         other = self.counts[0] if current == self.counts[1] else self.counts[1]
-        done = len(self._trial)
-        other_first = (done // 2) % 2 == 0  # NOTE: ABBA: a kind's steps that come in a fixed order (a
+        run = self._trial_steps // self.run_length
+        other_first = (run // 2) % 2 == 0  # NOTE: ABBA: a kind's steps that come in a fixed order (a
         # request's first and second prefill chunk) fall on both counts alike
-        return other if (done % 2 == 0) == other_first else current
+        return other if (run % 2 == 0) == other_first else current
 
     def observe(self, count: int, size: int, seconds: float, current: int) -> int:
         """Record a finished step of the kind (its count, its new tokens, its time) -> the chosen count."""
         if self._trial is None:
             self._since += 1
             return current
-        self._trial.append((count, size, seconds))
-        if len(self._trial) < TRIAL_STEPS:
+        self._trial_steps += 1
+        if self._trial_steps % self.run_length == 0:  # the last of its run: the count settled
+            self._trial.append((count, size, seconds))
+        if self._trial_steps < self.trial_steps:
             return current
         self.last_ratio = more_over_fewer(self._trial, self.size_tolerance)
         chosen = choose(self.last_ratio, self.counts, current, self.close)

@@ -7,7 +7,17 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, HEAVY, SMALL, StepThreads
-from mmserve.runtime.thread_trials import FIRST_PERIOD, TRIAL_STEPS, ThreadTrials, choose, more_over_fewer, pairs
+from mmserve.runtime.thread_trials import (
+    FIRST_PERIOD,
+    RUN_LENGTH,
+    TIMED_STEPS,
+    ThreadTrials,
+    choose,
+    more_over_fewer,
+    pairs,
+)
+
+TRIAL_STEPS = TIMED_STEPS * RUN_LENGTH  # a decode trial's steps, timed or not
 
 
 @pytest.fixture
@@ -35,7 +45,8 @@ def test_a_slower_count_is_left_after_one_trial_and_the_trials_then_come_less_of
     trials = ThreadTrials((1, 2), close=0.05)
     chosen, used = serve(trials, 1, FIRST_PERIOD + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
     assert used[:FIRST_PERIOD] == [1] * FIRST_PERIOD  # no trial before the period is up
-    assert used[FIRST_PERIOD:] == [2, 1, 1, 2] * (TRIAL_STEPS // 4)  # then both counts, in ABBA order
+    # then both counts in runs of two, the runs in ABBA order
+    assert used[FIRST_PERIOD:] == [2, 2, 1, 1, 1, 1, 2, 2] * (TRIAL_STEPS // 8)
     assert chosen == 2 and trials.changes == [(1, 2)] and trials.period == FIRST_PERIOD
     chosen, used = serve(trials, chosen, FIRST_PERIOD + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
     assert chosen == 2 and trials.trials == 2 and trials.period == 2 * FIRST_PERIOD  # confirmed: rarer
@@ -53,11 +64,28 @@ def test_a_count_in_doubt_is_tried_soon_and_once_confirmed_waits_a_whole_period(
     assert trials.period == FIRST_PERIOD  # never later than it was
 
 
+def test_the_step_right_after_a_switch_does_not_decide() -> None:
+    """Two threads settle at 10 ms a decode, but the first step back after one at one thread waits 30 ms for its
+    second core (others took it meanwhile); one thread takes 14 ms. Runs of two, the first untimed, keep two
+    threads; single steps alternating, each timed, would have chosen one."""
+    def seconds(count: int, previous: int) -> float:
+        return 0.014 if count == 1 else 0.010 if previous == 2 else 0.030
+
+    for run_length, kept in ((RUN_LENGTH, 2), (1, 1)):
+        trials = ThreadTrials((1, 2), close=0.05, first_period=2, run_length=run_length)
+        current = previous = 2
+        for _ in range(2 + TIMED_STEPS * run_length):
+            count = trials.count_for(current)
+            current = trials.observe(count, 1, seconds(count, previous), current)
+            previous = count
+        assert trials.trials == 1 and current == kept
+
+
 def test_steps_that_come_in_a_fixed_order_do_not_favour_the_count_tried_first() -> None:
     """Requests of two chunks, the second attending twice the context: equally fast counts stay as they are."""
-    trials = ThreadTrials((1, 2), close=0.05, first_period=2, size_tolerance=0.25)
+    trials = ThreadTrials((1, 2), close=0.05, first_period=2, size_tolerance=0.25, run_length=1)
     current = 1
-    for i in range(2 + TRIAL_STEPS):
+    for i in range(2 + TIMED_STEPS):
         count = trials.count_for(current)
         current = trials.observe(count, 4096, 0.9 if i % 2 == 0 else 1.1, current)  # first / second chunk
     assert trials.trials == 1 and current == 1 and trials.changes == []
@@ -89,9 +117,9 @@ def test_steps_of_mixed_sizes_compare_with_the_nearest_step_of_their_size_at_the
     """A text prompt, then an image's: neighbours never compare. The image's prefill at 2 threads runs 4x slower
     (the node's other stages are busy right after its encode), the text's as fast as on 1 thread."""
     times = {(1, 30): 0.003, (2, 30): 0.003, (1, 290): 0.009, (2, 290): 0.036}
-    trials = ThreadTrials((1, 2), close=0.05, first_period=2, size_tolerance=0.25)
+    trials = ThreadTrials((1, 2), close=0.05, first_period=2, size_tolerance=0.25, run_length=1)
     current = 2
-    for i in range(2 + TRIAL_STEPS):
+    for i in range(2 + TIMED_STEPS):
         size = 30 if i % 2 == 0 else 290
         count = trials.count_for(current)
         current = trials.observe(count, size, times[count, size], current)
@@ -146,7 +174,7 @@ def test_prefill_chunks_chosen_badly_at_start_up_are_measured_again_after_a_few_
     threads = StepThreads(torch.device("cpu"), DecoderConfig(small_step_tokens=16, small_step_threads=1))
     threads.big = 1  # as a start-up measurement beside other replicas starting chose
     used = []
-    for i in range(BIG_FIRST_PERIOD + TRIAL_STEPS):
+    for i in range(BIG_FIRST_PERIOD + TIMED_STEPS):  # prefill chunks: runs of one
         size = 260 + 7 * (i % 5)  # prompts of about the same length, never twice the same in a row
         count = threads.apply(size, size)
         used.append(count)
