@@ -134,9 +134,10 @@ class StepThreads:
                 return
             kind, ratio = self.kind(num_new_tokens, attended), trials.last_ratio
             # NOTE: every trial's figure, not only a change's: what the served steps showed is the evidence
-            log.info("step threads: %d for %s steps, measured while serving (was %d; %s)", chosen, kind, current,
+            log.info("step threads: %d for %s steps, measured while serving (was %d; %s)%s", chosen, kind, current,
                      "too few steps of a size to compare" if ratio is None else
-                     f"{self.available} threads took {ratio:.2f}x 1 thread's time per token")
+                     f"{self.available} threads took {ratio:.2f}x 1 thread's time per token",
+                     "" if trials.pending is None else f"; {trials.pending} only if the trial that starts now agrees")
             if chosen != current:
                 setattr(self, kind, chosen)
 

@@ -6,7 +6,8 @@ counts alternating in runs of `run_length` steps, in pairs of runs whose first t
 the machine's drift, the batch's slow growth and any fixed order of a request's steps fall on both alike;
 only the last step of each run timed), and the verdict (the two counts' ratio of times per new token over
 pairs of timed steps of about the same size, neighbours first, its median weighed by time; the fewer
-threads when within `close`). Does not own applying a count, which kinds of step have trials, or the
+threads when within `close`; a verdict against the count in use changes it only once a second trial, run
+at once, agrees). Does not own applying a count, which kinds of step have trials, or the
 start-up measurement (`step_threads.py`).
 
 NOTE: a count measured once at start-up is measured while the other replicas on the node start too (each
@@ -19,6 +20,11 @@ meanwhile the first step back at more threads waits for them to get a core. Serv
 several times a settled step's time, and trials of single alternating steps chose one thread for decodes
 that two made ~10% faster (docs/benchmarks.md). So decodes alternate in runs of two and only the second
 step of each run counts; a prefill chunk, tens of milliseconds or more, runs alone (`run_length` 1).
+
+NOTE: a verdict is a median over a few steps of a serving process that shares its cores; one trial of steps
+that other processes happened to hit more at one count than the other can read the slower count as the
+faster. A change wrongly made costs a whole period at the slower count, a second trial a few of its steps:
+so a trial that would change the count is checked by another, and the count changes only when both agree.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class ThreadTrials:
     # the last trial's weighted median of (more threads' time per token / fewer's); None before the first trial
     # ends, or when too few of its pairs compared
     last_ratio: float | None = None
+    # the count the last trial chose over the one in use, which the next trial (started at once) must choose
+    # again before it is used; None when no change waits
+    pending: int | None = None
 
     def __post_init__(self) -> None:
         self.period = self.first_period
@@ -89,7 +98,11 @@ class ThreadTrials:
         self.last_ratio = more_over_fewer(self._trial, self.size_tolerance)
         chosen = choose(self.last_ratio, self.counts, current, self.close)
         self._trial, self._since, self.trials = None, 0, self.trials + 1
-        if chosen == current:  # NOTE: a period shortened by `soon` doubles from `first_period` on
+        if chosen != current and self.pending != chosen:
+            self.pending, self.period = chosen, 0  # NOTE: the checking trial starts with the kind's next step
+            return current
+        self.pending = None
+        if chosen == current:  # NOTE: a period shortened by `soon` (or by a check) doubles from `first_period` on
             self.period = min(max(2 * self.period, self.first_period), LONGEST_PERIOD)
         else:
             self.changes.append((current, chosen))

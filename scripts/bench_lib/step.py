@@ -107,9 +107,9 @@ def twin_decoder(ours: Decoder, model_dir: Path, *, max_num_seqs: int, num_block
 
 
 def settle_threads(decoder: Decoder, most_requests: int = 64, most_heavy_steps: int = 600) -> None:
-    """Serve requests until each open thread count's trial has run once, as a serving Decoder's would after
-    its first requests: short ones (one 128-token prefill chunk and 24 decodes each) for the light decodes
-    and the prefill chunks, then one long sequence decoding for the heavy decodes.
+    """Serve requests until each open thread count's trial has run (and checked any change it chose), as a
+    serving Decoder's would after its first requests: short ones (one 128-token prefill chunk and 24 decodes
+    each) for the light decodes and the prefill chunks, then one long sequence decoding for the heavy decodes.
 
     NOTE: the start-up measurement alone is one sample of the machine's minute: on a VM that had just
     started it chose 1 thread where 2 were 1.6x faster (docs/benchmarks.md), and the benchmark's figures
@@ -117,7 +117,7 @@ def settle_threads(decoder: Decoder, most_requests: int = 64, most_heavy_steps: 
     threads, vocab = decoder.runner.threads, decoder.spec.vocab_size
     trials = [t for kind, t in threads.trials.items() if kind in (SMALL, BIG)]
     for i in range(most_requests):
-        if all(t.trials for t in trials):
+        if all(t.trials and t.pending is None for t in trials):  # NOTE: a change waits for a second trial
             break
         names = start(decoder, prompts(1, 128, vocab, seed=10_000 + i), 24)
         for _ in range(24):
@@ -129,7 +129,7 @@ def settle_threads(decoder: Decoder, most_requests: int = 64, most_heavy_steps: 
         return
     names = start(decoder, prompts(1, long, vocab, seed=20_000), most_heavy_steps)
     for _ in range(most_heavy_steps):
-        if heavy.trials:
+        if heavy.trials and heavy.pending is None:
             break
         decoder.step()
     stop(decoder, names)
