@@ -18,7 +18,7 @@ NOTE: the step right after a switch is not what the count costs while it serves:
 the other OpenMP threads have gone to sleep, and on a node whose other processes took the freed core
 meanwhile the first step back at more threads waits, it seems, for them to get a core. Served, such steps ran up to
 several times a settled step's time, and trials of single alternating steps chose one thread for decodes
-that two made ~10% faster (docs/benchmarks.md). So decodes alternate in runs of two and only the second
+that two made faster (docs/benchmarks.md). So decodes alternate in runs of two and only the second
 step of each run counts; a prefill chunk, tens of milliseconds or more, runs alone (`run_length` 1).
 
 NOTE: a verdict is a median over a few steps of a serving process that shares its cores; one trial of steps
