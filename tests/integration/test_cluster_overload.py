@@ -106,7 +106,11 @@ def test_past_the_ingress_bound_its_own_503_at_once_and_probes_still_answered(ti
         try:
             wait_until(one_refused, timeout=DEADLINE_S - 2, interval=0.05, what="a refusal by the ingress")
         except AssertionError as exc:  # NOTE: what came instead, to tell a slow start from a missing bound
-            raise AssertionError(f"{exc}; answers: {[(a[0], a[2], round(a[3], 2)) for a in answers]}") from None
+            statuses = sorted({(a[0], round(a[3], 2)) for a in answers})
+            raise AssertionError(f"{exc}; {len(answers)} answers (status, seconds): {statuses}; the slow requests' "
+                                 f"sockets got: {[answered(sock) for sock in slow]}; the ingress counts "
+                                 f"{metric_lines(tight_app).get('mmserve_ingress_requests_in_flight')} in flight"
+                                 ) from None
         _, headers, body, seconds = answers[-1]
         assert headers.get("Retry-After") == "1" and seconds < 2.0, (headers, seconds)
         assert body["error"]["type"] == "service_unavailable_error" and body["error"]["code"] == "overloaded", body
@@ -121,6 +125,19 @@ def test_past_the_ingress_bound_its_own_503_at_once_and_probes_still_answered(ti
             sock.close()
     wait_until(lambda: post(tight_app, chat_body(text="Again.", max_tokens=4))[0] == 200, timeout=30,
                what="the ingress's slots to come back")
+
+
+def answered(sock: socket.socket) -> str:
+    """What the server has sent on `sock` so far (its status line), without waiting: tells a slow request that
+    never reached the ingress (nothing) from one answered or closed on the way (a status, or "closed")."""
+    sock.setblocking(False)
+    try:
+        data = sock.recv(200)
+    except BlockingIOError:
+        return "nothing"
+    except OSError as exc:
+        return f"error {exc!r}"
+    return data.split(b"\r\n", 1)[0].decode(errors="replace") if data else "closed"
 
 
 def slow_body(app: AppInfo) -> socket.socket:
