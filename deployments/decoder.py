@@ -56,7 +56,8 @@ class Decoder:
         # which the ingress does not retry again
         try:
             out: EncoderOutput | RequestFailed = await retrying(
-                lambda attempt: self.encoder.encode.remote(attempt_id(request.request_id, attempt), request.features),
+                lambda attempt: self.encoder.encode.remote(attempt_id(request.request_id, attempt, "encode-retry"),
+                                                           request.features),
                 retries=self.replica_loss_retries, what=f"encode of {request.request_id}", kinds=ACTOR_LOST)
         except BackPressureError as exc:
             raise OverloadedError(f"the encoder's queue is full ({exc}); retry later") from None

@@ -21,6 +21,8 @@ from deployments.args import DEFAULT_STAGE_ENV, AppArgs
 from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process, freeze_startup_heap
+from deployments.retry import replica_lost
+from mmserve.encoder.outputs import EncoderStepError
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, RequestFailed
 from mmserve.runtime.embeddings_wire import to_wire
@@ -56,6 +58,8 @@ class Encoder:
             encoded = await self.service.encode(request_id, features)
         except InvalidRequestError as exc:
             return RequestFailed(request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
+        except EncoderStepError as exc:
+            raise as_raised(exc, request_id) from None
         finally:
             self.ongoing -= 1
         if any(e.device.type != "cpu" for e in encoded.embeddings):
@@ -112,3 +116,14 @@ class Encoder:
                 "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
                 "frozen_objects": gc.get_freeze_count(),
                 "stage_env": {k: os.environ.get(k) for k in DEFAULT_STAGE_ENV}}
+
+
+def as_raised(exc: EncoderStepError, request_id: str) -> BaseException:
+    """What `encode` raises for a request that a step failed: its pixels' loss as itself (their maker gone and
+    the store without a copy), so that the callers see a loss and retry the request from its preprocessing
+    (deployments/retry.py); any other failure as the step's error for this request alone (other requests'
+    ids and errors are not its caller's to read)."""
+    cause = exc.cause_of(request_id)
+    if cause is None:
+        return exc
+    return cause if replica_lost(cause) else EncoderStepError({request_id: cause})

@@ -49,9 +49,14 @@ def unwrapped(exc: BaseException) -> BaseException:
     return exc
 
 
-def attempt_id(request_id: str, attempt: int) -> str:
-    """The downstream request id of an attempt: the request's own for the first, a new one per retry."""
-    return request_id if not attempt else f"{request_id}/retry-{attempt}"
+def attempt_id(request_id: str, attempt: int, kind: str = "retry") -> str:
+    """The downstream request id of an attempt: the request's own for the first, a new one per retry.
+
+    NOTE: each caller that retries a call names its retries its own `kind`, so that ids stay unique where
+    retries nest (the ingress's second attempt, `r/retry-1`, against its first's encode retried once by the
+    Decoder, `r/encode-retry-1`): a stage that met one id twice would answer only one of the two calls.
+    """
+    return request_id if not attempt else f"{request_id}/{kind}-{attempt}"
 
 
 async def retrying(call: Callable[[int], Awaitable[T]], *, retries: int, what: str,

@@ -55,8 +55,26 @@ class EncoderStats:
 
 
 class EncoderStepError(RuntimeError):
-    """An encoder step failed (resolve or vision forward); the requests named were dropped."""
+    """An encoder step failed (resolve or vision forward) for some requests, which the stage dropped; each
+    request's own cause (`causes`: its item's error) tells a caller whether to retry it elsewhere (its pixels
+    lost with their maker) or to report it.
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
-        super().__init__(f"encoder step failed for requests {request_ids}: {cause!r}")
-        self.request_ids = request_ids
+    NOTE: it crosses Ray in a replica's error, so it pickles with its causes (an exception whose `__init__`
+    takes other arguments than its message does not, and reached the caller as Ray's UnserializableException).
+    """
+
+    def __init__(self, causes: dict[str, BaseException]) -> None:
+        first = next(iter(causes.values()), None)
+        super().__init__(f"encoder step failed for requests {list(causes)}: {first!r}")
+        self.causes = causes  # request id -> the error of the item that failed it, in arrival order
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests dropped (the step loop fails these only)."""
+        return list(self.causes)
+
+    def cause_of(self, request_id: str) -> BaseException | None:
+        return self.causes.get(request_id)
+
+    def __reduce__(self) -> tuple[type[EncoderStepError], tuple[dict[str, BaseException]]]:
+        return (type(self), (self.causes,))

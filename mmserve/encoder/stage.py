@@ -26,6 +26,7 @@ from mmserve.config import EncoderConfig
 from mmserve.encoder.cache import EncoderCache
 from mmserve.encoder.cache_manager import EncoderCacheManager
 from mmserve.encoder.outputs import EncodedRequest, EncoderStats, EncoderStepError, Resolver, inline_pixels
+from mmserve.encoder.pixel_reads import read_misses
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.messages import MultiModalFeatureSpec, PhaseTimes, ProcessedItem
 from mmserve.models.base import VisionEncoder
@@ -180,14 +181,8 @@ class EncoderStage:
         by item, so that only the culprit's requests fail (a GPU batch holds up to 16 crops of as many
         requests). The others' embeddings are cached and handed out by the next step.
         """
-        resolved: list[tuple[MultiModalFeatureSpec, ProcessedItem]] = []
-        failures: list[tuple[MultiModalFeatureSpec, BaseException]] = []
         started = time.perf_counter()
-        for req, spec in misses:
-            try:
-                resolved.append((spec, _resolve(req, spec)))
-            except Exception as exc:  # e.g. its pixels' owner died and the store has no copy
-                failures.append((spec, exc))
+        resolved, failures = read_misses(misses, self._pending.values())
         resolved_at = time.perf_counter()
         try:
             encoded = self._forward(resolved)
@@ -207,8 +202,8 @@ class EncoderStage:
         for spec, emb in encoded:
             self.cache.put(spec.identifier, emb)
         if failures:
-            failed = self._roll_back([spec.identifier for spec, _ in failures])
-            raise EncoderStepError(failed, failures[0][1]) from failures[0][1]
+            causes = self._roll_back({spec.identifier: exc for spec, exc in failures})
+            raise EncoderStepError(causes) from failures[0][1]
 
     def _forward(self, resolved: list[tuple[MultiModalFeatureSpec, ProcessedItem]]
                  ) -> list[tuple[MultiModalFeatureSpec, torch.Tensor]]:
@@ -235,16 +230,17 @@ class EncoderStage:
                 failures.append((one[0], exc))
         return encoded, failures
 
-    def _roll_back(self, new_hashes: list[str]) -> list[str]:
-        """Forget this step's new entries and drop every request that referenced one."""
-        involved = {rid for h in new_hashes for rid in self.manager.referrers(h)}
+    def _roll_back(self, errors: dict[str, BaseException]) -> dict[str, BaseException]:
+        """Forget this step's new entries (content hash -> the error that failed it) and drop every request that
+        referenced one -> request id -> the error of its failed item, in arrival order."""
+        involved = {rid: exc for h, exc in errors.items() for rid in self.manager.referrers(h)}
         failed = [rid for rid in self._pending if rid in involved]  # arrival order
-        failed += sorted(involved.difference(failed))  # none expected: all are still queued
-        self.manager.discard(new_hashes)
+        failed += sorted(set(involved).difference(failed))  # none expected: all are still queued
+        self.manager.discard(list(errors))
         self._drop_freed()
         for request_id in failed:
             self.abort(request_id)
-        return failed
+        return {rid: involved[rid] for rid in failed}
 
     def _collect_done(self) -> list[EncodedRequest]:
         done = [req for req in self._pending.values() if req.done]
@@ -291,11 +287,3 @@ def _step_phases(started: float, resolved_at: float) -> PhaseTimes:
 def _num_tiles(spec: MultiModalFeatureSpec) -> int:
     """Crops the item's pixels hold (ProcessedItem and StoredItem both say); 1 if it carries none."""
     return int(getattr(spec.data, "num_tiles", 1))
-
-
-def _resolve(req: _Pending, spec: MultiModalFeatureSpec) -> ProcessedItem:
-    if spec.data is None:
-        raise RuntimeError(
-            f"request {req.request_id}: item {spec.identifier} missed the encoder cache but carries no data"
-        )
-    return req.resolve(spec)

@@ -62,7 +62,13 @@ class StepLoop:
 
     # ---- called from any thread / event loop ---------------------------------------------------
     def open(self, request_id: str) -> None:
-        """Register interest in a request's outputs (from its consumer's event loop), before submitting."""
+        """Register interest in a request's outputs (from its consumer's event loop), before submitting.
+
+        Raises ValueError for an id that already has a consumer here: that one keeps its outputs (replacing its
+        channel would leave it waiting for ever).
+        """
+        if request_id in self._channels:
+            raise ValueError(f"request {request_id} already has a consumer in {self.name}")
         self._channels[request_id] = OutputChannel(asyncio.get_running_loop())
 
     def submit(self, request_id: str | None, action: Callable[[], Any]) -> None:

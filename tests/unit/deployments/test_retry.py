@@ -5,10 +5,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ObjectLostError,
+    OwnerDiedError,
+    RayError,
+    RayTaskError,
+)
 
 from deployments import retry
-from deployments.retry import replica_lost, retrying, unwrapped
+from deployments.retry import attempt_id, replica_lost, retrying, unwrapped
+from mmserve.encoder.outputs import EncoderStepError
 from mmserve.errors import MediaError, ReplicaLostError
 
 
@@ -94,3 +102,24 @@ def test_a_kept_value_serves_one_attempt_and_an_attempt_lost_before_making_its_o
     assert kept.take() is None  # taken: the attempt that took it must make it (or keep it) again
     kept.lost_after(ActorDiedError())  # e.g. lost in Preprocess, before it made anything
     assert not kept.ready and kept.take() is None
+
+
+def test_attempt_ids_stay_unique_where_retries_nest() -> None:
+    # the ingress's attempts, each with the Decoder's retried encodes under it
+    ids = {attempt_id(attempt_id("r", outer), inner, "encode-retry") for outer in range(3) for inner in range(3)}
+    assert len(ids) == 9
+
+
+def test_an_encoder_step_error_crosses_ray_and_a_request_whose_pixels_were_lost_sees_the_loss() -> None:
+    from deployments.encoder import as_raised
+
+    error = EncoderStepError({"lost": ObjectLostError("ab" * 14, None, ""), "bad": RuntimeError("a bad image")})
+    backs = {}
+    for request_id in ("lost", "bad"):  # as each request's caller gets it
+        backs[request_id] = RayError.from_bytes(
+            RayTaskError("Encoder.encode", "tb", as_raised(error, request_id)).to_bytes())
+    assert replica_lost(backs["lost"])  # so the ingress preprocesses it again
+    assert not replica_lost(backs["bad"])  # reported: its own error only, not another request's
+    bad = unwrapped(backs["bad"])
+    assert isinstance(bad, EncoderStepError) and bad.request_ids == ["bad"]
+    assert "a bad image" in str(bad) and "lost" not in str(bad)

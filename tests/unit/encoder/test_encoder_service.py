@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
+import pytest
 import torch
 
 from mmserve.encoder.service import EncoderService
@@ -32,7 +34,8 @@ def test_an_early_encode_on_an_idle_stage_is_what_the_requests_own_call_gets() -
     asyncio.run(run())
 
 
-def test_a_busy_stage_starts_no_early_encode() -> None:
+def held_vision() -> tuple[threading.Event, threading.Event, Callable[[torch.Tensor], torch.Tensor]]:
+    """(set once a forward is inside, set to let it finish, the vision callable): a forward held (10 s at most)."""
     inside, release = threading.Event(), threading.Event()
     vision = FakeVision()
 
@@ -40,6 +43,12 @@ def test_a_busy_stage_starts_no_early_encode() -> None:
         inside.set()
         release.wait(10)
         return vision(pixels)
+
+    return inside, release, slow
+
+
+def test_a_busy_stage_starts_no_early_encode() -> None:
+    inside, release, slow = held_vision()
 
     async def run() -> None:
         store = Store()
@@ -54,6 +63,27 @@ def test_a_busy_stage_starts_no_early_encode() -> None:
             await first
             assert service.stage.stats().forward_passes == 1 and store.calls == ["k"]  # nothing else ran
             assert not service.encode_early("r3/early", [])  # no items: nothing to start
+        finally:
+            release.set()
+            service.stop()
+
+    asyncio.run(run())
+
+
+def test_a_second_call_under_a_live_request_id_is_refused_and_the_first_still_gets_its_embeddings() -> None:
+    inside, release, slow = held_vision()
+
+    async def run() -> None:
+        service = EncoderService(_stage(slow))
+        try:
+            first = asyncio.ensure_future(service.encode("r", [_spec("h", _item(1))]))
+            while not inside.is_set():
+                await asyncio.sleep(0.005)
+            with pytest.raises(ValueError, match="already has a consumer"):
+                await service.encode("r", [_spec("g", _item(2))])
+            release.set()
+            (embedding,) = (await asyncio.wait_for(first, 10)).embeddings  # NOTE: it waited for ever before
+            assert embedding.shape == (4, 6)
         finally:
             release.set()
             service.stop()

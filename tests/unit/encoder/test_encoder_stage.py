@@ -3,6 +3,7 @@ failure rollback."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 import warnings
 from collections.abc import Callable
@@ -277,6 +278,29 @@ def test_a_lost_pixel_reference_fails_its_request_only() -> None:
     assert err.value.request_ids == ["lost"] and "x" not in stage.manager
     assert [r.request_id for r in stage.step()] == ["ok1", "ok2"]  # encoded in that same forward
     assert stage.stats().forward_passes == 1
+
+
+def test_an_item_shared_in_one_step_is_read_through_another_requests_pixels_when_the_firsts_are_lost() -> None:
+    stage, store = _stage(), Store()
+    store.items["good"] = _item(1)  # "gone" is not there: the first request's maker died, the second's lives
+    stage.add_request("r1", [_spec("x", "gone")], store.resolve)
+    stage.add_request("r2", [_spec("x", "good")], store.resolve)  # hits the entry r1 allocates in the same step
+    assert [r.request_id for r in stage.step()] == ["r1", "r2"]  # neither fails for r1's lost pixels
+    assert store.calls == ["gone", "good"] and stage.stats().forward_passes == 1
+
+
+def test_each_failed_request_carries_its_own_items_error_and_the_error_pickles() -> None:
+    stage, store = _stage(), Store()
+    stage.add_request("lost", [_spec("x", "gone")], store.resolve)  # its maker died: the store raises KeyError
+    stage.add_request("empty", [_spec("y", None)], store.resolve)
+    with pytest.raises(EncoderStepError) as err:
+        stage.step()
+    assert err.value.request_ids == ["lost", "empty"]
+    assert isinstance(err.value.cause_of("lost"), KeyError)
+    assert "carries no data" in str(err.value.cause_of("empty")) and err.value.cause_of("other") is None
+    back = pickle.loads(pickle.dumps(err.value))  # NOTE: it crosses Ray inside the replica's error
+    assert back.request_ids == ["lost", "empty"] and isinstance(back.cause_of("lost"), KeyError)
+    assert str(back) == str(err.value)
 
 
 def test_an_item_that_breaks_its_batch_fails_alone_and_the_others_match_alone() -> None:
