@@ -242,9 +242,10 @@ class Decoder:
         stop = finished and state.seq.finish_reason == "stop" and self.scheduler.is_stop_token(state.seq, token) \
             and not state.seq.sampling.include_stop_str_in_output
         text = "" if stop else state.detokenizer.add(token)
-        if not finished and state.detokenizer.stopped:
-            self.scheduler.finish(request_id, "stop")
-            finished = True
+        if state.detokenizer.stopped:  # NOTE: this token completed a stop string (it finishes only once)
+            if not finished:
+                self.scheduler.finish(request_id, "stop")
+            state.seq.finish_reason, finished = "stop", True  # NOTE: on the last token allowed too, as vLLM
         if finished:
             text += state.detokenizer.flush()
             del self._states[request_id]

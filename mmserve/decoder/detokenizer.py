@@ -38,7 +38,8 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Iterable[int] = (),
-                 stop: tuple[str, ...] = (), skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+                 stop: tuple[str, ...] = (), skip_special_tokens: bool = True, include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = backend_tokenizer(tokenizer)
         context = list(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:]
         # NOTE: seeding the stream with the prompt's tail makes a decoder that strips a leading space
@@ -49,6 +50,9 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
         self._include_stop = include_stop  # the text ends after the stop string found, not before it
+        # NOTE: as vLLM, a stop string ends the text only once it ends in an output past `min_tokens` tokens
+        self._min_tokens = min_tokens
+        self._tokens = 0  # output tokens added (tokens)
         self._pending = ""  # decoded text not yet emitted: a possible start of a stop string
         self.text = ""  # everything emitted so far
         self.stop_string: str | None = None  # the stop string found; no more text after it
@@ -57,7 +61,7 @@ class IncrementalDetokenizer:
     def for_request(cls, tokenizer: Any, sampling: SamplingParams) -> IncrementalDetokenizer:
         """One with a request's stop strings and text options (no prompt context)."""
         return cls(tokenizer, stop=sampling.stop, skip_special_tokens=sampling.skip_special_tokens,
-                   include_stop=sampling.include_stop_str_in_output)
+                   include_stop=sampling.include_stop_str_in_output, min_tokens=sampling.min_tokens)
 
     @property
     def stopped(self) -> bool:
@@ -67,10 +71,10 @@ class IncrementalDetokenizer:
         """Feed one sampled token; return the newly completed text (may be empty)."""
         if self.stopped:
             return ""
-        chunk = self._decode_step(token_id)
-        if chunk:
-            self._pending += chunk
-        return self._emit(self._check_stop())
+        chunk, fresh = self._decode_step(token_id), len(self._pending)
+        self._pending += chunk
+        self._tokens += 1
+        return self._emit(self._check_stop(fresh if self._tokens > self._min_tokens else None))
 
     def _decode_step(self, token_id: int) -> str:
         self._ids.append(token_id)
@@ -91,11 +95,13 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(len(self._pending))
 
-    def _check_stop(self) -> int:
-        """How much of `_pending` may be emitted; sets `stop_string` and cuts when one is found."""
+    def _check_stop(self, fresh: int | None) -> int:
+        """How much of `_pending` may be emitted; sets `stop_string` and cuts when one is found that ends in the
+        text from `fresh` on (None: no stop string may end the text yet, `min_tokens`)."""
         if not self._stop:
             return len(self._pending)
-        hits = [(i, s) for s in self._stop if (i := self._pending.find(s)) >= 0]
+        hits = [] if fresh is None else \
+            [(i, s) for s in self._stop if (i := self._pending.find(s, max(0, fresh - len(s) + 1))) >= 0]
         if hits:
             cut, self.stop_string = min(hits)
             cut += len(self.stop_string) if self._include_stop else 0

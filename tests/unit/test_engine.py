@@ -175,6 +175,23 @@ def test_stop_string_cuts_text(engine):
     assert cut.text == full.text[: full.text.index(stop)]
 
 
+def test_a_stop_string_ends_as_a_stop_on_the_last_token_allowed_and_not_before_min_tokens(engine):
+    """As vLLM: a stop string completed by the last token max_tokens allows is still a stop, and one that
+    completes within the first min_tokens tokens does not end the text (one that ends later does)."""
+    texts = [""] + [out.text for k in range(1, 13)
+                    for [out] in [engine.generate([chat(f"sm{k}", max_tokens=k, ignore_eos=True)])]]
+    found = [(k, c) for k in range(1, 13) for i, c in enumerate(texts[k][len(texts[k - 1]):])
+             if c.strip() and c not in texts[k][: len(texts[k - 1]) + i]]  # a character's first sighting
+    assert found, f"need visible text to stop on, got {texts[-1]!r}"
+    k, stop = found[0]  # the first occurrence of `stop` completes at token k
+    [last] = engine.generate([chat("sm-last", max_tokens=k, ignore_eos=True, stop=(stop,))])
+    assert last.finish_reason == "stop" and last.text == texts[k][: texts[k].index(stop)]
+    [before] = engine.generate([chat("sm-before", max_tokens=12, ignore_eos=True, stop=(stop,), min_tokens=k - 1)])
+    assert before.finish_reason == "stop" and before.text == last.text  # token k is past min_tokens
+    [held] = engine.generate([chat("sm-held", max_tokens=12, ignore_eos=True, stop=(stop,), min_tokens=k)])
+    assert len(held.token_ids) > k and held.text.startswith(texts[k])  # not matched at token k
+
+
 def test_a_stop_token_ends_the_ids_but_not_the_text(engine):
     """As vLLM: the stop token id is in the output's ids, its text is not (nor is the model's own end's)."""
     [full] = engine.generate([chat("sti1", max_tokens=8, ignore_eos=True)])

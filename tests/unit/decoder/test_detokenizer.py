@@ -147,6 +147,33 @@ def test_random_streams_match_a_full_decode_cut_at_the_stop(tokenizer: Any) -> N
         assert not any("\ufffd" in p for p in pieces)
 
 
+def test_with_min_tokens_a_stop_string_cuts_only_where_it_ends_in_a_later_token(tokenizer: Any) -> None:
+    """vLLM's rule: stop strings are looked for once more than `min_tokens` tokens are out, and then only those
+    that end in the text the latest token completed."""
+    rng = random.Random(1)
+    alphabet = [*"abcdehlo ", "é", "✓", "日", " ✓", "llo"]
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 25)))
+        stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))) for _ in range(2)})
+        ids = encode(tokenizer, text)
+        min_tokens = rng.randint(0, len(ids) + 1)
+        pieces, _ = stream(tokenizer, ids, stop=stops, min_tokens=min_tokens)
+        assert "".join(pieces) == cut_past(tokenizer, ids, stops, min_tokens), (text, stops, min_tokens)
+
+
+def cut_past(tok: Any, ids: list[int], stops: tuple[str, ...], min_tokens: int) -> str:
+    """The whole text cut before the first stop string that the k-th token completes, for k > min_tokens."""
+    full, done = tok.decode(ids), 0  # done: characters complete before the token at hand
+    for k in range(1, len(ids) + 1):
+        now = len(tok.decode(ids[:k]).rstrip("\ufffd"))
+        if k > min_tokens:
+            hits = [i for s in stops if 0 <= (i := full.find(s, max(0, done - len(s) + 1))) <= now - len(s)]
+            if hits:
+                return full[: min(hits)]
+        done = max(done, now)
+    return full
+
+
 def test_accepts_a_raw_tokenizers_tokenizer() -> None:
     tok = local_tokenizer()
     pieces, _ = stream(tok.backend_tokenizer, encode(tok, TEXT))
