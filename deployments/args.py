@@ -87,7 +87,7 @@ INGRESS_PROBE_SLOTS = 16
 class StageArgs(_Strict):
     """Placement and scale of one deployment."""
 
-    num_replicas: int | None = Field(None, ge=1)  # fixed count; ignored when autoscaling is set
+    num_replicas: int | None = Field(None, ge=1)  # fixed count: the stage then does not autoscale
     autoscaling: Autoscaling | None = None
     num_cpus: float = Field(0.0, ge=0)  # NOTE: 0 by default so that a 2-core machine starts every stage
     num_gpus: float = Field(0.0, ge=0)
@@ -101,6 +101,17 @@ class StageArgs(_Strict):
     # (our default) would run torch on one thread: about half the speed of encoder and prefill.
     torch_threads: int | None = Field(None, ge=1)
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_STAGE_ENV))  # replica environment
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_count_or_autoscaling(cls, data: Any) -> Any:
+        """A `num_replicas` given is a fixed count, over a stage's default autoscaling too; given with an
+        `autoscaling` of its own, it is refused (which one was meant is not ours to guess)."""
+        if not isinstance(data, dict) or data.get("num_replicas") is None:
+            return data
+        if data.get("autoscaling") is not None:
+            raise ValueError("num_replicas (a fixed count) and autoscaling exclude each other: set one of them")
+        return {**data, "autoscaling": None}
 
     def threads(self) -> int:
         """The torch thread count this stage's replicas run with."""

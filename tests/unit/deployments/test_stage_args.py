@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from deployments.args import DEFAULT_STAGE_ENV, INGRESS_PROBE_SLOTS, StageArgs, parse_args
 from mmserve.config import EngineConfig
@@ -84,3 +85,13 @@ def test_an_ingress_that_could_never_scale_up_is_refused() -> None:
     with pytest.raises(ValueError, match=r"target_ongoing_requests \(8.0\) must be below max_ongoing_requests \(8\)"):
         parse_args({"ingress": {"max_ongoing_requests": 8, "autoscaling": {"target_ongoing_requests": 8}}})
     assert parse_args({"ingress": {"max_ongoing_requests": 8, "autoscaling": {"target_ongoing_requests": 7}}})
+
+
+def test_a_fixed_replica_count_overrides_a_default_autoscaling_and_both_together_are_refused() -> None:
+    fixed = parse_args({"preprocess.num_replicas": "4"}).preprocess  # Preprocess autoscales by default
+    assert fixed.autoscaling is None and fixed.deployment_options()["num_replicas"] == 4
+    assert "autoscaling_config" not in fixed.deployment_options()
+    assert parse_args({}).preprocess.autoscaling is not None
+    assert parse_args({"preprocess.num_replicas": "2", "preprocess.autoscaling": "null"}).preprocess.num_replicas == 2
+    with pytest.raises(ValidationError, match="exclude each other"):
+        parse_args({"encoder.num_replicas": "2", "encoder.autoscaling": '{"max_replicas": 3}'})
