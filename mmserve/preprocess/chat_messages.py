@@ -1,7 +1,8 @@
 """The OpenAI chat messages a request carries, checked and reshaped for the chat template.
 
 Owns: the message shape (roles, content parts, text and image_url parts), the refusal of reserved
-image-token strings in user text, and collecting the image URLs in prompt order. Nothing is fetched
+image-token strings in user text, the same messages with neutral text (`with_neutral_text`, for the
+preprocessor's check of the rendered prompt), and collecting the image URLs in prompt order. Nothing is fetched
 or tokenized here (preprocessor.py does that).
 """
 
@@ -79,6 +80,20 @@ def _check_text(text: str, at: str, reserved: tuple[str, ...]) -> None:
         if token in text:
             raise InvalidRequestError(f"{at} contains {token!r}, a control token of the model's prompt format "
                                       "(it would fake a turn or an image); send it some other way")
+
+
+def with_neutral_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same template messages with every text a neutral letter: what a chat template renders around them
+    is then all its own (no reserved string begins or ends with a letter)."""
+    def neutral(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(content, str):
+            return NEUTRAL_TEXT
+        return [{**part, "text": NEUTRAL_TEXT} if part["type"] == "text" else part for part in content]
+
+    return [{**message, "content": neutral(message["content"])} for message in messages]
+
+
+NEUTRAL_TEXT = "x"
 
 
 def _system_text(content: str | list[dict[str, Any]], where: str) -> str:

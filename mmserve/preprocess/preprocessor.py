@@ -33,7 +33,7 @@ from mmserve.messages import (
 )
 from mmserve.models.base import PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, as_uint8
-from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages
+from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages, with_neutral_text
 from mmserve.preprocess.hashing import hash_image, hash_source
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.preprocess.media import MediaLoader
@@ -152,17 +152,35 @@ class Preprocessor:
                                            f"(0-{self.vocab_size - 1})", param=param)
 
     def _render(self, parsed: ParsedMessages, n_items: int) -> str:
-        try:
-            text = self.processor.apply_chat_template(parsed.template_messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except jinja2.TemplateError as err:
-            raise InvalidRequestError(f"messages rejected by the chat template: {err}") from err
+        text = self._template(parsed.template_messages)
+        self._check_joined_text(text, parsed)
         placed = text.count(self.rule.placeholder)
         if placed != n_items:  # e.g. an image in a message the template drops
             raise InvalidRequestError(f"the chat template placed {placed} image placeholders "
                                       f"for {n_items} images")
         _check_unicode(text, "messages")
         return text
+
+    def _template(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return str(self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        except jinja2.TemplateError as err:
+            raise InvalidRequestError(f"messages rejected by the chat template: {err}") from err
+
+    def _check_joined_text(self, text: str, parsed: ParsedMessages) -> None:
+        """Refuse a prompt that holds more of a reserved string than the template writes by itself.
+
+        NOTE: each text is checked alone (chat_messages), but a template joins texts (Gemma's trims a message's
+        text parts and concatenates them), so harmless halves ("<end_of_", "turn>") can meet as a control
+        token that forges a turn or breaks an image's placeholders. The same messages with neutral text
+        show what the template itself writes (one more render, tens of µs).
+        """
+        own = self._template(with_neutral_text(parsed.template_messages))
+        for token in self.rule.reserved_strings:
+            if text.count(token) > own.count(token):
+                raise InvalidRequestError(f"messages: texts that the chat template joins together contain {token!r}, "
+                                          "a control token of the model's prompt format (it would fake a turn or "
+                                          "an image); send it some other way", param="messages")
 
     def _tokenize(self, text: str) -> list[int]:
         with self._lock:  # NOTE: the template already starts with <bos>; add no special tokens
