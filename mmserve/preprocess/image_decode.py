@@ -44,11 +44,12 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency composited on white (as transformers' `convert_to_rgb` does)."""
-    if image.mode == "RGB":
-        return image
+    """RGB, with any transparency composited on white (as transformers' `convert_to_rgb` does).
+
+    NOTE: an RGB image may be transparent too (a PNG's tRNS colour key): transparency is looked for first.
+    """
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")

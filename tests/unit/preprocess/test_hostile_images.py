@@ -102,7 +102,10 @@ def _modes() -> dict[str, tuple[Image.Image, str]]:
     grey16 = np.random.default_rng(3).integers(0, 65535, (30, 45)).astype(np.uint16)
     palette = base.convert("P")
     palette.info["transparency"] = 0
+    keyed = base.copy()  # an RGB PNG whose tRNS chunk names one colour transparent (a colour key)
+    keyed.info["transparency"] = keyed.getpixel((0, 0))
     return {"RGBA": (Image.fromarray(rgba), "PNG"), "LA": (Image.fromarray(rgba).convert("LA"), "PNG"),
+            "RGB-colour-key": (keyed, "PNG"),
             "P": (base.convert("P"), "PNG"), "P-transparent": (palette, "PNG"),
             "CMYK": (base.convert("CMYK"), "JPEG"), "I;16": (Image.fromarray(grey16), "PNG"),
             "1": (base.convert("1"), "PNG"), "L": (base.convert("L"), "GIF"), "I": (base.convert("I"), "TIFF"),
