@@ -14,6 +14,7 @@ from mmserve.messages import SamplingParams
 from mmserve.runtime.host_copy import floats_to_device, ints_to_device, to_device
 
 CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort only if its nucleus is wider
+TIE_SLACK = 64  # candidates past the largest top_k, to see whether the k-th best's ties go on (tokens)
 
 
 def draw_rows(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list[SamplingParams],
@@ -44,25 +45,28 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
 
     The probabilities are renormalised over the kept tokens.
 
-    Both are in decreasing-logit order over the K most likely tokens, so every kept set is a prefix of its row
-    and the first token is always kept. Top-p applies to the distribution renormalised after top-k. NOTE: a
-    full sort is ~30x slower than `topk` on CPU, so K is the largest top_k when every row has one (top-p never
-    goes past a row's k best: Gemma's own top_k 64, top_p 0.95), else that or CANDIDATES, widened to the whole
-    vocabulary only when some row's nucleus is wider than that.
+    Both are in decreasing-logit order over the K most likely tokens, tied logits in token-id order, so every
+    kept set is a prefix of its row and the first token is always kept. Top-k keeps every token tied with the
+    k-th best too (vLLM's rule), and top-p applies to the distribution renormalised after top-k.
+    NOTE: a row's kept tokens and their order depend on its logits only, never on K, which its batch mates set
+    (ties are common in logits cast up from bf16): a seeded row draws the same token batched or alone.
+    NOTE: a full sort is ~30x slower than `topk` on CPU, so K is the largest top_k (plus TIE_SLACK, to see past a
+    k-th best's ties) when every row has one (top-p never goes past a row's k best: Gemma's own top_k 64, top_p
+    0.95), else that or CANDIDATES, widened when ties or a nucleus reach past them.
     """
     vocab, device = scaled.shape[-1], scaled.device
     ks = [_top_k(p, vocab) for p in params]  # 0 where a row has no top_k
     widens = not all(ks)  # NOTE: a row without a top_k may have a nucleus wider than the candidates
-    if candidates is None:  # NOTE: off the CPU a full sort is cheap, and the widening check would read back
-        candidates = 0 if not widens else CANDIDATES if device.type == "cpu" else vocab
+    if candidates is None:  # NOTE: off the CPU a full sort is cheap, and a widening check would read back
+        candidates = (CANDIDATES if widens else 0) if device.type == "cpu" else vocab
     top_k = ints_to_device([k or vocab for k in ks], device)  # (g,)
     top_p = floats_to_device([p.top_p for p in params], device)  # (g,)
-    k = min(vocab, max(candidates, *ks))
-    if k < vocab:
-        values, order = scaled.topk(k, dim=-1)  # (g, K) each, sorted
-    else:
-        values, order = scaled.sort(dim=-1, descending=True)  # (g, V) each
-    in_k = torch.arange(k, device=device)[None, :] < top_k[:, None]  # (g, K)
+    k = min(vocab, max(candidates, max(ks) + TIE_SLACK))
+    values, order = _best(scaled, k)  # (g, K) each
+    kth = values.gather(-1, (top_k - 1).clamp(max=k - 1)[:, None])  # (g, 1): each row's k-th best logit
+    in_k = values >= kth  # (g, K); a row without a top_k keeps all
+    if k < vocab and bool((in_k[:, -1] & (top_k < vocab)).any()):  # a k-th best's ties may go past K
+        return truncated_probs(scaled, params, candidates=2 * k)
     lse = values.masked_fill(~in_k, float("-inf")).logsumexp(dim=-1)  # (g,): top-k rows' normaliser
     if widens:  # top-p-only rows normalise over the whole vocabulary
         lse = torch.where(top_k == vocab, scaled.logsumexp(dim=-1), lse)
@@ -76,6 +80,20 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
     drop[:, 0] = False
     probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True), order
+
+
+def _best(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, V) -> ((g, k) the k largest values in decreasing order, tied ones in token-id order; (g, k) their ids).
+
+    NOTE: `topk` orders tied values as its algorithm meets them, which changes with k: re-sorted by id, then
+    stably by value (on k entries, cheap).
+    """
+    if k >= scaled.shape[-1]:
+        return scaled.sort(dim=-1, descending=True, stable=True)  # NOTE: stable: ties stay in id order
+    values, order = scaled.topk(k, dim=-1)
+    order, by_id = order.sort(dim=-1)
+    values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, order.gather(-1, by_value)
 
 
 def _draw_full(scaled: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mmserve.decoder.sampler as sampler_module
-from mmserve.decoder.draw import CANDIDATES, truncated_probs
+from mmserve.decoder.draw import CANDIDATES, TIE_SLACK, truncated_probs
 from mmserve.decoder.sampler import (
     RowMasks,
     Sampler,
@@ -95,11 +95,31 @@ def test_rows_that_all_have_a_top_k_take_only_their_k_best_and_equal_a_full_sort
     params = [SamplingParams(top_k=64, top_p=0.95), SamplingParams(top_k=20), SamplingParams(top_k=40, top_p=0.5)]
     fast, fast_ids = truncated_probs(x, params)
     slow, slow_ids = truncated_probs(x, params, candidates=vocab)
-    assert fast.shape == (3, 64)
-    assert torch.equal(fast_ids, slow_ids[:, :64])
-    assert_close_ulps(fast, slow[:, :64], ulps=16)  # the same k terms normalised, in 64 or 3,072 entries
-    assert torch.all(slow[:, 64:] == 0)
+    k = 64 + TIE_SLACK  # the largest top_k, and past it enough to see whether its k-th best has ties
+    assert fast.shape == (3, k)
+    assert torch.equal(fast_ids, slow_ids[:, :k])
+    assert_close_ulps(fast, slow[:, :k], ulps=16)  # the same k terms normalised, in 128 or 3,072 entries
+    assert torch.all(slow[:, 64:] == 0) and torch.all(fast[:, 64:] == 0)
     assert [int(n) for n in (fast > 0).sum(-1)][1] == 20
+
+
+def test_a_seeded_rows_draws_keep_to_its_logits_when_its_batch_mates_change_the_candidates() -> None:
+    """Ties at a row's k-th best (common in logits cast up from bf16) are all kept, as vLLM keeps them, and
+    the draw walks them in token-id order: a batch mate that widens the candidates changes nothing."""
+    vocab = 3 * CANDIDATES
+    row = torch.zeros(vocab)
+    row[:40] = 1.0  # 40 tokens tied for best
+    row[100:300] = torch.randn(200, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).float() - 2
+    for top_k in (8, 40, 64):
+        ours = SamplingParams(temperature=1.0, top_k=top_k, top_p=0.95, seed=1)
+        kept, ids = truncated_probs(row[None], [SamplingParams(temperature=1.0, top_k=top_k)])
+        assert {int(i) for i in ids[0][kept[0] > 0]} >= set(range(40))  # every tie of the k-th best
+        for mate in (SamplingParams(temperature=1.0, top_k=500), SamplingParams(temperature=1.0, top_p=0.9)):
+            for seed in range(20):
+                alone = Sampler().sample(row[None], [ours], [make_generator(seed)])
+                batched = Sampler().sample(torch.stack([row, row.flip(0)]), [ours, mate],
+                                           [make_generator(seed), None])
+                assert int(alone[0]) == int(batched[0]), (top_k, mate, seed)
 
 
 def test_same_seed_same_tokens_different_seeds_differ() -> None:
