@@ -26,8 +26,17 @@ class ChoiceLogprobs(BaseModel):
     content: list[ContentLogprob]  # one per generated token
 
 
+# NOTE: JSON has no -inf (a token a grammar forbids): vLLM's edge reports it as this, and so does ours
+FORBIDDEN_LOGPROB = -9999.0
+
+
 def choice_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=[
-        ContentLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()),
-                       top_logprobs=[TopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for _, s, lp in t.top])
+        ContentLogprob(token=t.token, logprob=_finite(t.logprob), bytes=list(t.token.encode()),
+                       top_logprobs=[TopLogprob(token=s, logprob=_finite(lp), bytes=list(s.encode()))
+                                     for _, s, lp in t.top])
         for t in tokens])
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, FORBIDDEN_LOGPROB)

@@ -176,16 +176,18 @@ class Decoder:
         if self.on_logits is not None:
             self.on_logits(ids, result.logits)
         adjust = any(seq.sampling.adjusts_logits for seq in result.seqs)  # NOTE: else no token lists built
+        row_masks = self.grammar_step.finish(masks, ids)
         sampled = self.sampler.sample(
             result.logits,
             [seq.sampling for seq in result.seqs],
             [self._states[rid].generator for rid in ids],
             [seq.output_token_ids for seq in result.seqs] if adjust else None,
             [seq.prompt_token_ids for seq in result.seqs] if adjust else None,
-            self.grammar_step.finish(masks, ids),
+            row_masks,
         )  # (n,)
         tokens = sampled.tolist()
-        logprobs = step_logprobs(result.logits, sampled, tokens, [seq.sampling for seq in result.seqs], self._text)
+        logprobs = step_logprobs(result.logits, sampled, tokens, [seq.sampling for seq in result.seqs], self._text,
+                                 row_masks)
         ended, broken = self.grammar_step.advance(ids, tokens, [self._states[rid].matcher for rid in ids])
         failed += [self._fail(self._states[rid].seq, exc) for rid, exc in broken.items()]  # before update
         finished = {seq.request_id for seq in self.scheduler.update(plan, dict(zip(ids, tokens, strict=True)))}

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from mmserve.api.logprobs import FORBIDDEN_LOGPROB, choice_logprobs
+from mmserve.decoder.sampler import RowMasks
 from mmserve.decoder.step_logprobs import step_logprobs
 from mmserve.messages import SamplingParams
 
@@ -32,3 +34,19 @@ def test_a_row_left_without_a_token_reports_nothing():
     out = step_logprobs(logits, sampled.clamp(min=0), sampled.tolist(), [SamplingParams(logprobs=1)] * 2,
                         text=str)
     assert list(out) == [1]
+
+
+def test_a_grammar_rows_log_probs_are_over_the_tokens_its_grammar_allows():
+    """As vLLM, whose grammar bitmask is applied to the logits its sampler reads: a forbidden token is -inf
+    (shown as -9999 at the edge), and the allowed ones share all the mass."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]])  # (2, 4)
+    sampled = torch.tensor([1, 3])
+    masks = RowMasks((0,), torch.tensor([[True, False, True, True]]))  # row 0 may sample token 1 only
+    sampling = [SamplingParams(logprobs=3), SamplingParams(logprobs=1)]
+    out = step_logprobs(logits, sampled, sampled.tolist(), sampling, text=str, masks=masks)
+    assert out[0].logprob == 0.0 and out[0].top[0][:2] == (1, "1")  # the only token allowed: all the mass
+    assert [lp for _, _, lp in out[0].top[1:]] == [float("-inf")] * 2
+    assert math.isclose(out[1].logprob, float(torch.log_softmax(logits[1], -1)[3]), rel_tol=1e-6)  # unmasked
+    rendered = choice_logprobs([out[0]]).content[0]
+    assert [t.logprob for t in rendered.top_logprobs] == [0.0, FORBIDDEN_LOGPROB, FORBIDDEN_LOGPROB]
+    assert rendered.model_dump_json()  # JSON has no -inf
