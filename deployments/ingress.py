@@ -203,7 +203,7 @@ class Ingress:
         try:
             answer = await self._within(deadline, preprocessing)
         except BaseException:
-            cancel(preprocessing)  # e.g. the deadline: the Preprocess replica stops working on it
+            cancel(preprocessing)  # e.g. the deadline: the Preprocess replica stops at the request's next image
             raise
         pre: PreprocessedRequest = failures.raise_failed(answer)
         return pre

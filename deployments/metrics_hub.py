@@ -63,6 +63,9 @@ class MetricsReporter:
         self.hub, self.snapshot, self.interval_s = hold(hub), snapshot, interval_s
         self.mirror = _RayMirror(deployment)
         self._task: asyncio.Task | None = None
+        # NOTE: one push at a time (the loop's and a GET /metrics' may overlap): the mirror turns successive
+        # snapshots into increments, and an older one applied after a newer one counted the gap twice
+        self._pushing = asyncio.Lock()
 
     def ensure_started(self) -> None:
         """Start the push loop if it is not running; a no-op off the replica's event loop thread.
@@ -83,9 +86,10 @@ class MetricsReporter:
             self._task.cancel()
 
     async def push(self) -> None:
-        snapshot = merge([self.snapshot(), resident_memory_snapshot(self.source)])
-        await self.hub.report.remote(self.source, snapshot)
-        self.mirror.update(snapshot)
+        async with self._pushing:
+            snapshot = merge([self.snapshot(), resident_memory_snapshot(self.source)])
+            await self.hub.report.remote(self.source, snapshot)
+            self.mirror.update(snapshot)
 
     async def _loop(self) -> None:
         while True:

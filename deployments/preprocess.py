@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -40,7 +41,8 @@ class Preprocess:
             self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity")  # the Decoder router's key
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
-        self.ongoing = 0  # requests being processed here now
+        self.ongoing = 0  # requests being processed here now, on worker threads
+        self._counting = threading.Lock()  # guards `ongoing`
         self.encoder = hold(encoder) if app_args.early_encode() else None
         self._early: set[asyncio.Task] = set()  # early-encode calls not answered yet (held: see asyncio)
         freeze_startup_heap()  # NOTE: last: everything built above is what it freezes
@@ -48,19 +50,30 @@ class Preprocess:
     async def process(self, request: ChatRequest) -> PreprocessedRequest | RequestFailed:
         self.reporter.ensure_started()
         self.cache.bind()
-        self.ongoing += 1
-        timeline = Timeline()
+        timeline, left = Timeline(), threading.Event()
         try:
             # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
-            pre = await asyncio.to_thread(self.preprocessor.process, request)
+            pre = await asyncio.to_thread(self._process, request, left)
             self._encode_early(pre)
             timeline.add(pre.timings)
             timeline.since_start("preprocess.replica")  # the whole call here: its round trip less this is the hop
             return replace(pre, timings=timeline.phases)
         except InvalidRequestError as exc:
             return RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
+        except asyncio.CancelledError:  # the caller left (a client gone, a deadline): its thread stops soon too
+            left.set()
+            raise
+
+    def _process(self, request: ChatRequest, left: threading.Event) -> PreprocessedRequest:
+        """On a worker thread: the request's preprocessing, counted in `ongoing` until its thread is done with it
+        (which may be after its caller left: the work stops at its next image)."""
+        with self._counting:
+            self.ongoing += 1
+        try:
+            return self.preprocessor.process(request, cancelled=left.is_set)
         finally:
-            self.ongoing -= 1
+            with self._counting:
+                self.ongoing -= 1
 
     def _encode_early(self, pre: PreprocessedRequest) -> None:
         """Send the Encoder the request's items if some are new here (a processor-cache miss: it has not

@@ -13,6 +13,7 @@ transport (the Engine and the Ray Decoder deployment both use this).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -39,6 +40,7 @@ class _Live:
     encode: EncodeFn | None
     loop: asyncio.AbstractEventLoop  # the consumer's
     fetches: int = 0  # late fetches started (each its own encoder request id)
+    fetching: set[concurrent.futures.Future[None]] = field(default_factory=set)  # late fetches under way
     ended: bool = False  # the consumer is gone: a late fetch finishing after it is dropped
     timeline: Timeline = field(default_factory=Timeline)  # this service's phases up to the first output
 
@@ -120,6 +122,8 @@ class DecoderService:
 
     async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncGenerator[RequestOutput]:
         request_id = pre.request_id
+        if request_id in self._live:  # NOTE: before any state changes: the live one keeps its stream
+            raise ValueError(f"request {request_id} is already being served here")
         live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop())
         finished = False
         self._arriving += 1
@@ -155,6 +159,8 @@ class DecoderService:
         finally:
             del self._live[request_id]
             live.ended = True
+            for fetch in list(live.fetching):  # NOTE: its encoder call ends too, and lets go of what it holds there
+                fetch.cancel()
             if not finished:
                 self.loop.submit(None, lambda: self.decoder.abort(request_id))
 
@@ -229,7 +235,9 @@ class DecoderService:
         live = self._live.get(request_id)
         if live is None:
             return  # it is ending; the decoder drops it
-        asyncio.run_coroutine_threadsafe(self._fetch(live, indices), live.loop)
+        fetch = asyncio.run_coroutine_threadsafe(self._fetch(live, indices), live.loop)
+        live.fetching.add(fetch)
+        fetch.add_done_callback(live.fetching.discard)
 
     async def _fetch(self, live: _Live, indices: list[int]) -> None:
         request_id = live.pre.request_id

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,9 @@ class Preprocessor:
         with self._lock:
             return self._image_processor_calls
 
-    def process(self, req: ChatRequest) -> PreprocessedRequest:
+    def process(self, req: ChatRequest, cancelled: Callable[[], bool] = lambda: False) -> PreprocessedRequest:
+        """NOTE: `cancelled()` (its caller left) is asked before each image's work: a thread cannot be stopped,
+        so the work stops there, raising concurrent.futures.CancelledError."""
         timeline = Timeline()
         req.sampling.validate()
         self._check_stop(req.sampling.stop)
@@ -99,7 +102,7 @@ class Preprocessor:
         room = req.sampling.max_tokens if req.max_tokens_asked else 1  # output tokens the context must hold
         self._check_length(ids, room)
         timeline.mark("preprocess.prompt")  # rendered, tokenized, checked
-        items, hits = self._load_items(parsed.image_urls, kwargs, req.cache_salt, timeline)
+        items, hits = self._load_items(parsed.image_urls, kwargs, req.cache_salt, timeline, cancelled)
         crops = [item.num_tiles - 1 for _, item in items]
         if any(crops):
             ids = self._tokenize(self.rule.expand(text, crops))
@@ -201,14 +204,16 @@ class Preprocessor:
                                  f"were asked for: {len(ids)} in the prompt (images expanded) and {room} for the "
                                  "output (max_tokens); shorten the messages or lower max_tokens", param="messages")
 
-    def _load_items(self, urls: list[str], kwargs: dict[str, Any], salt: str | None, timeline: Timeline
-                    ) -> tuple[list[tuple[str, CachedItem]], int]:
+    def _load_items(self, urls: list[str], kwargs: dict[str, Any], salt: str | None, timeline: Timeline,
+                    cancelled: Callable[[], bool]) -> tuple[list[tuple[str, CachedItem]], int]:
         """(content hash, item) per image in prompt order, and how many the ProcessorCache served; each image's
         phases marked on `timeline` (`preprocess.image_*`). Both keys carry the request's cache `salt`."""
         items: list[tuple[str, CachedItem]] = []
         local: dict[str, tuple[str, CachedItem]] = {}  # repeats inside one request, even with the cache off
         hits = 0
         for index, data in enumerate(self.loader.read_all(urls), start=1):
+            if cancelled():  # NOTE: asked once an image is read, before its work; leaving ends the other reads
+                raise CancelledError(f"the caller left before image {index} was processed")
             source = hash_source(data, model_id=self.model_id, kwargs=kwargs, salt=salt)
             timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
             local[source], hit = self._item(data, index, source, kwargs, salt, local.get(source), timeline)

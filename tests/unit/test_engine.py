@@ -192,6 +192,21 @@ def test_a_stop_string_ends_as_a_stop_on_the_last_token_allowed_and_not_before_m
     assert len(held.token_ids) > k and held.text.startswith(texts[k])  # not matched at token k
 
 
+def test_a_second_request_under_a_live_id_is_refused_and_the_first_goes_on(engine):
+    async def run() -> list[Any]:
+        first = engine.stream(chat("dup", max_tokens=24, ignore_eos=True))
+        outs = [await first.__anext__()]
+        with pytest.raises(ValueError, match="already being served"):
+            async for _ in engine.stream(chat("dup", max_tokens=4)):
+                pass
+        outs += [out async for out in first]
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(run(), 60))
+    assert outs[-1].finished and outs[-1].finish_reason == "length"  # it was neither aborted nor left waiting
+    assert sum(len(out.new_token_ids) for out in outs) == 24 and not engine.has_unfinished()
+
+
 def test_a_stop_token_ends_the_ids_but_not_the_text(engine):
     """As vLLM: the stop token id is in the output's ids, its text is not (nor is the model's own end's)."""
     [full] = engine.generate([chat("sti1", max_tokens=8, ignore_eos=True)])

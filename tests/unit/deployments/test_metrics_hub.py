@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import typing
 from typing import Any
 
@@ -40,3 +41,42 @@ def test_resident_memory_is_one_series_per_replica() -> None:
     assert 10 << 20 < resident_bytes() < 1 << 40  # any Python process
     merged = merge([resident_memory_snapshot("Decoder#a"), resident_memory_snapshot("Encoder#b")])
     assert set(merged.metrics[RESIDENT_BYTES].values) == {("Decoder#a",), ("Encoder#b",)}
+
+
+def test_overlapping_pushes_mirror_each_increment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's push and a GET /metrics' push may overlap; their snapshots reach Ray's mirror in the order
+    they were taken, so no counter increment is counted twice."""
+    total = iter([1.0, 3.0, 4.0])  # the replica's counter at each snapshot
+    increments: list[float] = []
+
+    class Counter:
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def inc(self, value: float, tags: dict[str, str]) -> None:
+            increments.append(value)
+
+    monkeypatch.setattr(metrics_hub.ray_metrics, "Counter", Counter)
+    monkeypatch.setattr(metrics_hub, "resident_memory_snapshot", lambda source: MetricsSnapshot())
+
+    class Hub:  # answers the first report last
+        def __init__(self) -> None:
+            self.delays = iter([0.05, 0.0, 0.0])
+
+        async def _report(self, source: str, snapshot: MetricsSnapshot) -> None:
+            await asyncio.sleep(next(self.delays))
+
+        @property
+        def report(self) -> Any:
+            return typing.cast(Any, type("Method", (), {"remote": staticmethod(self._report)}))
+
+    reporter = object.__new__(metrics_hub.MetricsReporter)
+    reporter.source, reporter.hub = "Decoder#1", Hub()
+    reporter.snapshot = lambda: snapshot_of(Metric("mmserve_requests_total", "counter", "", (), {(): next(total)}))
+    reporter.mirror, reporter._pushing = metrics_hub._RayMirror("Decoder"), asyncio.Lock()
+
+    async def run() -> None:
+        await asyncio.gather(reporter.push(), reporter.push())
+        await reporter.push()
+
+    asyncio.run(run())
+    assert sum(increments) == 4.0, increments  # the counter's last value: each increment mirrored once

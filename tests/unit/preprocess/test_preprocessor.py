@@ -10,7 +10,7 @@ import dataclasses
 import io
 import threading
 import typing
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +368,18 @@ def test_bad_inputs(pre224: Preprocessor, case: str) -> None:
 def test_bad_mm_kwargs(pre224: Preprocessor, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         pre224.process(one_image(CAT, mm_processor_kwargs=kwargs))
+
+
+def test_work_whose_caller_left_stops_before_the_next_images_processing(tiny_ckpt_224: Path) -> None:
+    pp, asked = make(tiny_ckpt_224), []
+
+    def cancelled() -> bool:  # the caller leaves once the first image is under way
+        asked.append(True)
+        return len(asked) > 1
+
+    with pytest.raises(CancelledError):
+        pp.process(request(user(img(CAT), img(DOG))), cancelled=cancelled)
+    assert pp.image_processor_calls == 1 and len(asked) == 2  # the first image processed, the second not
 
 
 def test_too_many_images_is_refused_before_fetching(tiny_ckpt_224: Path) -> None:
