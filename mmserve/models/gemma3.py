@@ -36,8 +36,21 @@ def _eos_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
+# Text-config values the paged model's arithmetic assumes (every Gemma 3 release has them): a checkpoint that
+# sets another is refused at load rather than served with arithmetic that is not its own.
+SERVED_TEXT_CONFIG: dict[str, tuple[Any, ...]] = {
+    "hidden_activation": ("gelu_pytorch_tanh",),  # the MLP's tanh-approximated GELU
+    "use_bidirectional_attention": (False, None),  # causal text attention (images both ways, as Gemma 3's prefill)
+}
+
+
 def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec:
     text = config.text_config
+    for key, served in SERVED_TEXT_CONFIG.items():
+        value = getattr(text, key, served[0])
+        if value not in served:
+            raise ValueError(f"{model_dir}: text_config.{key} is {value!r}; mmserve serves Gemma 3 with "
+                             f"{' or '.join(map(repr, served))} only")
     kinds = tuple(text.layer_types)
     assert set(kinds) <= {FULL, SLIDING}, f"unknown Gemma 3 layer types {set(kinds)}"
     return ModelSpec(
