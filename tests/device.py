@@ -18,7 +18,7 @@ import pytest
 TEST_DEVICE = os.environ.get("MMSERVE_TEST_DEVICE", "cpu")  # a torch device string
 PARITY_CHECKPOINT = os.environ.get("MMSERVE_TEST_PARITY_CHECKPOINT")  # a checkpoint folder, or None: the tiny ones
 # the parity suites' module fixture params: the tiny checkpoints' fixture names, or the folder above
-PARITY_PARAMS = ["tiny_ckpt", "tiny_ckpt_224"] if PARITY_CHECKPOINT is None else [PARITY_CHECKPOINT]
+PARITY_PARAMS = ["tiny_ckpt", "tiny_ckpt_224", "tiny_ckpt_gqa"] if PARITY_CHECKPOINT is None else [PARITY_CHECKPOINT]
 
 
 def parity_checkpoint(request: pytest.FixtureRequest) -> tuple[Path, str]:

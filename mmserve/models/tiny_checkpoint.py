@@ -40,6 +40,7 @@ def build_tiny_gemma3(
     text_heads: int = 2,
     kv_heads: int = 1,
     head_dim: int = 32,
+    query_pre_attn_scalar: float | None = None,  # the attention's scale is its -1/2 power; None = head_dim
     text_intermediate: int = 128,
     sliding_window: int = 64,  # tokens: small, so that tests can reach past it
     full_attention_every: int = 2,  # every n-th layer is global (the real model: 6)
@@ -71,7 +72,8 @@ def build_tiny_gemma3(
     ids = special_token_ids(tokenizer)
     text = _text_config(
         vocab_size=model_vocab_size or len(tokenizer), ids=ids, hidden=text_hidden, layers=text_layers,
-        heads=text_heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=text_intermediate,
+        heads=text_heads, kv_heads=kv_heads, head_dim=head_dim, query_scalar=query_pre_attn_scalar or head_dim,
+        intermediate=text_intermediate,
         sliding_window=sliding_window, full_every=full_attention_every, max_positions=max_positions,
         theta_global=rope_theta_global, theta_local=rope_theta_local, rope_scaling=global_rope_scaling,
     )
@@ -140,7 +142,8 @@ def _check_image_geometry(image_size: int, patch_size: int, mm_tokens: int) -> N
 
 
 def _text_config(*, vocab_size: int, ids: dict[str, int], hidden: int, layers: int, heads: int,
-                 kv_heads: int, head_dim: int, intermediate: int, sliding_window: int, full_every: int,
+                 kv_heads: int, head_dim: int, query_scalar: float, intermediate: int, sliding_window: int,
+                 full_every: int,
                  max_positions: int, theta_global: float, theta_local: float,
                  rope_scaling: float | None) -> dict[str, Any]:
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta_global}
@@ -152,7 +155,7 @@ def _text_config(*, vocab_size: int, ids: dict[str, int], hidden: int, layers: i
     return dict(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=sliding_window,
+        head_dim=head_dim, query_pre_attn_scalar=query_scalar, sliding_window=sliding_window,
         layer_types=layer_types, sliding_window_pattern=full_every, max_position_embeddings=max_positions,
         rope_parameters={"full_attention": full,
                          "sliding_attention": {"rope_type": "default", "rope_theta": theta_local}},
