@@ -14,7 +14,7 @@ from mmserve.messages import SamplingParams
 from mmserve.runtime.host_copy import floats_to_device, ints_to_device, to_device
 
 CANDIDATES = 1024  # tokens a top-p-only row is first truncated to; a full sort only if its nucleus is wider
-TIE_SLACK = 64  # candidates past the largest top_k, to see whether the k-th best's ties go on (tokens)
+TIE_SLACK = 16  # candidates past the largest top_k, to see whether the k-th best's ties go on (tokens)
 
 
 def draw_rows(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list[SamplingParams],

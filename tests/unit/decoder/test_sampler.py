@@ -98,7 +98,7 @@ def test_rows_that_all_have_a_top_k_take_only_their_k_best_and_equal_a_full_sort
     k = 64 + TIE_SLACK  # the largest top_k, and past it enough to see whether its k-th best has ties
     assert fast.shape == (3, k)
     assert torch.equal(fast_ids, slow_ids[:, :k])
-    assert_close_ulps(fast, slow[:, :k], ulps=16)  # the same k terms normalised, in 128 or 3,072 entries
+    assert_close_ulps(fast, slow[:, :k], ulps=16)  # the same k terms normalised, in 80 or 3,072 entries
     assert torch.all(slow[:, 64:] == 0) and torch.all(fast[:, 64:] == 0)
     assert [int(n) for n in (fast > 0).sum(-1)][1] == 20
 
