@@ -18,7 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench_lib.images import data_url
-from bench_lib.loadgen import CellRun, RequestResult
+from bench_lib.loadgen import CellRun, RequestResult, complete
 from bench_lib.workloads import BenchRequest, ImageSpec, openai_messages
 
 
@@ -100,8 +100,8 @@ class GenerateBaseline:
                 results.append(RequestResult(req.key, False, arrived - t0, None, None, 0, None, repr(exc)[:300]))
                 continue
             ends.append(started + e2e)
-            results.append(RequestResult(req.key, True, arrived - t0, started + ttft - arrived, ends[-1] - arrived,
-                                         n_out, n_prompt))
+            results.append(complete(RequestResult(req.key, True, arrived - t0, started + ttft - arrived,
+                                                  ends[-1] - arrived, n_out, n_prompt), req))
         return CellRun(results, time.perf_counter() - t0, epoch0)
 
 

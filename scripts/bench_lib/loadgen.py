@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -69,6 +69,14 @@ async def one_request(api: AsyncOpenAI, model: str, req: BenchRequest, kwargs: d
 Send = Callable[[BenchRequest, float], Awaitable[RequestResult]]  # (request, cell start) -> its result
 
 
+def complete(result: RequestResult, req: BenchRequest) -> RequestResult:
+    """`result`, failed unless it has every token asked for: each system is asked for `max_tokens` greedy
+    tokens with the end ignored, so a stream that stopped short is a failure, not a fast request."""
+    if result.ok and result.output_tokens != req.max_tokens:
+        return replace(result, ok=False, error=f"{result.output_tokens} output tokens of {req.max_tokens} asked")
+    return result
+
+
 def http_sender(base_url: str, model: str, requests: list[BenchRequest],
                 make_kwargs: Callable[[BenchRequest], dict[str, Any]]) -> Send:
     """A `Send` over HTTP; every body (images base64-encoded) is built now, before any clock starts.
@@ -106,8 +114,8 @@ async def run_cell(requests: list[BenchRequest], concurrency: int, send: Send, d
 
     async def worker() -> None:
         while not queue.empty():
-            result = await send(queue.get_nowait(), t0)
-            results.append(result)
+            req = queue.get_nowait()
+            results.append(complete(await send(req, t0), req))
             bar.update(1)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -69,7 +69,9 @@ def cell_requests(workload: str, concurrency: int, n: int, run_seed: int, tokeni
     if workload == "multiturn":
         return _chat_turns(concurrency, n, run_seed, tokenizer)
     rng = random.Random(_seed(run_seed, workload, concurrency))
-    hot = [ImageSpec(_seed(run_seed, "hot-image", k)) for k in range(HOT_SET)]
+    # NOTE: each cell its own hot images: a cell that reused the last cell's found them in mmserve's caches
+    # already (and in no cache of a server that has none), so a cell's figure hung on the cells run before it
+    hot = [ImageSpec(_seed(run_seed, "hot-image", concurrency, k)) for k in range(HOT_SET)]
     out = []
     for i in range(n):
         key = f"{workload}/c{concurrency}/{i}"

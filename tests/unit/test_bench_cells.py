@@ -1,0 +1,56 @@
+"""scripts/bench_lib: what a cell sends and counts, and the targets read from it: each cell's own hot images,
+a stream that stopped short counted as failed, a target over a cell with failures failing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from bench_lib import targets
+from bench_lib.loadgen import RequestResult, complete
+from bench_lib.workloads import cell_requests
+
+
+def words(text: str, add_special_tokens: bool = False) -> dict[str, list[str]]:
+    """A tokenizer as far as the workloads need one: a token per word."""
+    return {"input_ids": text.split()}
+
+
+def test_each_concurrency_cell_has_hot_images_of_its_own() -> None:
+    """A cell that reused the last cell's hot images found them in mmserve's caches already."""
+    seen: dict[int, set[int]] = {}
+    for c in (1, 4, 8):
+        requests = cell_requests("hot", c, 16, 0, words)
+        counts: dict[int, int] = {}
+        for req in requests:
+            for image in req.images:
+                counts[image.seed] = counts.get(image.seed, 0) + 1
+        seen[c] = {seed for seed, n in counts.items() if n > 1}  # the cell's hot images: those it repeats
+        assert seen[c], "a hot cell repeats some images"
+    assert not (seen[1] & seen[4]) and not (seen[1] & seen[8]) and not (seen[4] & seen[8])
+    assert cell_requests("hot", 4, 16, 0, words) == cell_requests("hot", 4, 16, 0, words)  # still seeded
+
+
+def test_a_stream_that_stopped_short_is_a_failed_request() -> None:
+    req = cell_requests("unique", 1, 1, 0, words)[0]
+    short = RequestResult(req.key, True, 0.0, 0.01, 0.02, 5, 300)
+    assert not complete(short, req).ok and "5 output tokens" in (complete(short, req).error or "")
+    whole = RequestResult(req.key, True, 0.0, 0.1, 0.5, req.max_tokens, 300)
+    assert complete(whole, req) == whole
+
+
+def _cell(ok: int, ttft: float, req_per_s: float) -> dict[str, Any]:
+    return {"ok": ok, "requests": 16, "ttft_p50_s": ttft, "req_per_s": req_per_s}
+
+
+def test_a_target_over_a_cell_with_failed_requests_fails_and_issue_17s_lines_are_printed() -> None:
+    results = {"unique": {"mmserve": {1: _cell(16, 0.3, 1.5)}, "transformers": {1: _cell(16, 0.4, 1.4)}},
+               "hot": {"mmserve": {1: _cell(14, 0.1, 9.0)}, "transformers": {1: _cell(16, 0.4, 1.4)}}}
+    lines = {t.name: t for t in targets.evaluate(results, {}, {})}
+    assert lines["unique c=1 TTFT p50 <= 1.0x transformers serve"].status == "PASS"  # 0.3 / 0.4
+    hot = lines["hot c=1 throughput >= 1.0x transformers serve"]
+    assert hot.status == "FAIL" and "2 of 16 failed" in hot.detail  # fast, but two requests failed
+    assert any("1.1x in-process Engine" in name for name in lines)
