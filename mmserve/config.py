@@ -51,6 +51,13 @@ class MediaConfig(_Bounded):
     allow_private_addresses: bool = False  # loopback / private / link-local targets (tests only)
     allowed_local_media_path: str | None = None  # folder file:// URLs may read; None = no files
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.strip():
+            # NOTE: an empty path resolves to the working directory: leave it unset to read no files
+            raise ValueError("MediaConfig.allowed_local_media_path is empty; give a folder, or leave it unset "
+                             "for no file:// reads")
+
 
 @dataclass(frozen=True)
 class LimitsConfig(_Bounded):

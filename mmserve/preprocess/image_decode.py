@@ -1,8 +1,9 @@
 """Image bytes -> an RGB PIL image, refusing what a public endpoint must not decode.
 
-Owns: the accepted formats, the pixel cap checked from the header before any pixel is decoded, EXIF
-orientation, and alpha composited on white. Does not own: where the bytes come from (`mmserve.preprocess.media`),
-hashing or the model's image processor. Every error is a `MediaError`.
+Owns: the accepted formats, the pixel cap checked from the header before any pixel is decoded, a JPEG's
+scan count checked before its scans are decoded, EXIF orientation, and alpha composited on white. Does not
+own: where the bytes come from (`mmserve.preprocess.media`), hashing or the model's image processor. Every
+error is a `MediaError`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from mmserve.errors import MediaError
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG covers MPO
+# NOTE: a progressive JPEG is decoded scan by scan, each pass over every coefficient of the image, so a few
+# bytes of extra scans cost seconds of CPU that no deadline can stop (a 69 KB file of 100 extra scans took 1.05 s
+# at 4096x4096, docs/reliability.md). Encoders write about 10; libjpeg-turbo's djpeg has -maxscans for this.
+MAX_JPEG_SCANS = 100
+JPEG_START_OF_SCAN = b"\xff\xda"  # NOTE: never inside entropy-coded data, where 0xFF is followed by 0x00
 
 
 @functools.cache
@@ -35,6 +41,8 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
     width, height = image.size
     if width * height > max_pixels:
         raise MediaError(f"image is {width}x{height} pixels, more than the {max_pixels}-pixel limit")
+    if image.format in ("JPEG", "MPO") and data.count(JPEG_START_OF_SCAN) > MAX_JPEG_SCANS:
+        raise MediaError(f"the JPEG has more than {MAX_JPEG_SCANS} scans: a cost to decode, not a picture")
     try:
         image.load()  # decodes the first frame; raises on truncated or corrupt data
         image = ImageOps.exif_transpose(image)

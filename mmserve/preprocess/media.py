@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
+import os
 import socket
+import stat
 import urllib.parse
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -112,6 +115,16 @@ def _read_data_url(url: str, cap: int) -> bytes:
     return data
 
 
+def _read_regular_file(path: Path, most: int) -> bytes:
+    """Up to `most` bytes of a regular file. NOTE: opened without blocking, then refused unless regular: a FIFO or
+    a device in the media folder would block the reading thread for ever (a file read has no deadline)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return f.read(most)
+
+
 def _read_file_url(url: str, config: MediaConfig) -> bytes:
     if config.allowed_local_media_path is None:
         raise UnsupportedURLError("file:// URLs are disabled (no allowed_local_media_path)")
@@ -122,12 +135,14 @@ def _read_file_url(url: str, config: MediaConfig) -> bytes:
     raw = urllib.parse.unquote(parts.path)
     if "\0" in raw:
         raise UnsupportedURLError("file URL path contains a NUL byte")
-    path = Path(raw).resolve()  # follows symlinks before the check
+    try:
+        path = Path(raw).resolve()  # follows symlinks before the check
+    except RuntimeError as err:  # NOTE: a symlink loop (Python 3.11 raises RuntimeError for it)
+        raise MediaError(f"cannot read file {parts.path!r}: {err}") from None
     if not path.is_relative_to(root):
         raise UnsupportedURLError(f"file {parts.path!r} is outside the allowed media folder")
     try:
-        with path.open("rb") as f:
-            data = f.read(config.max_image_bytes + 1)
+        data = _read_regular_file(path, config.max_image_bytes + 1)
     except OSError as err:
         raise MediaError(f"cannot read file {parts.path!r}: {err.strerror}") from err
     if len(data) > config.max_image_bytes:

@@ -86,6 +86,25 @@ def test_a_bomb_header_is_refused_at_the_default_cap_without_allocating(fmt: str
     assert time.monotonic() - start < 1.0  # the header is read, 64 Mpx of RGB (192 MB) never are
 
 
+# An AC refinement scan of a grey progressive JPEG: libjpeg-turbo passes over every coefficient again for each
+REFINEMENT_SCAN = bytes.fromhex("ffda0008010100013f107ffeff00fdff00fbff00f7ff00efff00dfff00bfff0087")
+
+
+def test_a_jpeg_of_many_scans_is_refused_before_its_scans_are_decoded(no_pixel_decoding: None) -> None:
+    base = encode(Image.new("L", (4096, 4096), 128), "JPEG", progressive=True)
+    bomb = base[:-2] + REFINEMENT_SCAN * 1000 + b"\xff\xd9"  # ~99 KB, minutes of decoding at this size
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="more than 100 scans"):
+        decode_image(bomb, max_pixels=CAP)
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_progressive_jpeg_as_encoders_write_it_is_decoded() -> None:
+    data = encode(noise(64, 48), "JPEG", progressive=True)
+    assert data.count(b"\xff\xda") >= 2  # progressive: several scans
+    assert decode_image(data, max_pixels=CAP).size == (64, 48)
+
+
 def test_the_cap_is_settable_from_the_config() -> None:
     assert MediaConfig(max_image_pixels=10).max_image_pixels == 10
     with pytest.raises(ValueError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,22 @@ def test_file_urls_only_under_the_allowed_folder(tmp_path: Path) -> None:
         loader.load(f"file://{root}/missing.png")
     with pytest.raises(UnsupportedURLError, match="disabled"):
         MediaLoader(MediaConfig()).load(f"file://{root}/a.png")
+
+
+def test_a_fifo_a_device_or_a_symlink_loop_in_the_folder_is_a_4xx_at_once(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")  # NOTE: opening it to read would block until a writer came, for ever
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    loader = MediaLoader(MediaConfig(allowed_local_media_path=str(tmp_path)))
+    for name in ("fifo", "loop1"):
+        start = time.monotonic()
+        with pytest.raises(MediaError, match="cannot read file"):
+            loader.load(f"file://{tmp_path}/{name}")
+        assert time.monotonic() - start < 1.0
+    with pytest.raises(UnsupportedURLError):  # a device is outside the folder, as any other file there is
+        loader.load("file:///dev/zero")
+
+
+def test_an_empty_media_folder_is_refused_not_read_as_the_working_directory() -> None:
+    with pytest.raises(ValueError, match="allowed_local_media_path is empty"):
+        MediaConfig(allowed_local_media_path="")
