@@ -10,17 +10,22 @@ older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; a `gramm
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mmserve.api.errors import with_param
+from mmserve.api.errors import UnsupportedParameterError, with_param
 from mmserve.decoder.constraint import InvalidGrammarError, check
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
 
 _ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object, as OpenAI defines that mode
+# NOTE: a constraint is compiled at the edge, on its event loop, and its cost grows faster than its text
+# (50,000 choices took 3.1 s, 10,000 took 58 ms): these bound it (docs/reliability.md)
+MAX_SPEC_CHARS = 1 << 20  # characters of one schema, regex, grammar or choice list's JSON
+MAX_CHOICES = 10_000  # strings of one choice list
 
 
 class _Lenient(BaseModel):
@@ -31,7 +36,9 @@ class JsonSchemaFormat(_Lenient):
     name: str | None = None  # OpenAI requires it; it names the schema and changes nothing here
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON value
-    strict: bool | None = None  # accepted; the schema is always enforced
+    # True: an object has only the properties its schema lists (OpenAI's strict mode asks every object for
+    # `additionalProperties: false`; vLLM's default backend assumes it); the schema is enforced either way
+    strict: bool | None = None
 
 
 class ResponseFormat(_Lenient):
@@ -47,6 +54,9 @@ class StructuredOutputs(_Lenient):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
+    disable_additional_properties: bool | None = None  # as `strict` above, for `json`
+    structural_tag: Any = None  # not served: a 400 (it would change the output)
+    whitespace_pattern: str | None = None  # not served: a 400 (JSON is written without free whitespace)
 
 
 class StructuredFields(_Lenient):
@@ -69,6 +79,7 @@ class StructuredFields(_Lenient):
         if not found:
             return None
         name, structured = found[0]
+        _check_size(structured, name)
         try:
             check(structured)
         except InvalidGrammarError as exc:
@@ -77,9 +88,14 @@ class StructuredFields(_Lenient):
 
     def _candidates(self) -> list[tuple[str, StructuredOutput | None]]:
         so = self.structured_outputs or StructuredOutputs()
+        for unserved in ("structural_tag", "whitespace_pattern"):
+            if getattr(so, unserved) is not None:
+                raise with_param(UnsupportedParameterError(f"structured_outputs.{unserved} is not served"),
+                                 "structured_outputs")
         return [
             ("response_format", _from_response_format(self.response_format)),
-            ("structured_outputs", _first(_json(so.json_), _regex(so.regex), _choice(so.choice), _lark(so.grammar),
+            ("structured_outputs", _first(_json(so.json_, closed=bool(so.disable_additional_properties)),
+                                          _regex(so.regex), _choice(so.choice), _lark(so.grammar),
                                           StructuredOutput("json", _ANY_OBJECT) if so.json_object else None)),
             ("guided_json", _json(self.guided_json)),
             ("guided_regex", _regex(self.guided_regex)),
@@ -96,7 +112,8 @@ def _from_response_format(fmt: ResponseFormat | None) -> StructuredOutput | None
     if fmt.json_schema is None:
         raise with_param(InvalidRequestError("response_format of type json_schema needs a json_schema"),
                          "response_format")
-    return _json(fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {})
+    return _json(fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {},
+                 closed=bool(fmt.json_schema.strict))
 
 
 def _first(*found: StructuredOutput | None) -> StructuredOutput | None:
@@ -107,10 +124,35 @@ def _first(*found: StructuredOutput | None) -> StructuredOutput | None:
     return given[0] if given else None
 
 
-def _json(schema: str | dict[str, Any] | None) -> StructuredOutput | None:
+def _json(schema: str | dict[str, Any] | None, *, closed: bool = False) -> StructuredOutput | None:
     if schema is None:
         return None
+    if closed:
+        with contextlib.suppress(ValueError):  # not JSON: left as it came, for `check` to refuse with its reason
+            schema = _closed(json.loads(schema) if isinstance(schema, str) else schema)
     return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def _closed(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema that does not say otherwise has `additionalProperties:
+    false`: only the properties it lists (what OpenAI's strict mode asks for, vLLM's default backend assumes)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed(value) for key, value in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _check_size(structured: StructuredOutput, name: str) -> None:
+    """Refuse a constraint too large to compile at the edge: its cost grows faster than its text."""
+    if len(structured.spec) > MAX_SPEC_CHARS:
+        raise with_param(InvalidRequestError(f"{name}: the constraint is {len(structured.spec)} characters; the "
+                                             f"limit is {MAX_SPEC_CHARS}"), name)
+    if structured.kind == "choice" and len(choices := json.loads(structured.spec)) > MAX_CHOICES:
+        raise with_param(InvalidRequestError(f"{name}: {len(choices)} choices; the limit is {MAX_CHOICES}"), name)
 
 
 def _regex(pattern: str | None) -> StructuredOutput | None:

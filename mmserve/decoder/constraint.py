@@ -13,8 +13,10 @@ blanks, and the output reads as `json.dumps` writes it.
 from __future__ import annotations
 
 import contextlib
-import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -50,15 +52,34 @@ def grammar_of(structured: StructuredOutput) -> str:
     raise InvalidGrammarError(f"unknown kind of structured output {structured.kind!r}")
 
 
-@functools.lru_cache(maxsize=256)
 def check(structured: StructuredOutput) -> None:
     """Raise InvalidGrammarError with llguidance's reason when the constraint does not compile (the
-    constraints that did are remembered: the same schema is sent again and again)."""
+    constraints that did are remembered, by digest: the same schema is sent again and again)."""
+    key = digest(structured)
+    with _CHECKED_LOCK:
+        if key in _CHECKED:
+            _CHECKED.move_to_end(key)
+            return
     with compiling(structured):
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(structured))
     if failed:
         reason = messages[0] if messages else "no reason given"
         raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {reason}")
+    with _CHECKED_LOCK:
+        _CHECKED[key] = None
+        while len(_CHECKED) > CHECKED_CACHED:
+            _CHECKED.popitem(last=False)
+
+
+def digest(structured: StructuredOutput) -> str:
+    """What the caches of constraints are keyed by. NOTE: a digest, not the constraint: a spec may be up to
+    `MAX_SPEC_CHARS` of text, and a cache of the texts themselves held all of them."""
+    return hashlib.sha256(f"{structured.kind}\0{structured.spec}".encode()).hexdigest()
+
+
+CHECKED_CACHED = 256  # digests of constraints that compiled, remembered at the edge (LRU)
+_CHECKED: OrderedDict[str, None] = OrderedDict()
+_CHECKED_LOCK = threading.Lock()
 
 
 def contained(exc: BaseException) -> bool:

@@ -19,7 +19,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from mmserve.decoder.constraint import NAMES, InvalidGrammarError, compiling, contained, grammar_of
+from mmserve.decoder.constraint import NAMES, InvalidGrammarError, compiling, contained, digest, grammar_of
 from mmserve.decoder.sampler import RowMasks
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
@@ -58,16 +58,17 @@ class Grammars:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._background: llguidance.LLExecutor | None = None  # one worker, for masks made off the step thread
-        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()  # pristine, LRU
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # by digest: pristine, LRU
         self._cached, self._lock = cached, threading.Lock()
         self.words = (vocab_size + 31) // 32  # int32 words per row of a bitmask
 
     def matcher(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher for one request; raises InvalidGrammarError if the constraint does not compile."""
+        key = digest(structured)
         with self._lock:
-            pristine = self._compiled.get(structured)
+            pristine = self._compiled.get(key)
             if pristine is not None:
-                self._compiled.move_to_end(structured)
+                self._compiled.move_to_end(key)
                 return pristine.deep_copy()
             tokenizer = self._vocabulary()
         with compiling(structured):  # NOTE: outside the lock: compiling is slow
@@ -75,7 +76,7 @@ class Grammars:
         if pristine.is_error():
             raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {pristine.get_error()}")
         with self._lock:
-            self._compiled[structured] = pristine
+            self._compiled[key] = pristine
             while len(self._compiled) > self._cached:
                 self._compiled.popitem(last=False)
         return pristine.deep_copy()

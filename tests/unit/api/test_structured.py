@@ -26,8 +26,13 @@ def structured(**fields: Any) -> StructuredOutput | None:
     ({}, None),
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, StructuredOutput("json", '{"type": "object"}')),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
      StructuredOutput("json", json.dumps(SCHEMA))),
+    # strict: only the properties listed, as OpenAI's strict mode asks and vLLM's default backend assumes
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     StructuredOutput("json", json.dumps({**SCHEMA, "additionalProperties": False}))),
+    ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
+     StructuredOutput("json", json.dumps({**SCHEMA, "additionalProperties": False}))),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}, StructuredOutput("json", "{}")),
     ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput("json", json.dumps(SCHEMA))),
     ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutput("json", json.dumps(SCHEMA))),
@@ -53,6 +58,11 @@ def test_each_spelling_reads_into_one_constraint(fields: dict[str, Any], expecte
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "invalid Lark grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "at most one"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag is not served"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "not served"),
+    # compiled at the edge, at a cost growing faster than the text: bounded
+    ({"guided_choice": [f"c{i}" for i in range(10_001)]}, "guided_choice", "10001 choices; the limit is 10000"),
+    ({"guided_regex": "a" * (1 << 20) + "b"}, "guided_regex", "characters; the limit is 1048576"),
 ])
 def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(fields: dict[str, Any], param: str,
                                                                        words: str) -> None:
@@ -73,3 +83,32 @@ def test_malformed_fields_fail_validation(fields: dict[str, Any]) -> None:
         ChatCompletionRequest.model_validate({"messages": USER, **fields})
     status, body = validation_error_body(info.value.errors())
     assert status == 400 and body["error"]["param"].split(".")[0] == next(iter(fields))
+
+
+def test_strict_closes_every_object_that_does_not_say_otherwise_and_the_matcher_enforces_it() -> None:
+    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                                               "c": {"type": "object", "additionalProperties": True}},
+              "$defs": {"d": {"properties": {"e": {"type": "integer"}}}}}
+    got = structured(response_format={"type": "json_schema", "json_schema": {"schema": nested, "strict": True}})
+    assert got is not None
+    closed = json.loads(got.spec)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True  # said otherwise: kept
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in nested  # the request's own schema is left as it came
+
+
+def test_a_strict_schemas_matcher_refuses_a_key_the_schema_does_not_list() -> None:
+    import llguidance.hf
+
+    from mmserve.decoder.constraint import grammar_of
+    from mmserve.models.tiny_checkpoint import build_tokenizer
+
+    tokenizer = build_tokenizer(1024)
+    vocabulary = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    text = tokenizer.encode('{"a": 1, "zzz": 2}', add_special_tokens=False)
+    for strict in (False, True):
+        got = structured(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": strict}})
+        assert got is not None
+        consumed = llguidance.LLMatcher(vocabulary, grammar_of(got)).try_consume_tokens(text)
+        assert (consumed < len(text)) == strict, (strict, consumed)  # strict: stops at the unlisted key
