@@ -22,8 +22,8 @@ from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
 
 _ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object, as OpenAI defines that mode
-# NOTE: a constraint is compiled at the edge, on its event loop, and its cost grows faster than its text
-# (50,000 choices took 3.1 s, 10,000 took 58 ms): these bound it (docs/reliability.md)
+# NOTE: a constraint is compiled at the edge, on its event loop, and its cost grows faster than its text:
+# these bound it (the figures: docs/reliability.md)
 MAX_SPEC_CHARS = 1 << 20  # characters of one schema, regex, grammar or choice list's JSON
 MAX_CHOICES = 10_000  # strings of one choice list
 

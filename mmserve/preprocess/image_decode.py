@@ -16,9 +16,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from mmserve.errors import MediaError
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG covers MPO
-# NOTE: a progressive JPEG is decoded scan by scan, each pass over every coefficient of the image, so a few
-# bytes of extra scans cost seconds of CPU that no deadline can stop (a 69 KB file of 100 extra scans took 1.05 s
-# at 4096x4096, docs/reliability.md). Encoders write about 10; libjpeg-turbo's djpeg has -maxscans for this.
+# NOTE: a progressive JPEG is decoded scan by scan, each a pass over every coefficient of the image, so a few
+# bytes of extra scans cost seconds of CPU that no deadline can stop (docs/reliability.md has the figures).
+# Encoders write about 10; libjpeg-turbo's djpeg has -maxscans for this.
 MAX_JPEG_SCANS = 100
 JPEG_START_OF_SCAN = b"\xff\xda"  # NOTE: never inside entropy-coded data, where 0xFF is followed by 0x00
 
