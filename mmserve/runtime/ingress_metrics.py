@@ -80,8 +80,12 @@ class IngressMetrics:
 
     def observe_request(self, status: RequestStatus, seconds: float, prompt_tokens: int = 0,
                         generated_tokens: int = 0) -> None:
-        """A request ended: its outcome, arrival-to-end latency and token counts."""
-        self.latency.observe(seconds)
+        """A request ended: its outcome, token counts and, for one answered in full, its arrival-to-end latency.
+
+        NOTE: only those: a refusal or a failure ends at once, and counted there it would make the latency of
+        an overloaded server look better (its outcome is in `mmserve_requests_total`)."""
+        if status == "ok":
+            self.latency.observe(seconds)
         with self._lock:
             self._requests[status] += 1
             self._prompt_tokens += prompt_tokens
@@ -101,7 +105,8 @@ class IngressMetrics:
             counter("mmserve_generated_tokens_total", "Tokens generated for ended requests.", generated),
             histogram("mmserve_time_to_first_token_seconds", "Request arrival to first content token.",
                       self.ttft.value()),
-            histogram("mmserve_e2e_request_latency_seconds", "Request arrival to its end.", self.latency.value()),
+            histogram("mmserve_e2e_request_latency_seconds",
+                      "Request arrival to its end, of requests answered in full.", self.latency.value()),
         )
 
 

@@ -51,10 +51,21 @@ class HistogramValue:
         return out
 
     def __add__(self, other: HistogramValue) -> HistogramValue:
-        if other.bounds != self.bounds:
-            raise ValueError(f"cannot add histograms with bounds {self.bounds} and {other.bounds}")
+        if other.bounds != self.bounds:  # NOTE: replicas of two versions side by side, in a rolling update
+            shared = tuple(sorted(set(self.bounds) & set(other.bounds)))
+            return self.on(shared) + other.on(shared)
         counts = tuple(a + b for a, b in zip(self.counts, other.counts, strict=True))
         return HistogramValue(self.bounds, counts, self.sum + other.sum)
+
+    def on(self, bounds: tuple[float, ...]) -> HistogramValue:
+        """The same observations in the buckets of `bounds`, a subset of this one's: each new bucket sums the
+        buckets it spans, exactly (the cumulative count at a shared bound is the same)."""
+        counts, j = [0] * (len(bounds) + 1), 0
+        for upper, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            while j < len(bounds) and bounds[j] < upper:
+                j += 1
+            counts[j] += n
+        return HistogramValue(bounds, tuple(counts), self.sum)
 
     @classmethod
     def from_counts(cls, bounds: tuple[float, ...], observed: Iterable[tuple[float, int]]) -> HistogramValue:

@@ -113,6 +113,9 @@ def test_two_replicas_merge_and_render() -> None:
     assert requests[("mmserve_requests_total", (("status", "ok"),))] == 2
     assert requests[("mmserve_requests_total", (("status", "client_error"),))] == 2
     assert requests[("mmserve_requests_total", (("status", "server_error"),))] == 0
+    latency = fams["mmserve_e2e_request_latency_seconds"]  # of the requests answered in full only
+    assert latency[("mmserve_e2e_request_latency_seconds_count", ())] == 2
+    assert latency[("mmserve_e2e_request_latency_seconds_sum", ())] == 3.0
     retries = fams["mmserve_request_retries_total"]
     before, after = (("phase", "before_first_output"),), (("phase", "after_first_output"),)
     assert retries[("mmserve_request_retries_total", (*before, ("preprocess", "again")))] == 1
@@ -196,10 +199,17 @@ def test_merge_refuses_mismatches() -> None:
     b = MetricsSnapshot({"x_total": Metric("x_total", "counter", "h", ("k",), {("v",): 1.0})})
     with pytest.raises(ValueError, match="cannot merge"):
         merge([a, b])
-    h1 = MetricsSnapshot({"h": Metric("h", "histogram", "h", (), {(): HistogramValue((1.0,), (1, 0), 0.5)})})
-    h2 = MetricsSnapshot({"h": Metric("h", "histogram", "h", (), {(): HistogramValue((2.0,), (1, 0), 0.5)})})
-    with pytest.raises(ValueError, match="bounds"):
-        merge([h1, h2])
+
+
+def test_histograms_of_other_bounds_merge_on_the_bounds_they_share() -> None:
+    """Replicas of two versions side by side (a rolling update) must not break /metrics."""
+    old = HistogramValue((1.0, 2.0), (3, 4, 5), 20.0)  # 3 <= 1, 4 in (1, 2], 5 above
+    new = HistogramValue((1.0, 2.0, 4.0), (1, 2, 3, 4), 30.0)
+    both = merge([MetricsSnapshot({"h": Metric("h", "histogram", "h", (), {(): v})}) for v in (old, new)])
+    value = both.metrics["h"].values[()]
+    assert isinstance(value, HistogramValue) and value.bounds == (1.0, 2.0)
+    assert value.cumulative() == [(1.0, 4), (2.0, 10), (float("inf"), 22)] and value.sum == 50.0
+    assert new.on((2.0,)).counts == (3, 7) and old.on(()).counts == (12,)
 
 
 def test_metric_checks_its_shape() -> None:
