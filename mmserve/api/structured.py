@@ -127,23 +127,47 @@ def _first(*found: StructuredOutput | None) -> StructuredOutput | None:
 def _json(schema: str | dict[str, Any] | None, *, closed: bool = False) -> StructuredOutput | None:
     if schema is None:
         return None
-    if closed:
-        with contextlib.suppress(ValueError):  # not JSON: left as it came, for `check` to refuse with its reason
-            schema = _closed(json.loads(schema) if isinstance(schema, str) else schema)
-    return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
+    try:
+        if closed:
+            with contextlib.suppress(ValueError):  # not JSON: left as it came, for `check` to refuse with its reason
+                schema = _closed(json.loads(schema) if isinstance(schema, str) else schema)
+        return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
+    except RecursionError:  # NOTE: json's C code recurses per nesting level
+        raise InvalidRequestError("the JSON schema is nested too deeply") from None
 
 
 def _closed(schema: Any) -> Any:
     """A copy of `schema` in which every object schema that does not say otherwise has `additionalProperties:
-    false`: only the properties it lists (what OpenAI's strict mode asks for, vLLM's default backend assumes)."""
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: _closed(value) for key, value in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
+    false`: only the properties it lists (what OpenAI's strict mode asks for, vLLM's default backend assumes).
+
+    NOTE: only schema positions are walked (properties' and definitions' values, items, anyOf members), never
+    values (`const`, `enum`, `default`), and an object whose properties may come from elsewhere (`allOf`,
+    `oneOf`, `$ref`) is left open, as are their branches: closing each part of a conjunction would refuse what
+    the whole allows. A loop, not recursion: the schema may nest as deep as the body's JSON.
+    """
+    out = json.loads(json.dumps(schema))  # a copy
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
+        if is_object and "additionalProperties" not in node and not _OPEN_ENDED & node.keys():
+            node["additionalProperties"] = False
+        for key in ("properties", "patternProperties", "$defs", "definitions"):
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+        for key in ("items", "additionalProperties", "contains"):
+            if isinstance(node.get(key), dict):
+                stack.append(node[key])
+        for key in ("items", "prefixItems", "anyOf"):
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
     return out
+
+
+_OPEN_ENDED = frozenset({"allOf", "oneOf", "$ref"})  # an object's properties may also come from these
 
 
 def _check_size(structured: StructuredOutput, name: str) -> None:

@@ -65,7 +65,10 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
     values, order = _best(scaled, k)  # (g, K) each
     kth = values.gather(-1, (top_k - 1).clamp(max=k - 1)[:, None])  # (g, 1): each row's k-th best logit
     in_k = values >= kth  # (g, K); a row without a top_k keeps all
-    if k < vocab and bool((in_k[:, -1] & (top_k < vocab)).any()):  # a k-th best's ties may go past K
+    # NOTE: a k-th best of -inf (fewer tokens left than k: a grammar's mask, min-p) keeps every finite one,
+    # whatever K: no widening for it
+    beyond = in_k[:, -1] & (top_k < vocab) & torch.isfinite(kth[:, 0])  # (g,): ties that may go past K
+    if k < vocab and bool(beyond.any()):
         return truncated_probs(scaled, params, candidates=2 * k)
     lse = values.masked_fill(~in_k, float("-inf")).logsumexp(dim=-1)  # (g,): top-k rows' normaliser
     if widens:  # top-p-only rows normalise over the whole vocabulary

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import io
+import re
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -20,7 +21,8 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG co
 # bytes of extra scans cost seconds of CPU that no deadline can stop (docs/reliability.md has the figures).
 # Encoders write about 10; libjpeg-turbo's djpeg has -maxscans for this.
 MAX_JPEG_SCANS = 100
-JPEG_START_OF_SCAN = b"\xff\xda"  # NOTE: never inside entropy-coded data, where 0xFF is followed by 0x00
+# The next marker after entropy-coded data: 0xFF then neither a stuffed 0x00 nor a restart marker (RST0-7)
+_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
 
 @functools.cache
@@ -41,7 +43,7 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
     width, height = image.size
     if width * height > max_pixels:
         raise MediaError(f"image is {width}x{height} pixels, more than the {max_pixels}-pixel limit")
-    if image.format in ("JPEG", "MPO") and data.count(JPEG_START_OF_SCAN) > MAX_JPEG_SCANS:
+    if image.format in ("JPEG", "MPO") and jpeg_scans(data, MAX_JPEG_SCANS + 1) > MAX_JPEG_SCANS:
         raise MediaError(f"the JPEG has more than {MAX_JPEG_SCANS} scans: a cost to decode, not a picture")
     try:
         image.load()  # decodes the first frame; raises on truncated or corrupt data
@@ -49,6 +51,30 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
     except Exception as err:
         raise MediaError(f"image data is corrupt or truncated ({err})") from err
     return to_rgb(image)
+
+
+def jpeg_scans(data: bytes, most: int) -> int:
+    """The scans (start-of-scan markers) of the first image in JPEG `data`, counted up to `most`.
+
+    NOTE: the markers are walked (segments skipped by their length, entropy-coded data to the next marker) up to
+    the first image's end: a byte pair 0xFF 0xDA may also sit inside an EXIF segment or in data appended after
+    the image (a phone's motion photo appends a video).
+    """
+    scans, i = 0, 2  # after the start-of-image marker
+    while scans < most and i + 4 <= len(data) and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0xD9:  # end of image
+            break
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        i += 2 + length
+        if marker == 0xDA:  # a scan: its header, then entropy-coded data up to the next marker
+            scans += 1
+            found = _NEXT_MARKER.search(data, i)
+            i = found.start() if found else len(data)
+    return scans
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -47,10 +47,13 @@ def _cell(ok: int, ttft: float, req_per_s: float) -> dict[str, Any]:
 
 
 def test_a_target_over_a_cell_with_failed_requests_fails_and_issue_17s_lines_are_printed() -> None:
-    results = {"unique": {"mmserve": {1: _cell(16, 0.3, 1.5)}, "transformers": {1: _cell(16, 0.4, 1.4)}},
+    results = {"unique": {"mmserve": {1: _cell(16, 0.3, 1.5), 8: _cell(16, 1.0, 2.0)},
+                          "transformers": {1: _cell(16, 0.4, 1.4), 8: _cell(13, 2.0, 1.0)}},
                "hot": {"mmserve": {1: _cell(14, 0.1, 9.0)}, "transformers": {1: _cell(16, 0.4, 1.4)}}}
     lines = {t.name: t for t in targets.evaluate(results, {}, {})}
     assert lines["unique c=1 TTFT p50 <= 1.0x transformers serve"].status == "PASS"  # 0.3 / 0.4
     hot = lines["hot c=1 throughput >= 1.0x transformers serve"]
-    assert hot.status == "FAIL" and "2 of 16 failed" in hot.detail  # fast, but two requests failed
+    assert hot.status == "FAIL" and "mmserve: 2 of 16" in hot.detail  # fast, but two requests failed
+    peer = lines["unique c=8 throughput >= 1.3x transformers serve"]
+    assert peer.status == "SKIP" and "transformers: 3 of 16" in peer.detail  # nothing to compare with
     assert any("1.1x in-process Engine" in name for name in lines)

@@ -112,3 +112,52 @@ def test_a_strict_schemas_matcher_refuses_a_key_the_schema_does_not_list() -> No
         assert got is not None
         consumed = llguidance.LLMatcher(vocabulary, grammar_of(got)).try_consume_tokens(text)
         assert (consumed < len(text)) == strict, (strict, consumed)  # strict: stops at the unlisted key
+
+
+@pytest.mark.parametrize(("schema", "closed_at"), [
+    ({"type": "object", "properties": {"a": {"const": {"type": "object"}, "default": {"properties": {}}}}},
+     [[]]),  # values (const, default) are not schemas
+    ({"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"b": {"type": "string"}}}]}, []),
+    ({"type": "object", "properties": {"kind": {"type": "string"}},
+      "oneOf": [{"properties": {"x": {"type": "integer"}}}]}, []),  # its properties also come from its oneOf
+    ({"type": "object", "properties": {"properties": {"type": "object"}}}, [[], ["properties", "properties"]]),
+    ({"anyOf": [{"type": "object"}, {"type": "string"}]}, [["anyOf", 0]]),
+    ({"type": ["object", "null"]}, [[]]),
+])
+def test_strict_closes_object_schemas_only_where_their_properties_are_all_listed(schema: dict[str, Any],
+                                                                              closed_at: list[list[Any]]) -> None:
+    got = structured(response_format={"type": "json_schema", "json_schema": {"schema": schema, "strict": True}})
+    assert got is not None
+    spec = json.loads(got.spec)
+    found: list[list[Any]] = []
+
+    def walk(node: Any, path: list[Any]) -> None:
+        if isinstance(node, dict):
+            if node.get("additionalProperties") is False and "additionalProperties" not in _at(schema, path):
+                found.append(path)
+            for key, value in node.items():
+                walk(value, [*path, key])
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, [*path, i])
+
+    walk(spec, [])
+    assert sorted(map(str, found)) == sorted(map(str, closed_at))
+
+
+def _at(node: Any, path: list[Any]) -> Any:
+    for key in path:
+        node = node[key]
+    return node
+
+
+def test_a_deep_strict_schema_is_a_400_not_a_500() -> None:
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(400):  # 800 levels of JSON: what the body's parser still takes
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(InvalidRequestError):  # llguidance's own limit (the closing walk is a loop)
+        structured(response_format={"type": "json_schema", "json_schema": {"schema": deep, "strict": True}})
+    for _ in range(400):  # past what json's C code recurses into: built in process, never parsed from a body
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        structured(response_format={"type": "json_schema", "json_schema": {"schema": deep, "strict": True}})

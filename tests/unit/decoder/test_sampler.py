@@ -296,3 +296,19 @@ def test_the_accelerators_path_samples_what_the_hosts_does(monkeypatch: pytest.M
     off_host = sample()
     assert torch.equal(on_host, off_host), (on_host, off_host)
     assert on_host[2] == -1 and not set(on_host.tolist()) & set(banned)
+
+
+def test_a_row_with_fewer_tokens_left_than_its_top_k_keeps_them_all_without_a_full_sort(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar's mask or min-p may leave a row fewer finite logits than its top_k: its k-th best is -inf, which
+    is no tie to look past (each widening was another topk, up to a sort of the whole vocabulary)."""
+    import mmserve.decoder.draw as draw
+
+    widths: list[int] = []
+    best = draw._best
+    monkeypatch.setattr(draw, "_best", lambda scaled, k: (widths.append(k), best(scaled, k))[1])
+    row = torch.full((3 * CANDIDATES,), float("-inf"))
+    row[[3, 70, 900, 1500, 2000]] = torch.tensor([1.0, 0.5, 0.5, 0.25, 0.0])
+    probs, ids = truncated_probs(row[None], [SamplingParams(temperature=1.0, top_k=64)])
+    assert widths == [64 + TIE_SLACK]  # one look, no widening
+    assert sorted(int(i) for i in ids[0][probs[0] > 0]) == [3, 70, 900, 1500, 2000]

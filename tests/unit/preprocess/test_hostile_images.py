@@ -16,7 +16,7 @@ from PIL import Image, ImageFile
 
 from mmserve.config import MediaConfig
 from mmserve.errors import MediaError
-from mmserve.preprocess.image_decode import decode_image
+from mmserve.preprocess.image_decode import decode_image, jpeg_scans
 
 BOMB_FORMATS = ["PNG", "GIF", "WEBP", "TIFF", "BMP"]
 CAP = MediaConfig().max_image_pixels
@@ -101,7 +101,14 @@ def test_a_jpeg_of_many_scans_is_refused_before_its_scans_are_decoded(no_pixel_d
 
 def test_a_progressive_jpeg_as_encoders_write_it_is_decoded() -> None:
     data = encode(noise(64, 48), "JPEG", progressive=True)
-    assert data.count(b"\xff\xda") >= 2  # progressive: several scans
+    assert jpeg_scans(data, 1000) >= 2  # progressive: several scans
+    assert decode_image(data, max_pixels=CAP).size == (64, 48)
+
+
+def test_a_jpeg_with_a_video_appended_counts_its_own_scans_only() -> None:
+    """A phone's motion photo appends an MP4 after the image's end: random bytes hold 0xFF 0xDA once per 64 KiB."""
+    data = encode(noise(64, 48), "JPEG") + np.random.default_rng(1).bytes(8 << 20)
+    assert data.count(b"\xff\xda") > 100 and jpeg_scans(data, 1000) == 1
     assert decode_image(data, max_pixels=CAP).size == (64, 48)
 
 
