@@ -306,7 +306,12 @@ def test_a_row_with_fewer_tokens_left_than_its_top_k_keeps_them_all_without_a_fu
 
     widths: list[int] = []
     best = draw._best
-    monkeypatch.setattr(draw, "_best", lambda scaled, k: (widths.append(k), best(scaled, k))[1])
+
+    def counted(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        widths.append(k)
+        return best(scaled, k)
+
+    monkeypatch.setattr(draw, "_best", counted)
     row = torch.full((3 * CANDIDATES,), float("-inf"))
     row[[3, 70, 900, 1500, 2000]] = torch.tensor([1.0, 0.5, 0.5, 0.25, 0.0])
     probs, ids = truncated_probs(row[None], [SamplingParams(temperature=1.0, top_k=64)])
