@@ -12,6 +12,7 @@ Does not own: the message shape (chat_messages.py), fetching and decoding bytes 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -39,8 +40,11 @@ from mmserve.preprocess.hashing import hash_image, hash_source
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.preprocess.media import MediaLoader
 from mmserve.preprocess.processor_cache import CachedItem, ItemCache
+from mmserve.preprocess.single_flight import SingleFlight
 from mmserve.runtime.timeline import Timeline
 
+# Seconds a request waits for another's processing of the same image before it processes the image itself
+FLIGHT_WAIT_S = 60.0
 # (prompt token ids, features, cache salt) -> the prefix cache's digest per full block (decoder.prefix_cache)
 BlockHashes = Callable[[list[int], list[MultiModalFeatureSpec], str | None], tuple[bytes, ...]]
 
@@ -68,6 +72,7 @@ class Preprocessor:
         self.max_prompt_chars = self.limits.max_prompt_chars or 32 * max_model_len
         self.block_hashes = block_hashes  # the decoder's prefix-cache hashing, when it caches prefixes
         self._lock = threading.Lock()  # counters and the (Rust) tokenizer, which is not re-entrant
+        self._flights: SingleFlight[str, tuple[tuple[str, CachedItem], bool]] = SingleFlight(FLIGHT_WAIT_S)
         self._image_processor_calls = 0
 
     @property
@@ -216,8 +221,12 @@ class Preprocessor:
                 raise CancelledError(f"the caller left before image {index} was processed")
             source = hash_source(data, model_id=self.model_id, kwargs=kwargs, salt=salt)
             timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
-            local[source], hit = self._item(data, index, source, kwargs, salt, local.get(source), timeline)
-            hits += hit
+            # NOTE: requests that bring the same new image at once process it once: the others wait for it
+            (local[source], hit), shared = self._flights.run(source, functools.partial(
+                self._item, data, index, source, kwargs, salt, local.get(source), timeline))
+            if shared:
+                timeline.mark("preprocess.image_lookup")  # the wait for another request's processing of it
+            hits += hit or shared
             items.append(local[source])
         return items, hits
 

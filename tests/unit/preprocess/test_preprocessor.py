@@ -9,6 +9,7 @@ import base64
 import dataclasses
 import io
 import threading
+import time
 import typing
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
@@ -368,6 +369,33 @@ def test_bad_inputs(pre224: Preprocessor, case: str) -> None:
 def test_bad_mm_kwargs(pre224: Preprocessor, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         pre224.process(one_image(CAT, mm_processor_kwargs=kwargs))
+
+
+def test_requests_that_bring_the_same_new_image_at_once_process_it_once(tiny_ckpt_224: Path) -> None:
+    pp = make(tiny_ckpt_224)
+    processor, inside = pp.image_processor, threading.Event()
+
+    def slow(*args: Any, **kwargs: Any) -> Any:  # holds the first run long enough for the others to ask
+        inside.set()
+        time.sleep(0.3)
+        return processor(*args, **kwargs)
+
+    pp.image_processor = slow
+    results: list[Any] = [None] * 3
+
+    def one(i: int) -> None:
+        results[i] = pp.process(request(user(img(CAT), txt(f"question {i}"))))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    threads[0].start()
+    assert inside.wait(10)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert pp.image_processor_calls == 1  # the other two waited for the first's processing
+    assert len({r.features[0].identifier for r in results}) == 1
+    assert sorted(r.processor_cache_hits for r in results) == [0, 1, 1]
 
 
 def test_work_whose_caller_left_stops_before_the_next_images_processing(tiny_ckpt_224: Path) -> None:

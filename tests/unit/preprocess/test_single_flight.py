@@ -1,0 +1,67 @@
+"""SingleFlight: one run per key at a time; waiters take its outcome, or run the work themselves when it failed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from mmserve.preprocess.single_flight import SingleFlight
+
+
+def _ask_while_running(flight: SingleFlight[str, int], first: Callable[[], int],
+                       waiter: Callable[[], int]) -> list[tuple[int, bool]]:
+    """Start `first` for key "k", and once it runs, `waiter` for the same key; both outcomes, first's first."""
+    inside, out = threading.Event(), [(0, False), (0, False)]
+
+    def run_first() -> None:
+        def work() -> int:
+            inside.set()
+            time.sleep(0.2)
+            return first()
+
+        try:
+            out[0] = flight.run("k", work)
+        except RuntimeError:
+            out[0] = (-1, False)
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    assert inside.wait(10)
+    out[1] = flight.run("k", waiter)
+    thread.join(10)
+    return out
+
+
+def test_a_waiter_takes_the_runs_outcome_without_running_the_work() -> None:
+    calls: list[str] = []
+
+    def waiter() -> int:
+        calls.append("waiter")
+        return 2
+
+    out = _ask_while_running(SingleFlight(10), lambda: 1, waiter)
+    assert out == [(1, False), (1, True)] and calls == []
+
+
+def test_a_waiter_whose_run_failed_runs_the_work_itself() -> None:
+    def broken() -> int:
+        raise RuntimeError("the first request's item")
+
+    out = _ask_while_running(SingleFlight(10), broken, lambda: 2)
+    assert out == [(-1, False), (2, False)]  # its own outcome, not the other's error
+
+
+def test_a_waiter_runs_the_work_itself_past_its_wait() -> None:
+    out = _ask_while_running(SingleFlight(0.01), lambda: 1, lambda: 2)
+    assert out == [(1, False), (2, False)]
+
+
+def test_runs_one_after_another_each_run_their_work() -> None:
+    flight: SingleFlight[str, int] = SingleFlight(10)
+    assert flight.run("k", lambda: 1) == (1, False) and flight.run("k", lambda: 2) == (2, False)
+    with pytest.raises(ValueError):
+        flight.run("k", lambda: int("x"))
+    assert flight.run("k", lambda: 3) == (3, False)  # a failed run leaves nothing behind
