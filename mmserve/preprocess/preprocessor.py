@@ -5,9 +5,10 @@ chat template, reading/decoding/hashing/processing each image through the Proces
 the same bytes is found before it is decoded), expanding the
 placeholders with the model's prompt rule, tokenizing, locating each item's placeholder range, and
 stamping the prompt's prefix-cache block hashes (with the decoder's hashing, handed in).
-Does not own: the message shape (chat_messages.py), fetching and decoding bytes (media.py), the hash
-(hashing.py), the LRU (processor_cache.py), the model's own placeholder rule (its family's
-`PromptRule`), nor encoding.
+Does not own: the message shape (chat_messages.py), the sampling fields' limits (sampling_checks.py),
+fetching and decoding bytes (media.py), the hash (hashing.py), the LRU (processor_cache.py), one processing
+of an image for requests that bring it at once (single_flight.py), the model's own placeholder rule (its
+family's `PromptRule`), nor encoding.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jinja2
 from PIL import Image
 
 from mmserve.config import LimitsConfig, MediaConfig
-from mmserve.errors import InvalidRequestError, InvalidSamplingError, PromptTooLongError, TooManyItemsError
+from mmserve.errors import InvalidRequestError, PromptTooLongError, TooManyItemsError
 from mmserve.messages import (
     ChatRequest,
     MultiModalFeatureSpec,
@@ -40,6 +41,7 @@ from mmserve.preprocess.hashing import hash_image, hash_source
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.preprocess.media import MediaLoader
 from mmserve.preprocess.processor_cache import CachedItem, ItemCache
+from mmserve.preprocess.sampling_checks import check_strings, check_token_ids
 from mmserve.preprocess.single_flight import SingleFlight
 from mmserve.runtime.timeline import Timeline
 
@@ -86,9 +88,9 @@ class Preprocessor:
         so the work stops there, raising concurrent.futures.CancelledError."""
         timeline = Timeline()
         req.sampling.validate()
-        self._check_stop(req.sampling.stop)
-        self._check_stop(req.sampling.bad_words, "bad_words")
-        self._check_token_ids(req.sampling)
+        check_strings(req.sampling.stop, self.limits)
+        check_strings(req.sampling.bad_words, self.limits, "bad_words")
+        check_token_ids(req.sampling, self.vocab_size)
         sampling = self._with_bad_words(req.sampling)
         parsed = parse_messages(req.messages, reserved=self.rule.reserved_strings)
         n_items = len(parsed.image_urls)
@@ -121,17 +123,6 @@ class Preprocessor:
 
     # --- steps -------------------------------------------------------------------------------
 
-    def _check_stop(self, stop: tuple[str, ...], param: str = "stop") -> None:
-        """`stop` (or `bad_words`: each checked every token too) within the limits on their count and length."""
-        limits = self.limits
-        if len(stop) > limits.max_stop_sequences:
-            raise InvalidSamplingError(f"{param}: {len(stop)} strings; the limit is {limits.max_stop_sequences}",
-                                       param=param)
-        longest = max((len(s) for s in stop), default=0)
-        if longest > limits.max_stop_chars:
-            raise InvalidSamplingError(f"{param}: a string of {longest} characters; the limit is "
-                                       f"{limits.max_stop_chars}", param=param)
-
     def _with_bad_words(self, sampling: SamplingParams) -> SamplingParams:
         """`sampling` with its bad words spelled in tokens, as vLLM does: each word as written (leading spaces
         stripped), and with one leading space where that spells it with other tokens of the same count."""
@@ -146,18 +137,6 @@ class Preprocessor:
             if spaced[:1] != plain[:1] and len(spaced) == len(plain):
                 spelled.append(spaced)
         return replace(sampling, bad_words_token_ids=tuple(spelled))
-
-    def _check_token_ids(self, sampling: SamplingParams) -> None:
-        """Token ids a request names must be the model's: one past its vocabulary would change nothing."""
-        if self.vocab_size is None:
-            return
-        named = (("logit_bias", [i for i, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids),
-                 ("allowed_token_ids", sampling.allowed_token_ids or ()))
-        for param, ids in named:
-            bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidSamplingError(f"{param}: token id {bad} is not in the model's vocabulary "
-                                           f"(0-{self.vocab_size - 1})", param=param)
 
     def _render(self, parsed: ParsedMessages, n_items: int) -> str:
         text = self._template(parsed.template_messages)
