@@ -33,7 +33,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -207,11 +207,23 @@ class SharedProcessorCache:
 class PixelResolver:
     """The encoder's `resolve`: a StoredItem's pixels (zero-copy numpy on the same node); `bind()` on the
     replica's loop, then call from a worker thread. If the replica that made them is gone before the
-    encoder reads them (downscaled or crashed), the store's adopted copy serves instead."""
+    encoder reads them (downscaled or crashed), the store's adopted copy serves instead. A step's items are
+    brought together first (`prefetch`): their transfers overlap, under one timeout."""
 
     def __init__(self, store: Any):  # a DeploymentHandle to ProcessorCacheStore
         self._store = FromThread(store)
         self.bind = self._store.bind
+
+    @staticmethod
+    def prefetch(specs: Sequence[MultiModalFeatureSpec]) -> list[bool]:
+        """Bring every item's pixels to this node together, waiting at most one read's timeout in all -> whether
+        each is here (or known lost: `__call__` then falls back to the store's copy)."""
+        refs = list(dict.fromkeys(s.data.ref for s in specs if isinstance(s.data, StoredItem)))  # once each
+        if len(refs) < 2:  # NOTE: nothing to overlap; `__call__`'s own read has the same timeout
+            return [True] * len(specs)
+        _, not_here = ray.wait(refs, num_returns=len(refs), timeout=READ_TIMEOUT_S, fetch_local=True)
+        late = set(not_here)
+        return [not (isinstance(s.data, StoredItem) and s.data.ref in late) for s in specs]
 
     def __call__(self, spec: MultiModalFeatureSpec) -> ProcessedItem:
         data = spec.data

@@ -7,14 +7,25 @@ deployments (messages.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from mmserve.messages import MultiModalFeatureSpec, PhaseTimes, ProcessedItem
 
 Resolver = Callable[[MultiModalFeatureSpec], ProcessedItem]  # an item's pixels (ray.get in the Ray app)
+
+
+@runtime_checkable
+class Prefetcher(Protocol):
+    """A resolver that can bring several items' pixels at once (the Ray app's: their transfers run together,
+    under one deadline), before it is called for each."""
+
+    def prefetch(self, specs: Sequence[MultiModalFeatureSpec]) -> list[bool]:
+        """Whether each item's pixels arrived in time (a False one is not read: it fails its requests)."""
+        ...
 
 
 def inline_pixels(spec: MultiModalFeatureSpec) -> ProcessedItem:

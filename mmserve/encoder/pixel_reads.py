@@ -2,7 +2,8 @@
 
 Owns: reading each missed item through its request's resolver (`Resolver`: `ray.get` in the Ray app, the
 item itself in process), else through another waiting request's reference to the same item, and saying which
-items could not be read, with why. Does not own: the encoder cache's books, the vision forward, nor what a
+items could not be read, with why; where the resolver can (`Prefetcher`), the step's items are brought at
+once, under one deadline, before any is read. Does not own: the encoder cache's books, the vision forward, nor what a
 failure does to the requests (stage.py).
 """
 
@@ -12,7 +13,7 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from mmserve.encoder.outputs import Resolver
+from mmserve.encoder.outputs import Prefetcher, Resolver
 from mmserve.messages import MultiModalFeatureSpec, ProcessedItem
 
 
@@ -37,12 +38,34 @@ def read_misses(misses: Sequence[tuple[Reader, MultiModalFeatureSpec]], waiting:
     read: list[tuple[MultiModalFeatureSpec, ProcessedItem]] = []
     failed: list[tuple[MultiModalFeatureSpec, BaseException]] = []
     others = list(waiting)
-    for req, spec in misses:
+    late = _prefetch(misses)
+    for k, (req, spec) in enumerate(misses):
+        if k in late:
+            failed.append((spec, TimeoutError(f"the pixels of item {spec.identifier} did not arrive in time")))
+            continue
         try:
             read.append((spec, _read_any(req, spec, others)))
         except Exception as exc:  # e.g. its pixels' owner died and the store has no copy
             failed.append((spec, exc))
     return read, failed
+
+
+def _prefetch(misses: Sequence[tuple[Reader, MultiModalFeatureSpec]]) -> set[int]:
+    """The misses (by index) whose pixels did not arrive in time, after each prefetching resolver has brought
+    its items' pixels together.
+
+    NOTE: read one after another, N items on a stuck or far object store would hold the step N times a
+    read's timeout, and their transfers would not overlap.
+    """
+    by_resolver: dict[int, tuple[Prefetcher, list[int]]] = {}
+    for k, (req, spec) in enumerate(misses):
+        if isinstance(req.resolve, Prefetcher) and spec.data is not None:
+            by_resolver.setdefault(id(req.resolve), (req.resolve, []))[1].append(k)
+    late: set[int] = set()
+    for resolver, indices in by_resolver.values():
+        arrived = resolver.prefetch([misses[k][1] for k in indices])
+        late.update(k for k, ok in zip(indices, arrived, strict=True) if not ok)
+    return late
 
 
 def _read_any(req: Reader, spec: MultiModalFeatureSpec, waiting: list[Reader]) -> ProcessedItem:

@@ -10,6 +10,7 @@ to a replica on the caller's node first); every check also asks the replica who 
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -19,7 +20,7 @@ import ray
 
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, EncoderOutput, PreprocessedRequest, SamplingParams, StoredItem
-from tests.integration.conftest import PREPROCESS_NODES, AppInfo
+from tests.integration.conftest import PREPROCESS_NODES, AppInfo, ClusterInfo
 from tests.integration.helpers import (
     chat_body,
     data_url,
@@ -209,3 +210,34 @@ def test_a_repeat_on_its_maker_skips_the_store_and_a_replaced_store_is_refilled(
     wait_until(refilled, timeout=60, interval=0.5, what="the new store to hold the item node A's replica made")
     sent = next(fresh) - 208
     assert info_on(probe_a)["image_processor_calls"] == after["image_processor_calls"] + sent  # only new images
+
+
+@ray.remote(resources={"never-on-any-node": 1})
+def _never() -> None:
+    """A task no node can run: its result never arrives (and it holds no CPU meanwhile)."""
+
+
+def test_the_encoders_resolver_brings_a_steps_pixels_together_under_one_timeout(
+        ray_cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deployments import cache_store
+    from deployments.cache_store import PixelResolver
+    from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, ProcessedItem
+
+    monkeypatch.setattr(cache_store, "READ_TIMEOUT_S", 1.0)
+    item = ProcessedItem(np.zeros((1, 3, 4, 4), dtype=np.uint8))
+    here, other, never = ray.put(item), ray.put(item), _never.remote()
+
+    def spec(data: Any) -> MultiModalFeatureSpec:
+        stored = data if isinstance(data, ProcessedItem) else StoredItem(data, num_tiles=1, nbytes=item.nbytes)
+        return MultiModalFeatureSpec(uuid.uuid4().hex, "image", PlaceholderRange(0, 4), 4, stored)
+
+    try:
+        started = time.monotonic()
+        # one ref twice (two requests' specs of one item), an inline item, and one that never arrives
+        arrived = PixelResolver.prefetch([spec(here), spec(never), spec(here), spec(item), spec(other)])
+        waited = time.monotonic() - started
+    finally:
+        ray.cancel(never, force=True)
+    assert arrived == [True, False, True, True, True]
+    assert 1.0 <= waited < 10  # the one timeout, not one per item
+    assert PixelResolver.prefetch([spec(here)]) == [True]  # a lone item: nothing to overlap, read as before

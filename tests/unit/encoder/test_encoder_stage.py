@@ -289,6 +289,36 @@ def test_an_item_shared_in_one_step_is_read_through_another_requests_pixels_when
     assert store.calls == ["gone", "good"] and stage.stats().forward_passes == 1
 
 
+class PrefetchingStore(Store):
+    """A store that brings a step's items together first (as the Ray app's resolver does); `late` never arrive."""
+
+    def __init__(self, late: set[str]) -> None:
+        super().__init__()
+        self.late, self.prefetched = late, list[list[str]]()
+
+    def __call__(self, spec: MultiModalFeatureSpec) -> ProcessedItem:  # NOTE: the resolver is the store itself
+        return self.resolve(spec)
+
+    def prefetch(self, specs: list[MultiModalFeatureSpec]) -> list[bool]:
+        self.prefetched.append([s.data for s in specs])
+        return [s.data not in self.late for s in specs]
+
+
+def test_a_steps_misses_are_prefetched_together_and_one_that_arrives_late_fails_alone_unread() -> None:
+    stage, store = _stage(), PrefetchingStore(late={"slow"})
+    store.items.update(k=_item(1), j=_item(2), slow=_item(3))
+    stage.add_request("ok1", [_spec("a", "k")], store)
+    stage.add_request("late", [_spec("x", "slow")], store)
+    stage.add_request("ok2", [_spec("b", "j")], store)
+    with pytest.raises(EncoderStepError) as err:
+        stage.step()
+    assert store.prefetched == [["k", "slow", "j"]]  # one call for the step's misses, before any read
+    assert err.value.request_ids == ["late"] and isinstance(err.value.cause_of("late"), TimeoutError)
+    assert store.calls == ["k", "j"] and "x" not in stage.manager  # the late item was not read (no second wait)
+    assert [r.request_id for r in stage.step()] == ["ok1", "ok2"]
+    assert stage.stats().forward_passes == 1
+
+
 def test_each_failed_request_carries_its_own_items_error_and_the_error_pickles() -> None:
     stage, store = _stage(), Store()
     stage.add_request("lost", [_spec("x", "gone")], store.resolve)  # its maker died: the store raises KeyError
