@@ -140,7 +140,10 @@ class StepLoop:
                 items = await channel.take(deadline)
                 if not items:  # none came within the interval: the next goes at once
                     items = await channel.take()
-                failed = items.pop() if isinstance(items[-1], RequestFailed) else None
+                # NOTE: a failure ends the request, but outputs may follow it (a step that failed every
+                # request, then the request's own add, queued meanwhile, ran): those are not sent
+                at = next((k for k, item in enumerate(items) if isinstance(item, RequestFailed)), None)
+                failed, items = (None, items) if at is None else (items[at], items[:at])
                 sent = time.monotonic()
                 if items:
                     yield merge(items)
