@@ -8,6 +8,7 @@ schemathesis' pytest plugin, whose lazy (fixture-loaded) schemas do not run unde
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from tests.e2e.e2e_support import Server
+from tests.e2e.e2e_support import Server, data_url, encode_image, http_post_json, make_image
 
 EXAMPLES = 150  # per operation and mode; derandomized, so CI runs the same cases every time
 MAX_TOKENS = 8  # NOTE: generation length says nothing about input handling; it only costs CI time
@@ -69,3 +70,15 @@ def test_no_generated_request_gets_a_server_error(api_schema: Any, e2e_server: S
     check()
     assert statuses, "no case was generated"
     print(method, path, mode.value, {code: statuses.count(code) for code in sorted(set(statuses))})
+
+
+def test_after_the_fuzz_the_server_serves_normally(e2e_server: Server) -> None:
+    """Runs after the fuzz cases above (file order): a plain image request still gets its answer."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(encode_image(make_image(seed=3)))}},
+               {"type": "text", "text": "What is this?"}]
+    status, raw = http_post_json(f"{e2e_server.base_url}/v1/chat/completions", {
+        "model": e2e_server.model_name, "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": content}]}, timeout=120)
+    assert status == 200, raw[:400]
+    answer = json.loads(raw)
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length") and answer["usage"]["completion_tokens"] >= 1

@@ -202,12 +202,18 @@ def test_a_repeat_on_its_maker_skips_the_store_and_a_replaced_store_is_refilled(
 
     wait_until(replaced, timeout=180, interval=0.5, what="Serve to replace the store")
     fresh = iter(range(208, 240))  # new images: each one's lookup may meet the new store
+    failed: list[BaseException] = []  # NOTE: wait_until takes an error for "not yet"; none may fail here
 
     def refilled() -> bool:  # node A's replica, meeting the new store, has it adopt what it holds
-        process_on(probe_a, data_url(seed=next(fresh)))
+        try:
+            process_on(probe_a, data_url(seed=next(fresh)))
+        except Exception as exc:
+            failed.append(exc)
+            raise
         return stored_ref(mm_app, key) is not None
 
     wait_until(refilled, timeout=60, interval=0.5, what="the new store to hold the item node A's replica made")
+    assert not failed  # a new store is misses only: no request failed meanwhile
     sent = next(fresh) - 208
     assert info_on(probe_a)["image_processor_calls"] == after["image_processor_calls"] + sent  # only new images
 

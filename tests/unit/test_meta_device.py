@@ -125,5 +125,13 @@ def test_the_encoders_warm_up_runs_one_uncounted_forward_at_the_towers_size(tiny
     stages = StageFactory(EngineConfig(model=str(tiny_ckpt_224)))
     runner = stages.encoder().stage.runner
     assert stages.spec.image_size == 224
+    real, shapes = runner.encode_images, list[tuple[int, ...]]()
+
+    def watched(pixels: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(pixels.shape))
+        return real(pixels)
+
+    runner.encode_images = watched
     runner.warm_up(stages.spec.image_size)
+    assert shapes == [(1, 3, 224, 224)]  # one forward, at the tower's crop size
     assert runner.forward_passes == runner.images_encoded == 0

@@ -235,6 +235,8 @@ def test_greedy_logprobs_are_log_softmax_of_transformers_logits(oracle, case):
         values = [v for _, _, v in lp.top]
         assert len(lp.top) == 5 and values == sorted(values, reverse=True)
         assert max(abs(v - float(r)) for v, r in zip(values, ref_lp.topk(5).values, strict=True)) <= 2 * LOGITS_ATOL
+        # each listed token's own logprob (its id, not only the value at its rank)
+        assert all(abs(v - float(ref_lp[t])) <= 2 * LOGITS_ATOL for t, _, v in lp.top), step
         assert lp.logprob <= values[0] + 1e-6  # greedy: the best, unless the best is a never-sampled token
         assert lp.token_id in [t for t, _, _ in lp.top] or lp.top[0][0] in engine.spec.never_sampled
 

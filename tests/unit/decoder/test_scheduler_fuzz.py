@@ -114,6 +114,18 @@ def check_books(sched: Scheduler, pool: BlockPool) -> None:
 @pytest.mark.parametrize("window, blocks", [(6, 20), (3, 14), (9, 28)])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_load_keeps_the_books_and_the_kv_each_step_reads(seed: int, window: int, blocks: int) -> None:
+    _, misses = random_load(seed, window, blocks)
+    assert misses > 0  # lost prefix hits' embeddings were asked for and supplied a step later
+
+
+def test_the_tightest_pool_preempts_under_random_load() -> None:
+    """Not every seed preempts, but the tightest pool's seeds together do: the fuzz covers preemption."""
+    assert sum(random_load(seed, 3, 14)[0] for seed in range(6)) > 0
+
+
+def random_load(seed: int, window: int, blocks: int) -> tuple[int, int]:
+    """One seeded run, its books and KV reads checked after every step -> (preemptions, sequences that lacked
+    embeddings at a step)."""
     rng, budget = random.Random(seed), 12
     layers = (SLIDING, SLIDING, FULL)
     pattern = AttentionPattern(layer_kinds=layers, sliding_window=window, bidirectional_images=True, scaling=1.0,
@@ -122,6 +134,7 @@ def test_random_load_keeps_the_books_and_the_kv_each_step_reads(seed: int, windo
     sched = Scheduler(DecoderConfig(max_num_seqs=4, max_num_batched_tokens=budget, block_size=BLOCK,
                                     num_blocks=blocks), pool, pattern, 200, (1,), hasher=BlockHasher("m", "f32", BLOCK))
     load, added = Load(rng, budget), 0
+    preemptions = misses = 0  # sequences sent back to the queue; admissions whose embeddings a lost hit needs
     shadow: Shadow = {}
     lacking: list[tuple[Sequence, list[int]]] = []  # the last step's sequences that lack embeddings
     for step in range(STEPS * 4):
@@ -138,6 +151,7 @@ def test_random_load_keeps_the_books_and_the_kv_each_step_reads(seed: int, windo
             sched.abort(rng.choice(list(sched.running)).request_id)
         out = sched.schedule()
         lacking = out.missing
+        preemptions, misses = preemptions + len(out.preempted), misses + len(out.missing)
         check_chunks(out)
         write_and_read(sched, out, shadow, window)
         if out.scheduled and rng.random() < 0.03:  # aborted between its step and the step's update
@@ -146,3 +160,4 @@ def test_random_load_keeps_the_books_and_the_kv_each_step_reads(seed: int, windo
         check_books(sched, pool)
     assert added == REQUESTS and not sched.has_unfinished(), "requests left unfinished"
     assert sched.prefix_hits > 0  # the seeds' loads do hit: the shared blocks were exercised
+    return preemptions, misses

@@ -25,6 +25,9 @@ from mmserve.errors import MediaError, ReplicaLostError
     (RayTaskError("generate", "tb", ActorDiedError()), True),  # a replica passing on its callee's loss
     (RayTaskError("generate", "tb", MediaError("bad image")), False), (MediaError("bad image"), False),
     (TimeoutError(), False),
+    # NOTE: a Decoder that gave up on its own lost Encoder passes on a ReplicaLostError: not retried again
+    # upstream, so retries do not multiply along the path (no 3 x 3 fan-out)
+    (RayTaskError("generate", "tb", ReplicaLostError("a serving replica was lost")), False),
 ])
 def test_what_counts_as_a_lost_replica(exc: BaseException, lost: bool) -> None:
     assert replica_lost(exc) is lost

@@ -89,3 +89,38 @@ def test_a_second_call_under_a_live_request_id_is_refused_and_the_first_still_ge
             service.stop()
 
     asyncio.run(run())
+
+
+def test_callers_that_leave_mid_encode_leave_nothing_held_and_the_service_serves_on() -> None:
+    inside, release, slow = held_vision()
+
+    async def run() -> None:
+        store = Store()
+        store.items.update(k=_item(1), j=_item(2))
+        service = EncoderService(_stage(slow), resolve=store.resolve)
+        stage = service.stage
+        try:
+            running = asyncio.ensure_future(service.encode("r1", [_spec("h", "k")]))  # in its forward
+            while not inside.is_set():
+                await asyncio.sleep(0.005)
+            queued = asyncio.ensure_future(service.encode("r2", [_spec("g", "j")]))  # behind that forward
+            await asyncio.sleep(0.05)  # NOTE: its add waits on the step thread, which the forward holds
+            running.cancel()
+            queued.cancel()
+            for call in (running, queued):
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            release.set()
+            for _ in range(1000):  # the aborts are applied on the step thread
+                if not service.loop.busy():
+                    break
+                await asyncio.sleep(0.01)
+            assert stage.stats().num_pending == 0 and stage.manager.referencing_requests() == []
+            assert store.calls == ["k"]  # the queued request's pixels were never read
+            again = await asyncio.wait_for(service.encode("r3", [_spec("g", "j")]), 10)
+            assert again.embeddings[0].shape == (4, 6) and stage.manager.referencing_requests() == []
+        finally:
+            release.set()
+            service.stop()
+
+    asyncio.run(run())
