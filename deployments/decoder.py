@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 
 from deployments.args import AppArgs
-from deployments.handles import hold
+from deployments.handles import awaited, hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process, freeze_startup_heap
 from deployments.retry import ACTOR_LOST, attempt_id, retrying
@@ -56,8 +56,8 @@ class Decoder:
         # which the ingress does not retry again
         try:
             out: EncoderOutput | RequestFailed = await retrying(
-                lambda attempt: self.encoder.encode.remote(attempt_id(request.request_id, attempt, "encode-retry"),
-                                                           request.features),
+                lambda attempt: awaited(self.encoder.encode.remote(
+                    attempt_id(request.request_id, attempt, "encode-retry"), request.features)),
                 retries=self.replica_loss_retries, what=f"encode of {request.request_id}", kinds=ACTOR_LOST)
         except BackPressureError as exc:
             raise OverloadedError(f"the encoder's queue is full ({exc}); retry later") from None

@@ -44,6 +44,20 @@ def cancel(response: Any) -> None:
         response.cancel()
 
 
+async def awaited(response: Any) -> Any:
+    """A handle call's result; a caller cancelled while it waits cancels the call too.
+
+    NOTE: awaiting a DeploymentResponse does not cancel it when the awaiting task is cancelled, and Serve's
+    own cancellation of a request's child calls reaches only calls made in that request's task context
+    (not, e.g., those started from a worker thread's coroutine): the callee would run on.
+    """
+    try:
+        return await response
+    except asyncio.CancelledError:
+        cancel(response)
+        raise
+
+
 class FromThread:
     """Calls on a DeploymentHandle made from a worker thread, run on the replica's event loop.
 

@@ -241,6 +241,8 @@ class DecoderService:
 
     async def _fetch(self, live: _Live, indices: list[int]) -> None:
         request_id = live.pre.request_id
+        if live.ended:  # NOTE: it ended between the step thread's ask and this task's start: nobody cancels it
+            return
         live.fetches += 1
         encoder_id = f"{request_id}/late-{live.fetches}"
         try:
