@@ -55,6 +55,7 @@ class DecoderService:
         self._streams = 0  # requests streaming now: past their first output, not final_only
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
         self._live: dict[str, _Live] = {}
+        self._parents: set[str] = set()  # ids of the requests with n > 1 being served (their choices are in _live)
         self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder
         decoder.on_missing = self._on_missing
         self.shared_cores = SharedCores()  # encodes in flight on this host's CPU: the steps take fewer threads
@@ -65,11 +66,21 @@ class DecoderService:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request (of each of its `n` choices, by `index`); closing the iterator early aborts
         it and frees its KV blocks."""
-        self._admit_or_refuse(pre.sampling.n)
-        outputs = self._one(pre, encode) if pre.sampling.n == 1 else self._choices(pre, encode)
-        async with contextlib.aclosing(outputs):  # NOTE: closing this one closes (aborts) that one at once
-            async for out in outputs:
-                yield out
+        n = pre.sampling.n
+        ids = [pre.request_id, *(f"{pre.request_id}/{i}" for i in range(n) if n > 1)]  # its choices' own ids too
+        if taken := [i for i in ids if i in self._live or i in self._parents]:
+            raise ValueError(f"request {taken[0]} is already being served here")  # NOTE: the live one goes on
+        self._admit_or_refuse(n)
+        if n > 1:
+            self._parents.add(pre.request_id)  # NOTE: its choices are live under their own ids, not this one
+        outputs = self._one(pre, encode) if n == 1 else self._choices(pre, encode)
+        try:
+            async with contextlib.aclosing(outputs):  # NOTE: closing this one closes (aborts) that one at once
+                async for out in outputs:
+                    yield out
+        finally:
+            if n > 1:
+                self._parents.discard(pre.request_id)
 
     async def _choices(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncGenerator[RequestOutput]:
         """`n` choices as sequences of their own, each with seed `seed + index` (as vLLM), merged in one stream.

@@ -211,6 +211,34 @@ def test_a_second_request_under_a_live_id_is_refused_and_the_first_goes_on(engin
     assert sum(len(out.new_token_ids) for out in outs) == 24 and not engine.has_unfinished()
 
 
+def test_ids_taken_by_a_live_request_with_choices_are_refused_before_anything_runs(engine):
+    """A request with n > 1 is served as choices `id/0`, `id/1`, ...: its own id and its choices' are taken."""
+    async def run() -> list[Any]:
+        first = engine.stream(chat("dupn", max_tokens=24, ignore_eos=True, n=2, temperature=1.0, seed=3))
+        outs = [await first.__anext__()]
+        with pytest.raises(ValueError, match="dupn is already being served"):  # its own id, though no choice's
+            async for _ in engine.stream(chat("dupn", max_tokens=4)):
+                pass
+        outs += [out async for out in first]
+        return outs
+
+    async def with_a_live_choice_id() -> list[Any]:
+        live = engine.stream(chat("dupc/1", max_tokens=24, ignore_eos=True))
+        await live.__anext__()
+        try:
+            async for _ in engine.stream(chat("dupc", max_tokens=4, n=2)):
+                pass
+        finally:
+            rest = [out async for out in live]
+        return rest
+
+    outs = asyncio.run(asyncio.wait_for(run(), 60))
+    assert [sum(len(o.new_token_ids) for o in outs if o.index == i) for i in (0, 1)] == [24, 24]
+    with pytest.raises(ValueError, match="dupc/1 is already being served"):
+        asyncio.run(asyncio.wait_for(with_a_live_choice_id(), 60))
+    assert not engine.has_unfinished()
+
+
 def test_a_stop_token_ends_the_ids_but_not_the_text(engine):
     """As vLLM: the stop token id is in the output's ids, its text is not (nor is the model's own end's)."""
     [full] = engine.generate([chat("sti1", max_tokens=8, ignore_eos=True)])
