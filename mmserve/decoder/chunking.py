@@ -25,6 +25,13 @@ def chunk_tokens(seq: Sequence, budget: int) -> int:
     return max(end - start, 0)
 
 
+def awaits_embeddings(seq: Sequence, start: int) -> bool:
+    """Whether a chunk from `start` cannot begin for want of an item's embeddings: an item it lacks begins
+    there, or `start` falls inside one."""
+    return any(seq.features[i].placeholder.offset <= start < seq.features[i].placeholder.offset
+               + seq.features[i].placeholder.length for i in lacking(seq))
+
+
 def lacking(seq: Sequence) -> list[int]:
     """Features whose embeddings the sequence was given as None (their placeholder was cached)."""
     return [i for i, emb in enumerate(seq.embeddings) if emb is None]

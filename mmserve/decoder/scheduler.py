@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
-from mmserve.decoder.chunking import chunk_tokens, lacking
+from mmserve.decoder.chunking import awaits_embeddings, chunk_tokens, lacking
 from mmserve.decoder.kv_blocks import KVBlockManager
 from mmserve.decoder.prefix_cache import BlockHasher, PrefixCache
 from mmserve.decoder.sequence import Sequence, SequenceStatus
@@ -223,22 +223,31 @@ class Scheduler:
         return True
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
-        """Move waiting sequences to running, FCFS, while seats, budget and blocks allow."""
+        """Move waiting sequences to running, FCFS, while seats, budget and blocks allow.
+
+        NOTE: strict FCFS for room: nobody overtakes a sequence waiting for seats, budget or blocks (else a long
+        prompt would wait for ever behind short ones). One that waits for embeddings it lacks (a prefix hit the
+        cache let go since its arrival, being fetched) is passed over meanwhile: it holds up nobody's room.
+        """
         admitted: list[ScheduledSeq] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        k = 0  # the first waiting sequence not passed over
+        while k < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[k]
             hit = self._start_from_cache(seq)
             n = chunk_tokens(seq, budget)
             needed = max(self._pages_needed(seq, n), self._prefill_pages(seq))
             if n == 0 or not self.kv.can_allocate(needed):
                 self.kv.release(seq.blocks)  # the cached prefix it took, if any: held again next step
                 seq.num_computed_tokens = 0
-                break  # NOTE: strict FCFS: nobody overtakes the head of the queue
+                if n == 0 and awaits_embeddings(seq, hit):
+                    k += 1
+                    continue
+                break
             if seq.num_cached_tokens is None:  # its first admission: what the request's usage reports
                 seq.num_cached_tokens = min(hit, seq.num_prompt_tokens)
                 self.prefix_queries += seq.num_prompt_tokens
                 self.prefix_hits += seq.num_cached_tokens
-            self.waiting.pop(0)
+            self.waiting.pop(k)
             self.kv.grow(seq.blocks, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
@@ -253,9 +262,11 @@ class Scheduler:
         by its own next chunk (it is the latest arrival), then admitted again: its first chunk is computed again
         and again, every other step, until others finish (a preemption storm; docs/benchmarks.md). So it waits
         for the pages its whole prefill takes; a sequence alone in the pool always has them (`max_seq_len`).
+        NOTE: a cached sliding-layer block that another sequence holds too costs the pool nothing now, but once
+        this one's window has passed it, it takes a new page in its place: not counted as held.
         """
         peak = self.kv.peak_pages(seq.num_tokens, self.config.max_num_batched_tokens)
-        return max(peak - seq.blocks.num_pages, 0)
+        return max(peak - self.kv.pages_in_hand(seq.blocks), 0)
 
     def _start_from_cache(self, seq: Sequence) -> int:
         """Take the longest cached prefix of a sequence that holds nothing (at least its last token is

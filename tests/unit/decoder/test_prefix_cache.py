@@ -139,7 +139,8 @@ def test_the_scheduler_starts_a_repeat_on_its_cached_prefix_and_counts_it() -> N
 def test_a_head_of_queue_whose_hit_ends_inside_a_skipped_item_asks_for_it_and_is_not_stuck() -> None:
     """The request came while its image was cached (so it was not encoded); by admission the cache let
     the tail go and the hit ends inside the image: the scheduler asks for the embeddings at once and
-    admits the request once they came, instead of waiting at the head of the queue forever."""
+    admits the request once they came, instead of waiting at the head of the queue forever; the requests
+    behind it go on meanwhile."""
     config = DecoderConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=BS, num_blocks=32)
     sched = Scheduler(config, BlockPool(32), FULL_ONLY, 256, (1,), BlockHasher("m", "float32", BS))
     prompt = [5] * 4 + [9] * 8 + [6] * 6  # an image's 8 tokens at [4, 12)
@@ -164,11 +165,31 @@ def test_a_head_of_queue_whose_hit_ends_inside_a_skipped_item_asks_for_it_and_is
     taken = cache.allocate(sched.kv.num_free - 2)  # evicts the tail entries, least recently freed first
     sched.pool.free(taken)
     b = sequence("b", [None])
+    c = Sequence("c", [3] * 10, SamplingParams(max_tokens=1, ignore_eos=True))  # text, behind b in the queue
+    sched.add(c)
     assert sched.kv.cached_prefix(b.block_hashes, 4) == 2  # blocks [0, 8): the hit ends inside the image
     assert drive() == [(b, [0])] and b.status.value == "waiting"  # asked at once, not admitted yet
+    assert c.status.value == "finished"  # NOTE: b waits for its embeddings, not for room: c was not held up
     b.embeddings[0] = object()  # as Decoder.provide_embeddings does
     drive()
     assert b.status.value in ("running", "finished") and b.num_cached_tokens == 8
+
+
+def test_a_sliding_layers_cached_blocks_another_sequence_holds_too_are_not_in_hand() -> None:
+    """Its window moves past them and takes new pages in their place, while they stay with the other: the
+    admission counts those pages as still to take."""
+    pool = BlockPool(64)
+    manager = KVBlockManager(pool, MIXED, BS, PrefixCache(pool))
+    a = seq("a", list(range(24)), manager)
+    manager.grow(a.blocks, 24)
+    manager.index(a.blocks, a.block_hashes, 24)  # a still holds all of it
+    b = seq("b", [*range(24), 5], manager)
+    assert manager.start_from_cache(b.blocks, b.block_hashes, limit=6) == 24
+    sliding, full = b.blocks.tables
+    shared_sliding = (sliding.hi - sliding.lo) * sliding.pages.shape[1]
+    assert shared_sliding == 2 and manager.pages_in_hand(b.blocks) == b.blocks.num_pages - shared_sliding
+    manager.release(a.blocks)  # now b alone holds them: they come back to the pool when it lets go
+    assert manager.pages_in_hand(b.blocks) == b.blocks.num_pages
 
 
 def test_a_running_sequence_grows_into_free_cached_blocks_without_preempting() -> None:
