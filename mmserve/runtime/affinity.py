@@ -41,10 +41,14 @@ def owner(keys: Sequence[tuple[bytes, int]], replicas: Sequence[str]) -> str | N
 
 
 def overloaded(load: int | None, loads: Sequence[int | None], margin: int) -> bool:
-    """Whether a replica with `load` ongoing requests is busier than the least loaded by more than
-    `margin` (unknown loads count as not busy: the caller has not heard from that replica yet)."""
-    known = [x for x in loads if x is not None]
-    return load is not None and bool(known) and load > min(known) + margin
+    """Whether a replica with `load` ongoing requests is busier than the least loaded of `loads` by more than
+    `margin`. An unknown load (None: the caller has not heard from that replica lately) counts as idle.
+
+    NOTE: a caller hears a replica's load only when it probes it, and it probes only the replicas it ranks
+    first: were an unknown one left out, a preferred replica would keep every request (up to its own bound)
+    while the others stay unheard of; counted idle, the request goes to the fallback, whose probe tells.
+    An unknown `load` is not overloaded: the probe of the preferred replica tells whether it takes more."""
+    return load is not None and bool(loads) and load > min(x or 0 for x in loads) + margin
 
 
 class PrefixIndex:

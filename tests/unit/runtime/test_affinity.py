@@ -38,9 +38,12 @@ def test_a_request_with_several_items_goes_where_most_of_its_rows_are_owned() ->
 
 
 def test_the_load_bound() -> None:
-    assert not overloaded(5, [5, 2, None], margin=3)  # 5 <= 2 + 3
+    assert not overloaded(5, [5, 2], margin=3)  # 5 <= 2 + 3
     assert overloaded(6, [6, 2], margin=3)
-    assert not overloaded(None, [9, 0], margin=0) and not overloaded(9, [None, None], margin=0)  # unknown: not busy
+    assert not overloaded(None, [9, 0], margin=0)  # the preferred one's load unknown: its probe tells
+    # NOTE: another's unknown load counts as idle, else a replica never probed would never be chosen
+    assert overloaded(5, [5, 2, None], margin=3) and overloaded(40, [40, None], margin=4)
+    assert not overloaded(4, [4, None], margin=4) and not overloaded(7, [7], margin=0)
 
 
 def test_the_prefix_index_finds_the_longest_leading_run_and_ages_out_tails_first() -> None:
