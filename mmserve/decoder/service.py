@@ -32,6 +32,23 @@ from mmserve.runtime.timeline import Timeline
 EncodeFn = Callable[[PreprocessedRequest], Awaitable[EncoderOutput]]  # -> per-feature embeddings, the encoder's phases
 
 
+def one_at_a_time(encode: EncodeFn) -> EncodeFn:
+    """`encode` for the choices of one request, which call it one at a time (the later ones then find the
+    items in the encoder's cache).
+
+    NOTE: a transport may route every call made while serving one request by that request's id: Ray Serve
+    does, and a custom router (the Encoder's affinity router) hands a chosen replica to the pending call of
+    that id, so a second call in flight under the same id would never be routed, and wait for ever.
+    """
+    lock = asyncio.Lock()
+
+    async def call(pre: PreprocessedRequest) -> EncoderOutput:
+        async with lock:
+            return await encode(pre)
+
+    return call
+
+
 @dataclass
 class _Live:
     """A request between its `generate` call and its end, as a late fetch of embeddings needs it."""
@@ -90,6 +107,7 @@ class DecoderService:
         computed again) and compute only its last partial block. Without prefix caching each computes it all.
         """
         queue: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
+        encode = None if encode is None else one_at_a_time(encode)
         prefilled = asyncio.Event()
         if self.decoder.scheduler.hasher is None:
             prefilled.set()  # no prefix cache to share: no reason to wait for choice 0

@@ -86,3 +86,34 @@ def test_closing_the_stream_early_aborts_every_choice(engine):
     assert engine.decoder.stats().running == 0
     # NOTE: choices that ran to their end would have made a step per token: the aborts cut them short
     assert engine.decoder.stats().steps - steps_before < 1900 // 2
+
+
+def test_without_prefix_caching_the_choices_call_the_encoder_one_at_a_time(tiny_ckpt_224) -> None:
+    """All choices start at once then, each needing the image: their encoder calls go one after another (a
+    transport may route a request's calls by its id, and two in flight under one id could wait for ever);
+    the later ones find the item in the encoder's cache."""
+    from mmserve.config import DecoderConfig, EngineConfig
+
+    engine = Engine(EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
+                                 decoder=DecoderConfig(enable_prefix_caching=False)))
+    real, in_flight, most = engine._encode, [0], [0]
+
+    async def watched(pre: Any) -> Any:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        try:
+            await asyncio.sleep(0.05)  # NOTE: long enough for the other choices' calls to come meanwhile
+            return await real(pre)
+        finally:
+            in_flight[0] -= 1
+
+    engine._encode = watched  # type: ignore[method-assign]
+    try:
+        before = engine.stats().encoder
+        choices = engine.generate([chat("once", "s8", n=3, temperature=0.0, max_tokens=4)])
+        after = engine.stats().encoder
+    finally:
+        engine.shutdown()
+    assert [c.index for c in choices] == [0, 1, 2] and len({tuple(c.token_ids) for c in choices}) == 1
+    assert most[0] == 1  # never two calls at once
+    assert after.forward_passes - before.forward_passes == 1  # the others were the encoder's cache hits
