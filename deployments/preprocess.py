@@ -20,6 +20,7 @@ from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import freeze_startup_heap
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
+from mmserve.runtime import affinity
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
 from mmserve.runtime.timeline import Timeline
 from mmserve.stages import StageFactory
@@ -103,7 +104,8 @@ class Preprocess:
 
     def metrics(self) -> MetricsSnapshot:
         return merge([preprocess_snapshot(self.preprocessor.image_processor_calls),
-                      replica_cache_snapshot(self.cache.own_stats())])
+                      replica_cache_snapshot(self.cache.own_stats()),
+                      affinity.DECISIONS.snapshot()])  # its Encoder router's, for the early encodes
 
     def replica_info(self) -> dict[str, Any]:
         """Read-only introspection (tests, debugging): who answered, where, its processor calls, the

@@ -185,7 +185,7 @@ def test_a_sliding_layers_cached_blocks_another_sequence_holds_too_are_not_in_ha
     manager.index(a.blocks, a.block_hashes, 24)  # a still holds all of it
     b = seq("b", [*range(24), 5], manager)
     assert manager.start_from_cache(b.blocks, b.block_hashes, limit=6) == 24
-    sliding, full = b.blocks.tables
+    sliding, _ = b.blocks.tables
     shared_sliding = (sliding.hi - sliding.lo) * sliding.pages.shape[1]
     assert shared_sliding == 2 and manager.pages_in_hand(b.blocks) == b.blocks.num_pages - shared_sliding
     manager.release(a.blocks)  # now b alone holds them: they come back to the pool when it lets go
