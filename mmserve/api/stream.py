@@ -152,20 +152,37 @@ class ChunkBuilder:
             self._pending.setdefault(index, []).extend(out.logprobs)
         if index in self._done or (index in self._sent_role and not out.new_text and not out.finished):
             return []  # NOTE: no empty chunks for steps that produced no text (held back or mid-character)
+        opening = self._opening()
         first = index not in self._sent_role
         self._sent_role.add(index)
+        if opening and not out.new_text and not out.finished:
+            return opening
         delta = Delta(role="assistant" if first else None, content=out.new_text if out.new_text or first else None)
         reason = out.finish_reason if out.finished else None
         pending = self._pending.pop(index, None)
         if pending is not None:
             self._pending[index] = []  # NOTE: a held-back token's log-probs go with the next chunk sent
         logprobs = None if pending is None else choice_logprobs(pending)
-        chunks = [self._chunk([ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)])]
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
+        chunks = [*opening, self._chunk([choice])]
         if out.finished:
             self._done.add(index)
             if self.include_usage and self.finished:
                 chunks.append(self._chunk([], usage=self.choices.usage()))
         return chunks
+
+    def _opening(self) -> list[ChatCompletionChunk]:
+        """Before a stream's first content with n > 1: every choice's role chunk, in index order (vLLM's way).
+
+        NOTE: choices reach their first output in any order (their encoder calls or grammars finish when they
+        do), and the `openai` client's stream helper finds a choice by its position among those it has seen:
+        a first chunk of choice 1 would raise there, one of choice 2 before choice 1's would swap them.
+        """
+        if self.choices.n == 1 or self._sent_role:
+            return []
+        self._sent_role.update(range(self.choices.n))
+        return [self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                for i in range(self.choices.n)]
 
     def events(self, out: RequestOutput | RequestFailed) -> list[str]:
         """`chunks` as SSE strings, with the closing `[DONE]` after the last."""

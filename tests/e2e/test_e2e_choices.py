@@ -45,3 +45,10 @@ def test_n_choices_streamed_and_not_agree(client, e2e_server):
     assert [streamed[i] for i in range(3)] == texts and set(reasons) == {0, 1, 2}
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
     assert usage.prompt_tokens == full.usage.prompt_tokens
+    # the client's stream helper, which finds each choice by its position among those it has seen
+    # (its final completion would raise for finish_reason "length": it is made for parsing)
+    with client.chat.completions.stream(**kwargs) as events:
+        for _ in events:
+            pass
+        helped = events.current_completion_snapshot
+    assert [(c.index, c.message.content) for c in helped.choices] == list(enumerate(texts))

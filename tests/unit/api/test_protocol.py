@@ -472,6 +472,19 @@ def test_penalties_and_biases_map_to_sampling() -> None:
     assert not parse({"messages": USER}).to_chat_request("r", 16).sampling.adjusts_logits
 
 
+def test_a_stream_whose_later_choice_comes_first_still_opens_every_choice_in_order() -> None:
+    """Choice 2's first output arrives before choice 0's and 1's (its encoder call finished first)."""
+    outs = [replace(o, index=2) for o in outputs(["c"], reason="stop")] + \
+        [replace(o, index=i) for i in (0, 1) for o in outputs(["a"], reason="stop")]
+    chunks = ChunkBuilder("chatcmpl-n", "gemma-3", n=3)
+    bodies = [json.loads(e[len("data: "):]) for out in outs for e in chunks.events(out) if e != SSE_DONE]
+    seen = [b["choices"][0]["index"] for b in bodies]
+    assert seen[:3] == [0, 1, 2] and all(b["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+                                         for b in bodies[:3])
+    assert [(b["choices"][0]["index"], b["choices"][0]["delta"].get("content")) for b in bodies[3:]] == \
+        [(2, "c"), (0, "a"), (1, "a")]
+
+
 def test_n_choices_interleaved_build_one_response_and_one_stream() -> None:
     """Two choices' outputs arrive interleaved; usage counts the prompt once and every choice's tokens."""
     a = [replace(o, index=0) for o in outputs(["x", "y", "z"], reason="stop")]
@@ -491,9 +504,13 @@ def test_n_choices_interleaved_build_one_response_and_one_stream() -> None:
     assert events.count(SSE_DONE) == 1 and events[-1] == SSE_DONE
     bodies = [json.loads(e[len("data: "):]) for e in events[:-1]]
     by_choice = {i: [b["choices"][0] for b in bodies if b["choices"] and b["choices"][0]["index"] == i] for i in (0, 1)}
-    assert [c["delta"].get("role") for c in by_choice[1]] == ["assistant", None]  # each choice's first has the role
+    # NOTE: every choice's role first, in index order, before any content (vLLM's way; the openai client's
+    # stream helper finds a choice by its position among those it has seen)
+    assert [(b["choices"][0]["index"], b["choices"][0]["delta"]) for b in bodies[:2]] == \
+        [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
+    assert all(c["delta"].get("role") is None for i in (0, 1) for c in by_choice[i][1:])
     assert "".join(c["delta"].get("content", "") for c in by_choice[0]) == "xyz"
-    assert [c["finish_reason"] for c in by_choice[1]] == [None, "length"]
+    assert [c["finish_reason"] for c in by_choice[1]] == [None, None, "length"]
     assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 5  # after both finished
 
 
