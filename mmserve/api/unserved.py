@@ -66,10 +66,19 @@ _logged: set[str] = set()
 _lock = threading.Lock()
 
 
+# field -> (the field that may make it moot, the value that does). NOTE: with `tool_choice: "none"` the model
+# may call no tool, and OpenAI and vLLM answer in text: agent frameworks send their tool list anyway. The list
+# is then not rendered (the chat templates served here have no tools).
+MOOT_WHEN = {"tools": ("tool_choice", "none"), "functions": ("function_call", "none")}
+
+
 def check_served(fields: Mapping[str, Any]) -> None:
     """Raise UnsupportedParameterError (a 400 naming the field) for the first unserved field not at its
     default; `fields` maps the request's top-level field names to their values."""
     for name, (ok, why) in UNSERVED.items():
+        moot = MOOT_WHEN.get(name)
+        if moot is not None and fields.get(moot[0]) == moot[1]:
+            continue
         if name in fields and not ok(fields[name]):
             raise with_param(UnsupportedParameterError(f"{name}: {why}"), name)
 

@@ -230,6 +230,16 @@ def test_unknown_fields_and_default_valued_unsupported_fields_are_tolerated() ->
     assert parse(body).to_chat_request("r", 16).sampling.max_tokens == 16
 
 
+def test_a_tool_list_with_tool_choice_none_is_served_as_text() -> None:
+    """Agent frameworks send their tools whatever they ask: with "none" the model may call none (OpenAI and
+    vLLM answer in text). Without it, OpenAI's default is "auto": refused."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert parse({"messages": USER, "tools": tools, "tool_choice": "none"}).to_chat_request("r", 16)
+    assert parse({"messages": USER, "functions": [{"name": "f"}], "function_call": "none"}).to_chat_request("r", 16)
+    with pytest.raises(UnsupportedParameterError, match="tools"):
+        parse({"messages": USER, "tools": tools}).to_chat_request("r", 16)
+
+
 def test_vllms_unserved_extensions_at_their_defaults_are_tolerated() -> None:
     body = {"messages": USER, "use_beam_search": False, "best_of": 1, "length_penalty": 1.0, "echo": False,
             "include_stop_str_in_output": False, "skip_special_tokens": True, "add_generation_prompt": True,
