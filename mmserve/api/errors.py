@@ -76,9 +76,16 @@ def route_error_body(status: int, detail: str, method: str, path: str) -> dict[s
 
 
 def error_headers(exc: BaseException) -> dict[str, str]:
-    """HTTP headers an error answer carries: `Retry-After` when the service is overloaded."""
+    """HTTP headers an error answer carries: `Retry-After` when the service is overloaded; `x-should-retry:
+    false` past a request's deadline.
+
+    NOTE: the official `openai` client sends a 5xx again by itself (twice by default) unless told not to: a
+    request that already took the whole `ingress.request_timeout_s` would take it three times over.
+    """
     if isinstance(exc, OverloadedError):
         return {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, DeadlineExceededError):
+        return {"x-should-retry": "false"}
     return {}
 
 

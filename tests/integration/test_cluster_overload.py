@@ -228,7 +228,8 @@ def test_a_request_past_its_deadline_ends_and_frees_its_kv_blocks(tight_app: App
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     assert errors and errors[-1]["error"]["code"] == "deadline_exceeded", events[-3:]
     assert DEADLINE_S - 0.5 < streamed_s < DEADLINE_S + 10, streamed_s
-    status, _, body, seconds = out["unary"]
+    status, headers, body, seconds = out["unary"]
     assert status == 504 and body["error"]["code"] == "deadline_exceeded", (status, body)
+    assert headers["x-should-retry"] == "false"  # the openai client would send it twice more
     assert seconds < DEADLINE_S + 10, seconds
     wait_until(lambda: idle(tight_app), timeout=30, what="the decoder to free the expired requests' blocks")
