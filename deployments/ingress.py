@@ -288,6 +288,8 @@ class Ingress:
             while not chunks.finished and (message := await self._next(outputs, deadline)) is not None:
                 if events := chunks.events(message):
                     yield "".join(events)
+            if not chunks.finished:  # NOTE: as the non-streamed path: a stream cut short is an error, not an end
+                raise RuntimeError(f"the decoder's stream of {request_id} ended before its answer")
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             status = failures.failure_status(exc)
