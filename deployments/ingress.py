@@ -165,8 +165,10 @@ class Ingress:
             return await self._complete(chat, started, deadline, timing)
         self.stats.observe_ttft(time.perf_counter() - started)
         return failures.GuardedStream(
-            lambda start: self._sse(chat.request_id, chat.sampling.n, body.include_usage, first, outputs, started,
-                                    deadline, start),
+            lambda start: self._sse(ChunkBuilder(chat.request_id, self._model_id(), n=chat.sampling.n,
+                                                 include_usage=body.include_usage,
+                                                 continuous_usage=body.continuous_usage),
+                                    first, outputs, started, deadline, start),
             unstarted=lambda: self._abandoned(outputs, started), media_type="text/event-stream",
             headers=timing.header())
 
@@ -275,10 +277,9 @@ class Ingress:
         cancel(outputs)
         self._done("aborted", started)
 
-    async def _sse(self, request_id: str, n: int, include_usage: bool, first: Any, outputs: Any,
-                   started: float, deadline: Deadline, start: Callable[[], None]) -> AsyncIterator[str]:
+    async def _sse(self, chunks: ChunkBuilder, first: Any, outputs: Any, started: float, deadline: Deadline,
+                   start: Callable[[], None]) -> AsyncIterator[str]:
         start()  # NOTE: from here on this generator's `finally` cleans up (see GuardedStream)
-        chunks = ChunkBuilder(request_id, self._model_id(), n=n, include_usage=include_usage)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
         try:
             # NOTE: a message's events (a last delta, usage, [DONE]) go as one body part: each part is a
@@ -289,7 +290,7 @@ class Ingress:
                 if events := chunks.events(message):
                     yield "".join(events)
             if not chunks.finished:  # NOTE: as the non-streamed path: a stream cut short is an error, not an end
-                raise RuntimeError(f"the decoder's stream of {request_id} ended before its answer")
+                raise RuntimeError(f"the decoder's stream of {chunks.response_id} ended before its answer")
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             status = failures.failure_status(exc)

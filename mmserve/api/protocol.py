@@ -91,6 +91,7 @@ class Message(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 def _one_or_many(value: Any) -> Any:
@@ -141,6 +142,10 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
 
     def to_chat_request(self, request_id: str, default_max_tokens: int,
                         defaults: SamplingDefaults | None = None) -> ChatRequest:

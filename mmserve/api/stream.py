@@ -44,7 +44,8 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChunkChoice]  # empty in the usage chunk
-    usage: Usage | None = None  # only in the usage chunk (stream_options.include_usage)
+    usage: Usage | None = None  # in the usage chunk (stream_options.include_usage); on every chunk so far with
+    # stream_options.continuous_usage_stats
 
 
 def sse(obj: BaseModel | dict[str, Any]) -> str:
@@ -131,8 +132,9 @@ class ChunkBuilder:
     """Turns one request's outputs (each of its `n` choices) into stream chunks; one per streamed response."""
 
     def __init__(self, response_id: str, model: str, *, n: int = 1, include_usage: bool = False,
-                 created: int | None = None) -> None:
+                 continuous_usage: bool = False, created: int | None = None) -> None:
         self.response_id, self.model, self.include_usage = response_id, model, include_usage
+        self.continuous_usage = continuous_usage  # the usage so far on every chunk too (vLLM's stream option)
         self.created = int(time.time()) if created is None else created
         self.choices = _Choices(n)
         self._sent_role: set[int] = set()
@@ -190,5 +192,7 @@ class ChunkBuilder:
         return [*events, SSE_DONE] if self.finished and events else events
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        if usage is None and self.continuous_usage and self.choices.last:
+            usage = self.choices.usage()
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
                                    choices=choices, usage=usage)

@@ -495,6 +495,22 @@ def test_a_stream_whose_later_choice_comes_first_still_opens_every_choice_in_ord
         [(2, "c"), (0, "a"), (1, "a")]
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
+    """vLLM's stream option, with include_usage: each chunk carries the usage up to it; the usage chunk ends."""
+    body = parse({"messages": USER, "stream": True,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert body.include_usage and body.continuous_usage
+    assert not parse({"messages": USER, "stream": True, "stream_options": {"include_usage": True}}).continuous_usage
+    chunks = ChunkBuilder("chatcmpl-u", "gemma-3", include_usage=True, continuous_usage=body.continuous_usage)
+    bodies = [json.loads(e[len("data: "):]) for out in outputs(["a", "b", "c"]) for e in chunks.events(out)
+              if e != SSE_DONE]
+    assert [b["usage"]["completion_tokens"] for b in bodies] == [1, 2, 3, 3]
+    assert all(b["usage"]["prompt_tokens"] == 7 for b in bodies) and bodies[-1]["choices"] == []
+    plain = ChunkBuilder("chatcmpl-u", "gemma-3", include_usage=True)
+    assert [json.loads(e[len("data: "):])["usage"] is None for out in outputs(["a", "b"])
+            for e in plain.events(out) if e != SSE_DONE] == [True, True, False]
+
+
 def test_n_choices_interleaved_build_one_response_and_one_stream() -> None:
     """Two choices' outputs arrive interleaved; usage counts the prompt once and every choice's tokens."""
     a = [replace(o, index=0) for o in outputs(["x", "y", "z"], reason="stop")]

@@ -87,6 +87,7 @@ def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a
     """The Decoder's stream ended (None) before every choice finished: an error event, no `[DONE]`, as the
     non-streamed path answers a 500."""
     from deployments.ingress import Ingress
+    from mmserve.api.stream import ChunkBuilder
     from mmserve.messages import RequestOutput
 
     counted: list[str] = []
@@ -94,14 +95,13 @@ def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a
     async def ended(outputs: Any, deadline: Any) -> None:
         return None
 
-    # NOTE: no replica, only what `_sse` reads of one: its model name, next output and counting
-    ingress = SimpleNamespace(_model_id=lambda: "m", _next=ended,
-                              _done=lambda status, started, tokens=(0, 0): counted.append(status))
+    # NOTE: no replica, only what `_sse` reads of one: its next output and counting
+    ingress = SimpleNamespace(_next=ended, _done=lambda status, started, tokens=(0, 0): counted.append(status))
     sse_of = Ingress.func_or_class._sse  # type: ignore[attr-defined]  # the class Serve's decorator wraps
     first = RequestOutput("r", [5], "Hi", False, None, 3, 1)
 
     async def scenario() -> list[str]:
-        return [e async for e in sse_of(ingress, "r", 1, False, first, object(), 0.0, None, lambda: None)]
+        return [e async for e in sse_of(ingress, ChunkBuilder("r", "m"), first, object(), 0.0, None, lambda: None)]
 
     events = asyncio.run(scenario())
     assert '"content":"Hi"' in events[0] and '"error"' in events[-1] and all("[DONE]" not in e for e in events)
