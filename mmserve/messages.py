@@ -114,9 +114,10 @@ class ChatRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. do_pan_and_scan
     cache_salt: str | None = None  # requests with another salt share no cached KV, processed image or embedding
-    # the client set max_tokens itself: a prompt that leaves it less room is refused (OpenAI's and vLLM's rule),
-    # where a default one is cut at the end of the context (flag)
-    max_tokens_asked: bool = False
+    # the field with which the client set the output's length ("max_tokens" or "max_completion_tokens"), None when
+    # it took the default: a prompt that leaves a length asked for less room is refused (OpenAI's and vLLM's
+    # rule, naming that field), where a default one is cut at the end of the context
+    max_tokens_asked: str | None = None
 
 
 @dataclass(frozen=True)

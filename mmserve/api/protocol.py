@@ -154,7 +154,8 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
         self._check_supported()
         sampling = self._sampling(default_max_tokens, defaults or SamplingDefaults())
         messages = [_message_dict(m) for m in self.messages]
-        asked = self.max_completion_tokens is not None or self.max_tokens is not None
+        asked = "max_completion_tokens" if self.max_completion_tokens is not None else \
+            "max_tokens" if self.max_tokens is not None else None
         return ChatRequest(request_id, messages, sampling, dict(self.mm_processor_kwargs or {}), self.cache_salt,
                            max_tokens_asked=asked)
 

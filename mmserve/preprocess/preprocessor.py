@@ -107,13 +107,13 @@ class Preprocessor:
         # Without crops the prompt is shortest: refuse a too-long one before fetching any image.
         ids = self._tokenize(self.rule.expand(text, [0] * n_items))
         room = req.sampling.max_tokens if req.max_tokens_asked else 1  # output tokens the context must hold
-        self._check_length(ids, room)
+        self._check_length(ids, room, req.max_tokens_asked)
         timeline.mark("preprocess.prompt")  # rendered, tokenized, checked
         items, hits = self._load_items(parsed.image_urls, kwargs, req.cache_salt, timeline, cancelled)
         crops = [item.num_tiles - 1 for _, item in items]
         if any(crops):
             ids = self._tokenize(self.rule.expand(text, crops))
-            self._check_length(ids, room)
+            self._check_length(ids, room, req.max_tokens_asked)
         features = self._features(ids, items, crops)
         hashes = self.block_hashes(ids, features, req.cache_salt) if self.block_hashes is not None else ()
         timeline.mark("preprocess.features")
@@ -173,8 +173,8 @@ class Preprocessor:
         with self._lock:  # NOTE: the template already starts with <bos>; add no special tokens
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _check_length(self, ids: list[int], room: int) -> None:
-        """The prompt and `room` output tokens must fit the context."""
+    def _check_length(self, ids: list[int], room: int, field: str | None) -> None:
+        """The prompt and `room` output tokens (asked for with `field`, else 1) must fit the context."""
         if len(ids) + room <= self.max_model_len:
             return
         if room == 1:
@@ -182,11 +182,11 @@ class Preprocessor:
                                      f"one output token it exceeds max_model_len {self.max_model_len}",
                                      param="messages")
         if room >= self.max_model_len:
-            raise PromptTooLongError(f"max_tokens is {room}; the context is {self.max_model_len} tokens "
-                                     "(max_model_len), the prompt included", param="max_tokens")
+            raise PromptTooLongError(f"{field} is {room}; the context is {self.max_model_len} tokens "
+                                     "(max_model_len), the prompt included", param=field)
         raise PromptTooLongError(f"the context is {self.max_model_len} tokens (max_model_len), and {len(ids) + room} "
                                  f"were asked for: {len(ids)} in the prompt (images expanded) and {room} for the "
-                                 "output (max_tokens); shorten the messages or lower max_tokens", param="messages")
+                                 f"output ({field}); shorten the messages or lower {field}", param="messages")
 
     def _load_items(self, urls: list[str], kwargs: dict[str, Any], salt: str | None, timeline: Timeline,
                     cancelled: Callable[[], bool]) -> tuple[list[tuple[str, CachedItem]], int]:

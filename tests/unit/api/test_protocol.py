@@ -580,9 +580,10 @@ def test_vllms_text_options_travel_with_the_sampling() -> None:
 
 
 def test_whether_the_client_set_max_tokens_travels_with_the_request() -> None:
-    assert not parse({"messages": USER}).to_chat_request("r", 16).max_tokens_asked
-    assert parse({"messages": USER, "max_tokens": 4}).to_chat_request("r", 16).max_tokens_asked
-    assert parse({"messages": USER, "max_completion_tokens": 4}).to_chat_request("r", 16).max_tokens_asked
+    assert parse({"messages": USER}).to_chat_request("r", 16).max_tokens_asked is None
+    assert parse({"messages": USER, "max_tokens": 4}).to_chat_request("r", 16).max_tokens_asked == "max_tokens"
+    both = {"messages": USER, "max_tokens": 4, "max_completion_tokens": 5}  # the latter wins, as its value does
+    assert parse(both).to_chat_request("r", 16).max_tokens_asked == "max_completion_tokens"
 
 
 def test_min_p_from_the_request_else_the_defaults_else_off() -> None:

@@ -432,15 +432,19 @@ def test_max_tokens_the_client_set_must_fit_beside_the_prompt(tiny_ckpt_224: Pat
     edge's default, the whole context) is cut at the context's end."""
     n = len(make(tiny_ckpt_224).process(one_image(CAT)).prompt_token_ids)
     pp = make(tiny_ckpt_224, max_model_len=n + 10)
-    asked = dataclasses.replace(one_image(CAT), sampling=SamplingParams(max_tokens=10), max_tokens_asked=True)
+    asked = dataclasses.replace(one_image(CAT), sampling=SamplingParams(max_tokens=10), max_tokens_asked="max_tokens")
     assert len(pp.process(asked).prompt_token_ids) == n
     with pytest.raises(PromptTooLongError, match=rf"{n + 11} were asked for: {n} in the prompt .* and 11 for") as info:
         pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=11)))
     assert info.value.param == "messages" and pp.loader.loads == 1  # type: ignore[attr-defined]  # before fetching
-    pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=n + 10), max_tokens_asked=False))
+    pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=n + 10), max_tokens_asked=None))
     with pytest.raises(PromptTooLongError, match=rf"max_tokens is {n + 10}; the context is {n + 10}") as info:
         pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=n + 10)))
     assert info.value.param == "max_tokens"
+    with pytest.raises(PromptTooLongError, match=rf"max_completion_tokens is {n + 10}") as info:  # the field it used
+        pp.process(dataclasses.replace(asked, sampling=SamplingParams(max_tokens=n + 10),
+                                       max_tokens_asked="max_completion_tokens"))
+    assert info.value.param == "max_completion_tokens"
 
 
 def test_prompt_too_long_only_with_crops(tiny_ckpt_224: Path) -> None:
