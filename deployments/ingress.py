@@ -106,6 +106,16 @@ class Ingress:
         return JSONResponse(ModelList(data=[ModelCard(id=served.model_id, max_model_len=served.max_model_len)])
                             .model_dump())
 
+    @api.get("/v1/models/{model:path}")  # NOTE: a path: model ids hold slashes (google/gemma-3-4b-it)
+    async def model(self, model: str) -> Response:
+        try:
+            served = await self._served_model()
+            if model != served.model_id:
+                raise ModelNotFoundError(f"model {model!r} is not served here; try {served.model_id!r}")
+        except Exception as exc:
+            return failures.error_response(exc)
+        return JSONResponse(ModelCard(id=served.model_id, max_model_len=served.max_model_len).model_dump())
+
     async def _served_model(self) -> ServedModel:
         if self.served is None:
             served: ServedModel = await retrying(lambda _: self.preprocess.served_model.remote(),

@@ -262,6 +262,10 @@ def test_models_health_and_metrics(client, e2e_server):
     assert [m.id for m in models.data] == [e2e_server.model_name]
     assert models.data[0].object == "model"
     assert models.data[0].model_extra.get("max_model_len") == MAX_MODEL_LEN  # the served context, not null
+    assert client.models.retrieve(e2e_server.model_name).id == e2e_server.model_name
+    with pytest.raises(openai.NotFoundError) as unserved:
+        client.models.retrieve("org/another-model")
+    assert unserved.value.code == "model_not_found"
 
     status, _, body = http_get(e2e_server.base_url + "/health")
     assert status == 200 and body == b'{"status":"ok"}'

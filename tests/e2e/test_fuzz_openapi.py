@@ -20,7 +20,8 @@ from tests.e2e.e2e_support import Server, data_url, encode_image, http_post_json
 
 EXAMPLES = 150  # per operation and mode; derandomized, so CI runs the same cases every time
 MAX_TOKENS = 8  # NOTE: generation length says nothing about input handling; it only costs CI time
-OPERATIONS = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics")]
+OPERATIONS = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
+              ("GET", "/health"), ("GET", "/metrics")]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def _short(body: Any) -> None:
             body["max_tokens"] = MAX_TOKENS
 
 
-# NOTE: only the chat operation takes input; negative cases of the others cannot exist (no parameters)
+# NOTE: only the chat operation takes a body; the others' negative cases cannot exist (no parameters, or a
+# model id, any string of which is valid)
 RUNS = [("POST", "/v1/chat/completions", GenerationMode.NEGATIVE)] + [
     (method, path, GenerationMode.POSITIVE) for method, path in OPERATIONS]
 
