@@ -43,7 +43,7 @@ def with_param(exc: E, param: str | None) -> E:
 
 class ErrorInfo(BaseModel):
     message: str
-    type: str  # "invalid_request_error" (4xx), "service_unavailable_error" (503/504) or "internal_error" (500)
+    type: str  # "invalid_request_error" (4xx), "service_unavailable_error" (503/504) or "server_error" (500: OpenAI's)
     code: str | None = None
     param: str | None = None
 
@@ -63,7 +63,7 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, (OverloadedError, DeadlineExceededError)):  # ours, but said: the client may retry
         info = ErrorInfo(message=str(exc), type="service_unavailable_error", code=exc.code)
         return exc.status, ErrorResponse(error=info).model_dump()
-    info = ErrorInfo(message="internal server error", type="internal_error", code="internal_error")
+    info = ErrorInfo(message="internal server error", type="server_error", code="internal_error")
     return 500, ErrorResponse(error=info).model_dump()
 
 

@@ -364,7 +364,7 @@ def test_error_body_statuses_and_no_leak() -> None:
     assert error_body(ModelNotFoundError("no model 'x'"))[0] == 404
     status, body = error_body(RuntimeError("CUDA OOM at /secret/path.py line 3"))
     assert status == 500 and "secret" not in json.dumps(body)
-    assert body["error"]["type"] == "internal_error"
+    assert body["error"]["type"] == "server_error"
 
 
 def test_a_stage_errors_field_survives_the_trip_between_processes() -> None:
