@@ -15,7 +15,7 @@ request's bytes first (their source key: a repeat is found before it is decoded)
 content hash; while either travels to the store, the replica decodes or processes meanwhile
 (mmserve/preprocess/preprocessor.py), so a new image pays no lookup hop. Resolving pixels for the encoder
 falls back to the store's copy if the maker is gone. Does not own the LRU policy
-(mmserve/processor_cache.py).
+(mmserve/preprocess/processor_cache.py).
 
 NOTE: the object store holds at most the index's bytes (`capacity_bytes`; an entry not copied yet lives on
 its maker's node) plus each preprocess replica's own refs (`replica_capacity_bytes`), which the index's

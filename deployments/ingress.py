@@ -3,7 +3,8 @@
 Owns the HTTP edge only: parse and validate the body (mmserve.api.protocol), ask Preprocess for token
 ids and FeatureSpecs, stream the Decoder's outputs back as JSON or server-sent events, map errors to
 OpenAI-shaped 4xx/5xx, time each request, and serve the metrics of every stage. No tensor passes
-through here: the ingress holds only small specs with ObjectRefs.
+through here: the ingress holds only small specs with ObjectRefs. Does not own the schemas, error bodies or
+chunks (mmserve/api/), its failures' handling (ingress_failures.py) nor the retry policy (retry.py).
 """
 
 # NOTE: no `from __future__ import annotations` here: FastAPI reads handler annotations at runtime.

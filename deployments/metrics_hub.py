@@ -3,7 +3,7 @@
 Owns the Ray side of metrics: each replica pushes its `MetricsSnapshot` to the one `MetricsHub`
 replica every `metrics_push_interval_s` (and the ingress right before it answers `GET /metrics`);
 the hub merges the latest snapshot of every replica. Each push also mirrors the values into `ray.util.metrics`, so a
-Ray cluster's Prometheus/Grafana sees them too. Does not own what is measured (mmserve/metrics.py).
+Ray cluster's Prometheus/Grafana sees them too. Does not own what is measured (mmserve/runtime/metrics.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Exception types that say *whose* fault a failure is.
 
 Owns: the exception hierarchy. Every error a client caused derives from `InvalidRequestError`,
-which the HTTP edge maps to a 4xx with `code`; anything else is a server error (5xx).
+which the HTTP edge maps to a 4xx with `code`; anything else is a server error (5xx). Does not own the
+error bodies and HTTP statuses, nor the HTTP edge's own errors (mmserve/api/errors.py).
 """
 
 from __future__ import annotations

@@ -124,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = bench_checkpoint()
     doc["checkpoint"] = str(ckpt)
     # NOTE: in a thread that ends: transformers' forwards in this (the main) thread would leave it an OpenMP pool
-    # beside the in-process Engine's step thread's, and a second pool slowed the Engine's steps by ~40%
+    # beside the in-process Engine's step thread's, and a second pool slows the Engine's steps
     # (mmserve/runtime/passing_thread.py; docs/benchmarks.md)
     doc["calibration"] = cal = in_passing_thread(lambda: calibrate(ckpt, repeats=1 if args.quick else 3))
     print(f"checkpoint {ckpt.name}: {cal['parameters_millions']:.1f} M parameters; sizes {BENCH_SIZES}")
-    print(f"calibration: vision encoder {cal['encoder_ms_per_image']:.0f} ms per 896-px image (target 100-500), "
+    print(f"calibration: vision encoder {cal['encoder_ms_per_image']:.0f} ms per {cal['image_size']}-px image "
+          "(target 100-500), "
           f"decoder step {cal['decoder_step_ms_b1']:.1f} ms at batch 1 (target 5-30), "
           f"296-token prefill {cal['prefill_ms_296_tokens']:.0f} ms")
 

@@ -1,0 +1,1 @@
+"""Stage 2, the encoder: the vision tower's forwards, batched, behind the encoder cache."""

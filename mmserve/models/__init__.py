@@ -1,0 +1,1 @@
+"""What is a model's own: its spec, prompt rule and modules, as data the shared stages read."""

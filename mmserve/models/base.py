@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from mmserve.messages import SamplingDefaults
@@ -100,6 +101,11 @@ class PromptRule(Protocol):
     def reserved_strings(self) -> tuple[str, ...]: ...  # user text may not contain these
 
     def expand(self, text: str, crops_per_item: list[int]) -> str: ...  # crops per item, prompt order
+
+    def tiles(self, processed: Mapping[str, Any]) -> np.ndarray:
+        """One image's (tiles, 3, H, W) pixels from its image-processor output (a dict of arrays), the whole
+        image first, then its crops; raises when the output does not add up."""
+        ...
 
     def resolve_kwargs(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         """Every output-changing image-processor kwarg: defaults updated by the request's, each checked

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mmserve.errors import InvalidRequestError
 from mmserve.models.pixels import image_processor_config
 
@@ -114,6 +116,14 @@ class Gemma3PromptRule:
     def expand(self, text: str, crops_per_item: list[int]) -> str:
         return expand_image_placeholders(text, crops_per_item, self.mm_tokens, boi=self.boi_token,
                                          image_token=self.image_token, eoi=self.eoi_token)
+
+    def tiles(self, processed: Mapping[str, Any]) -> np.ndarray:
+        """One image's tiles from the image processor's output: `pixel_values`, the whole image then its
+        `num_crops` crops ((1 + crops, 3, H, W)); raises when they do not add up."""
+        pixels, crops = processed["pixel_values"], int(processed["num_crops"][0])
+        if pixels.shape[0] != 1 + crops:
+            raise RuntimeError(f"image processor returned {pixels.shape[0]} tiles for {crops} crops")
+        return pixels
 
     def num_embeds(self, crops: int) -> int:
         """Embedding rows (= image-token positions) of an item with `crops` pan-and-scan crops."""

@@ -2,7 +2,8 @@
 
 Owns: the table from `model_type` to family class, and the default checkpoint (the built-in tiny
 random-weight Gemma 3) when none is given. This is the only place that names models; everything
-else reads `ModelSpec` and calls the family's methods.
+else reads `ModelSpec` and calls the family's methods. Does not own any family's rules (its module) nor
+building the tiny checkpoint (tiny_checkpoint.py).
 """
 
 from __future__ import annotations

@@ -255,16 +255,13 @@ class Preprocessor:
         return processed
 
     def _run_image_processor(self, image: Image.Image, kwargs: dict[str, Any]) -> ProcessedItem:
-        # NOTE: every output-changing kwarg is passed explicitly, so neither Gemma3Processor's class
+        # NOTE: every output-changing kwarg is passed explicitly, so neither the processor's class
         # defaults nor the saved config can silently disagree with the hash.
         # NOTE: rescale and normalize are left to the encoder (mmserve/models/pixels.py): items stay uint8.
         out = self.image_processor([image], return_tensors="np", **kwargs, **DEFER_TO_ENCODER)
         with self._lock:
             self._image_processor_calls += 1
-        pixels = as_uint8(out["pixel_values"])  # (1 + n_crops, 3, H, W)
-        if pixels.shape[0] != 1 + int(out["num_crops"][0]):
-            raise RuntimeError(f"image processor returned {pixels.shape[0]} tiles for "
-                               f"{int(out['num_crops'][0])} crops")
+        pixels = as_uint8(self.rule.tiles(out))  # (1 + n_crops, 3, H, W)
         pixels.flags.writeable = False  # NOTE: shared through the cache; nobody may edit it in place
         return ProcessedItem(pixel_values=pixels)
 

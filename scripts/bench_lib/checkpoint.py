@@ -46,7 +46,7 @@ def bench_checkpoint(sizes: str = "bench", **overrides: Any) -> Path:
 
 def calibrate(model_dir: Path, repeats: int = 3) -> dict[str, float]:
     """Median ms of: one image through the vision tower + projector, a decoder step at batch 1
-    (with a 300-token context), a 296-token text prefill; and the parameter count."""
+    (with a 300-token context), a 296-token text prefill; the parameter count and the crop size (px)."""
     import torch
     from transformers import Gemma3ForConditionalGeneration
     from transformers.cache_utils import DynamicCache
@@ -80,4 +80,4 @@ def calibrate(model_dir: Path, repeats: int = 3) -> dict[str, float]:
         step_ms = statistics.median(steps[4:])
     params = sum(p.numel() for p in model.parameters())
     return {"encoder_ms_per_image": encoder_ms, "decoder_step_ms_b1": step_ms, "prefill_ms_296_tokens": prefill_ms,
-            "parameters_millions": params / 1e6}
+            "parameters_millions": params / 1e6, "image_size": size}

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
@@ -43,3 +44,11 @@ def test_rule_from_checkpoint_matches_processor_and_reads_saved_defaults(tiny_ck
     assert rule == Gemma3PromptRule.from_processor(saved.processor)
     assert rule.output_kwargs_defaults["pan_and_scan_max_num_crops"] == 2
     assert saved.process(one_image(WIDE)).features[0].data.pixel_values.shape[0] == 3  # 2 crops + whole
+
+
+def test_an_items_tiles_are_the_image_then_its_crops_or_the_output_is_refused() -> None:
+    rule = Gemma3PromptRule(mm_tokens=4)
+    pixels = np.zeros((3, 3, 8, 8), dtype=np.uint8)  # (1 + 2 crops, 3, H, W)
+    assert rule.tiles({"pixel_values": pixels, "num_crops": np.array([2])}) is pixels
+    with pytest.raises(RuntimeError, match="3 tiles for 1 crops"):
+        rule.tiles({"pixel_values": pixels, "num_crops": np.array([1])})
