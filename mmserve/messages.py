@@ -111,7 +111,7 @@ class SamplingParams:
 class ChatRequest:
     request_id: str  # unique per request, chosen by the ingress
     messages: list[dict[str, Any]]  # OpenAI chat messages (role, content: str | list of parts)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # how to sample the output, and when to stop
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. do_pan_and_scan
     cache_salt: str | None = None  # requests with another salt share no cached KV, processed image or embedding
     # the field with which the client set the output's length ("max_tokens" or "max_completion_tokens"), None when
@@ -201,10 +201,10 @@ class MultiModalFeatureSpec:
 
 @dataclass(frozen=True)
 class PreprocessedRequest:
-    request_id: str
+    request_id: str  # the ChatRequest's, unique per request
     prompt_token_ids: list[int]  # the whole prompt, placeholders expanded (tokens)
     features: list[MultiModalFeatureSpec]  # one per item, in prompt order
-    sampling: SamplingParams
+    sampling: SamplingParams  # as the ChatRequest's, its defaults resolved
     processor_cache_hits: int = 0  # items of this request served by the ProcessorCache (items)
     cache_salt: str | None = None  # as in ChatRequest
     # the prefix cache's chained digest of each full block of the prompt (32 bytes each), items and salt
@@ -222,7 +222,7 @@ class PreprocessedRequest:
 class EncoderOutput:
     """What the encoder stage hands the decoder for one request."""
 
-    request_id: str
+    request_id: str  # the encode call's: the request's own, or an attempt's (request id)
     embeddings: list[Any]  # per feature, in feature order: (num_embeds, text_hidden) numpy or tensor
     dtype: str = "float32"  # torch dtype of the embeddings; numpy ones may carry its bits (embeddings_wire)
     timings: PhaseTimes = ()  # the encoder stage's own time on the call (phase, ms)
@@ -232,12 +232,12 @@ class EncoderOutput:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    request_id: str
+    request_id: str  # the PreprocessedRequest's
     prompt_token_ids: list[int]  # as in PreprocessedRequest (tokens)
     features: list[MultiModalFeatureSpec]  # specs; `data` no longer needed here
     embeddings: list[Any]  # per feature: (num_embeds, text_hidden) array, tensor or reference; None when
     # its placeholder was in the cached prefix (fetched later if the cache lets the blocks go first)
-    sampling: SamplingParams
+    sampling: SamplingParams  # the PreprocessedRequest's
     cache_salt: str | None = None  # as in ChatRequest
     block_hashes: tuple[bytes, ...] = ()  # digests of the prompt's full KV blocks (prefix_cache.py); () = compute
 
@@ -247,7 +247,7 @@ class TokenLogprob:
     """One sampled token's log-probability and its top alternatives, from the model's raw logits
     (before temperature, top-k/top-p and the never-sampled mask), as vLLM's default reports them."""
 
-    token_id: int
+    token_id: int  # the sampled token (token id)
     token: str  # the token's own text, decoded alone (a byte of a character may decode to U+FFFD)
     logprob: float  # natural log of its probability
     top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob) of the most likely, best first
@@ -257,10 +257,10 @@ class TokenLogprob:
 class RequestOutput:
     """What one decoder step produced for one request: a delta, not the whole text."""
 
-    request_id: str
+    request_id: str  # the request this delta belongs to
     new_token_ids: list[int]  # tokens sampled since the request's previous output (tokens)
     new_text: str  # text completed since the previous output; never ends inside a UTF-8 character
-    finished: bool
+    finished: bool  # the last delta of its choice (flag)
     finish_reason: FinishReason | None  # set when finished
     num_prompt_tokens: int  # prompt tokens, image tokens included (tokens)
     num_output_tokens: int  # tokens generated so far (tokens)
@@ -294,6 +294,6 @@ class RequestFailed:
     counted in Serve's error metrics, which should count our faults, not the client's bad image.
     """
 
-    request_id: str
+    request_id: str  # the request that failed
     error: Exception  # an InvalidRequestError subclass for client faults (4xx), else a server fault
     finished: bool = True  # always True: nothing follows
