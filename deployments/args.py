@@ -55,9 +55,9 @@ class Autoscaling(_Strict):
 # ceilings, set from the start. Other C libraries ignore them.
 # NOTE: glibc makes up to 8 malloc arenas per core, and a Ray worker's ~40 threads have taken them all
 # before a replica's first call; a thread started later is handed the next arena in turn. While the Encoder
-# ran each vision forward on a thread of its own, its first ~8 forwards each grew another arena to the
-# forward's working set, faulting in 10-20k pages (up to 2x slower), and every arena kept a copy of it; with
-# two arenas only the first two did (docs/benchmarks.md). Its forwards now run in its step thread
+# ran each vision forward on a thread of its own, each of its first forwards grew another arena to the
+# forward's working set, faulting its pages in (slower), and every arena kept a copy of it; with two arenas
+# only the first two did (docs/benchmarks.md). Its forwards now run in its step thread
 # (StageFactory.encoder(alone=True)); the cap still keeps any thread that starts later on memory that
 # earlier ones grew, and the replicas smaller: one arena for the serving threads' blocks, one for compute.
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -67,15 +67,15 @@ DEFAULT_STAGE_ENV = {"GOMP_SPINCOUNT": "10000", "MALLOC_MMAP_THRESHOLD_": str(MM
 DECODER_ENV = {k: v for k, v in DEFAULT_STAGE_ENV.items() if k != "GOMP_SPINCOUNT"}
 # NOTE: Ray sends a call's argument inline, in the call's own message, up to 100 KiB, and through the
 # object store past that: a put by the caller and a fetch by the callee through their raylet, which cost
-# a 330 KB argument ~3 ms more than inline (docs/benchmarks.md). A request body carrying an image as a
+# an image-sized argument milliseconds more than inline (docs/benchmarks.md). A request body carrying an image as a
 # data URL is such an argument, sent once from the Ingress to Preprocess and read once there. Ray reads
 # this limit in the calling process, so the Ingress raises it for its own calls only; bigger bodies (up to
 # ingress.max_body_bytes) still go through the object store, whose fixed cost is small beside their copies.
 INGRESS_INLINE_BYTES = 1 << 20
 INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
 # NOTE: the same limit holds for what a call returns, read in the process that returns it: an Encoder replica's
-# answer (one image's embeddings, 512 KB on the benchmark checkpoint) then travels in the reply itself instead of
-# a put into its node's object store and a fetch by the Decoder (~2 ms less a call, docs/benchmarks.md).
+# answer (one image's embeddings) then travels in the reply itself instead of a put into its node's object
+# store and a fetch by the Decoder (docs/benchmarks.md).
 ENCODER_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
 
 
@@ -196,7 +196,7 @@ class PreprocessArgs(StageArgs):
     # request travels on to the Decoder (whose call for them then finds them cached). Takes effect with the
     # encoder's affinity routing only, which sends both calls to one replica. None: where the Encoder runs on
     # an accelerator. NOTE: a CPU encoder's forward and the request's trip share the host's cores: on a
-    # 2-vCPU VM the overlap cost a new image 8 ms of time to first token (docs/benchmarks.md).
+    # small VM the overlap cost a new image time to first token (docs/benchmarks.md).
     early_encode: bool | None = None
 
 

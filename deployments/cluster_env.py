@@ -16,14 +16,13 @@ from deployments.args import INGRESS_INLINE_BYTES
 
 # Seconds between the Serve controller's passes over the cluster's state (Ray's default 0.1).
 # NOTE: each pass costs the controller's CPU whether anything changed or not: idle, the controller was the
-# busiest of a small node's ~20 Ray processes (44 ms of CPU a second, ~280 of the node's ~2,600 wakes a second),
-# and at 0.5 s it took 16-19 ms (docs/benchmarks.md). What waits for a pass (a replica started or replaced,
-# an autoscaling decision, a route change reaching the proxies) waits up to 0.4 s longer; health checks keep
-# their own period (10 s).
+# busiest of a small node's Ray processes, and at 0.5 s it took about a third as much (docs/benchmarks.md).
+# What waits for a pass (a replica started or replaced, an autoscaling decision, a route change reaching the
+# proxies) waits up to 0.4 s longer; health checks keep their own period (10 s).
 SERVE_CONTROL_LOOP_INTERVAL_S = 0.5
 # Milliseconds between flushes of Serve's cached metrics to Ray's metrics (Ray's default 100), in every replica and
 # every handle's router. NOTE: each flush wakes a loop in each of those processes; at 1,000 ms a small node's
-# Ray processes took 15-19 ms of CPU a second less and woke ~120 times a second less (docs/benchmarks.md).
+# Ray processes took less CPU and woke less often (docs/benchmarks.md).
 # Prometheus reads them every 10 s or so; mmserve's own /metrics (the MetricsHub) and Serve's autoscaling
 # metrics have pushes of their own, untouched.
 SERVE_METRICS_EXPORT_INTERVAL_MS = 1000

@@ -91,7 +91,7 @@ class Ingress:
         """200 once every deployment of the app has a running replica; 503 naming those that have none.
 
         NOTE: Serve routes HTTP to the ingress as soon as its own replica runs, while the model stages may
-        still be loading (~8 s on 2 cores): a probe that only reached the ingress said "ok" while the first
+        still be loading (seconds): a probe that only reached the ingress said "ok" while the first
         request waited for them.
         """
         if waiting := await self.app_health.waiting_for():

@@ -19,7 +19,7 @@ from deployments.args import StageArgs
 
 # NOTE: the step loop thread shares the GIL with Serve's event-loop threads, which hand every output on.
 # With CPython's 5 ms default a waiting thread can wait a whole interval per handoff; 0.5 ms cut a
-# replica's first output and its per-token time by about a quarter (docs/benchmarks.md).
+# replica's first output and its per-token time (docs/benchmarks.md).
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -50,11 +50,11 @@ def freeze_startup_heap() -> None:
     """Move the objects a replica made while starting (modules, the model's Python objects, the tokenizer) to the
     interpreter's permanent generation, once its stage is built.
 
-    NOTE: a process holding torch, transformers and a loaded model tracks ~380k such objects, and a full
-    collection over them holds the GIL for ~190 ms (docs/benchmarks.md): the step thread and the event loop
-    stop meanwhile. CPython runs one whenever the objects that outlived collections grow by a quarter, which
-    the first requests' caches and buffers do. Frozen, they are never scanned again (`gc.freeze`, as vLLM does
-    once its engine has started); what is made while serving is collected as before.
+    NOTE: a process holding torch, transformers and a loaded model tracks hundreds of thousands of such
+    objects, and a full collection over them holds the GIL for a long pause (docs/benchmarks.md): the step
+    thread and the event loop stop meanwhile. CPython runs one whenever the objects that outlived collections
+    grow by a quarter, which the first requests' caches and buffers do. Frozen, they are never scanned again
+    (`gc.freeze`, as vLLM does once its engine has started); what is made while serving is collected as before.
     """
     gc.collect()
     gc.freeze()

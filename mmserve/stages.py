@@ -66,7 +66,7 @@ class StageFactory:
     def decoder(self, tokenizer: Any = None, on_logits: LogitsObserver | None = None) -> DecoderService:
         """`tokenizer`: one already loaded (the preprocessor's, in one process), else the checkpoint's."""
         if tokenizer is None:
-            from transformers import AutoTokenizer  # NOTE: deferred; importing transformers takes ~2 s
+            from transformers import AutoTokenizer  # NOTE: deferred; importing transformers takes seconds
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         decoder = in_passing_thread(  # NOTE: loading and timing kernels leave no OpenMP pool behind (passing_thread.py)

@@ -50,7 +50,7 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
     k-th best too (vLLM's rule), and top-p applies to the distribution renormalised after top-k.
     NOTE: a row's kept tokens and their order depend on its logits only, never on K, which its batch mates set
     (ties are common in logits cast up from bf16): a seeded row draws the same token batched or alone.
-    NOTE: a full sort is ~30x slower than `topk` on CPU, so K is the largest top_k (plus TIE_SLACK, to see past a
+    NOTE: a full sort is far slower than `topk` on CPU, so K is the largest top_k (plus TIE_SLACK, to see past a
     k-th best's ties) when every row has one (top-p never goes past a row's k best: Gemma's own top_k 64, top_p
     0.95), else that or CANDIDATES, widened when ties or a nucleus reach past them.
     """

@@ -57,7 +57,7 @@ class Preprocessor:
     def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, rule: PromptRule,
                  model_id: str, max_model_len: int, vocab_size: int | None = None, loader: MediaLoader | None = None,
                  limits: LimitsConfig | None = None, block_hashes: BlockHashes | None = None) -> None:
-        from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes ~2 s
+        from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes seconds
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.tokenizer = self.processor.tokenizer  # the decoder's detokenizer uses this one too

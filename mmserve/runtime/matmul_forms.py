@@ -9,7 +9,7 @@ own with `relaid`), nor when to measure (the decoder, on a CPU).
 
 NOTE: why: a decode step reads every weight once, so its products are matrix-vector-like, with the
 weights coming from memory, and CPU libraries route such shapes differently. On one CPU
-(docs/benchmarks.md) `F.linear` (MKL) at 1-8 rows took 2.5-4x as long as the same product written
+(docs/benchmarks.md) `F.linear` (MKL) at 1-8 rows took several times as long as the same product written
 as `mm(w, x.T).T`, one row was faster computed twice (two rows) than once, and oneDNN with packed
 weights (what torch.compile's CPU backend emits for a linear layer) was faster still at every row
 count, prefill included; another CPU ranked the plain forms differently. Hence a measurement on the

@@ -6,9 +6,9 @@ goes there (the stage builders and the encoder's runner choose).
 NOTE: why: with libgomp (the OpenMP of torch's Linux CPU builds) every thread that starts a parallel
 region gets its own pool of worker threads, kept as long as that thread lives. Once the pools' threads
 outnumber the CPUs, libgomp stops spinning between regions, so each of a decode step's ~100 small
-regions wakes its workers from sleep. Measured on a 2-vCPU VM (docs/benchmarks.md): a decode step in
-the step thread took 6.7 ms where the model had been loaded and calibrated in the main thread, and 3.7
-to 3.9 ms where no other thread had run a region; an idle second pool added ~50 µs to every region.
+regions wakes its workers from sleep. Measured on a small VM (docs/benchmarks.md): a decode step in the
+step thread took far longer where the model had been loaded and calibrated in the main thread than where
+no other thread had run a region; an idle second pool added to every region.
 So a stage is built (weights loaded, kernels timed) in a passing thread, and the in-process engine's
 encoder runs each vision forward in one: the step thread's pool is then alone most of the time.
 """

@@ -7,8 +7,8 @@ model module's `relayout_weight`), when a weight is re-laid (the decoder, betwee
 threads a step uses (`step_threads.py`).
 
 NOTE: why: a decode step reads every weight once, and how fast oneDNN's packed product is against a
-plain one depends on the rows: on one CPU packed weights took ~1.4x the best plain form's time at 1 row
-and ~0.8x at 8 (docs/benchmarks.md), so the start-up choice, one layout for every row count, either
+plain one depends on the rows: on one CPU packed weights were slower than the best plain form at 1 row
+and faster at 8 (docs/benchmarks.md), so the start-up choice, one layout for every row count, either
 slows a lone client's decodes or a loaded server's. Which row counts matter is known only once requests
 come: one client decodes 1 row a step, a loaded server 8 or more.
 NOTE: the rule is rent-or-buy: what the layout in place loses to the other beyond `close` of the other's

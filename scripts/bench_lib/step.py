@@ -93,7 +93,7 @@ def twin_decoder(ours: Decoder, model_dir: Path, *, max_num_seqs: int, num_block
     count of each kind of step), matmul forms and weights' layout."""
     # NOTE: built at `ours`' thread count, not torch's of the moment: the steps before leave that at 1 at times
     # (transformers' one-thread steps, the tiny model's), and a twin built then ran every step on one thread,
-    # ~1.4x slower than `ours` (docs/benchmarks.md)
+    # slower than `ours` (docs/benchmarks.md)
     twin = engine_decoder(model_dir, max_num_seqs=max_num_seqs, num_blocks=num_blocks, measure_forms=False,
                           settle=False, threads=ours.runner.threads.available, device=str(ours.runner.device),
                           dtype=str(ours.kv.keys.dtype).removeprefix("torch."))
