@@ -32,9 +32,8 @@ from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api.admission import AdmissionMiddleware, bound
 from mmserve.api.body import check_declared_size, parse_json
 from mmserve.api.deadline import Deadline
-from mmserve.api.errors import ModelNotFoundError
 from mmserve.api.openapi import with_request_body
-from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
+from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, check_model
 from mmserve.api.server_timing import ServerTiming
 from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError
@@ -111,8 +110,7 @@ class Ingress:
     async def model(self, model: str) -> Response:
         try:
             served = await self._served_model()
-            if model != served.model_id:
-                raise ModelNotFoundError(f"model {model!r} is not served here; try {served.model_id!r}")
+            check_model(model, served.model_id)
         except Exception as exc:
             return failures.error_response(exc)
         return JSONResponse(ModelCard(id=served.model_id, max_model_len=served.max_model_len).model_dump())
@@ -153,8 +151,7 @@ class Ingress:
             raw = await deadline.wait(failures.read_body(request, self.max_body_bytes))  # a slow drip too
             body = ChatCompletionRequest.model_validate(parse_json(raw))
             served = await deadline.wait(self._served_model())
-            if body.model not in (None, served.model_id):
-                raise ModelNotFoundError(f"model {body.model!r} is not served here; try {served.model_id!r}")
+            check_model(body.model, served.model_id)
             chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len,
                                         served.sampling_defaults)
             timing.mark("parse")

@@ -22,7 +22,7 @@ from pydantic import (
     field_validator,
 )
 
-from mmserve.api.errors import with_param
+from mmserve.api.errors import ModelNotFoundError, with_param
 from mmserve.api.logprobs import ChoiceLogprobs
 from mmserve.api.structured import StructuredFields
 from mmserve.api.unserved import UNSERVED, check_served, log_unknown
@@ -271,6 +271,12 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "mmserve"
     max_model_len: int | None = None  # extension, as vLLM reports it
+
+
+def check_model(asked: str | None, served: str) -> None:
+    """A request or lookup naming another model than the one served: 404 model_not_found (None: any)."""
+    if asked not in (None, served):
+        raise ModelNotFoundError(f"model {asked!r} is not served here; try {served!r}")
 
 
 class ModelList(BaseModel):
