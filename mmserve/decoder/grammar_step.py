@@ -51,8 +51,9 @@ class GrammarStep:
         if all(m is None for _, m in rows):
             return None
         ids, matchers = [rid for rid, _ in rows], [m for _, m in rows]
-        if beside:
-            return self._worker().submit(lambda: (ids, self.grammars.forbidden(matchers, self.device)))
+        if beside:  # NOTE: on llguidance's pool, which lets go of the GIL that the forward's own Python needs
+            return self._worker().submit(
+                lambda: (ids, self.grammars.forbidden(matchers, self.device, background=True)))
         done: Pending = Future()
         try:
             done.set_result((ids, self.grammars.forbidden(matchers, self.device)))

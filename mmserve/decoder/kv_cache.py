@@ -42,8 +42,9 @@ class KVCache:
         if views is None:  # NOTE: kept: on a small model, slicing them anew each layer cost more than the copy
             if n > self._workspace.shape[1]:
                 grown = max(n, 2 * self._workspace.shape[1])
+                self._views.clear()  # NOTE: the old workspace let go first, so that both are not held at once
+                self._workspace = self.keys.new_empty((2, 0, *self.keys.shape[1:]))
                 self._workspace = self.keys.new_empty((2, grown, *self.keys.shape[1:]))
-                self._views.clear()
             views = self._views[n] = (self._workspace[0, :n], self._workspace[1, :n])
         keys = torch.index_select(self.keys, 0, pages, out=views[0])
         values = torch.index_select(self.values, 0, pages, out=views[1])

@@ -19,9 +19,13 @@ import torch
 
 
 def to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (a numpy array or a CPU tensor) on `device`, the copy queued without a host sync."""
+    """`host` (a numpy array or a CPU tensor) on `device`, the copy queued without a host sync.
+
+    NOTE: a tensor already on an accelerator, asked for on the CPU, is copied blocking: a non-blocking
+    device-to-host copy returns before its bytes have landed, and the caller reads them at once.
+    """
     tensor = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
-    return tensor.to(device, non_blocking=True)
+    return tensor.to(device, non_blocking=device.type != "cpu" or tensor.device.type == "cpu")
 
 
 def ints_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
