@@ -118,12 +118,13 @@ def sampler_us(decoder: Decoder, n: int, constrained: int) -> tuple[float, float
     """`Sampler.sample` over (n, vocab) random logits, without and with the first `constrained` rows masked
     by LONG_JSON (µs)."""
     matchers = [decoder.grammars.matcher(LONG_JSON) if i < constrained else None for i in range(n)]
-    logits = torch.randn(n, decoder.spec.vocab_size)  # (n, vocab)
+    device = decoder.runner.device
+    logits = torch.randn(n, decoder.spec.vocab_size, device=device)  # (n, vocab), where the decoder samples
     params = [SamplingParams(temperature=0.0)] * n
     generators: list[torch.Generator | None] = [None] * n
-    forbid = decoder.grammars.forbidden(matchers, logits.device)  # (n, vocab) bool
-    return (_best_us(lambda: decoder.sampler.sample(logits, params, generators)),
-            _best_us(lambda: decoder.sampler.sample(logits, params, generators, forbidden=forbid)))
+    forbid = decoder.grammars.forbidden(matchers, device)  # (n, vocab) bool
+    return (_best_us(lambda: decoder.sampler.sample(logits, params, generators), device),
+            _best_us(lambda: decoder.sampler.sample(logits, params, generators, forbidden=forbid), device))
 
 
 @dataclass
@@ -157,11 +158,13 @@ def _timing(owner: Any, *names: str) -> Iterator[_Timer]:
             delattr(owner, name)
 
 
-def _best_us(fn: Any, repeat: int = 200) -> float:
-    """Median of `repeat` calls of `fn` (µs)."""
+def _best_us(fn: Any, device: torch.device, repeat: int = 200) -> float:
+    """Median of `repeat` calls of `fn` (µs), each waited for on `device` (an accelerator queues its work)."""
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e6
