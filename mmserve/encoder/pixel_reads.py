@@ -2,19 +2,21 @@
 
 Owns: reading each missed item through its request's resolver (`Resolver`: `ray.get` in the Ray app, the
 item itself in process), else through another waiting request's reference to the same item, and saying which
-items could not be read, with why; where the resolver can (`Prefetcher`), the step's items are brought at
-once, under one deadline, before any is read. Does not own: the encoder cache's books, the vision forward, nor what a
-failure does to the requests (stage.py).
+items could not be read, with why; where the resolver can (`Prefetcher`), the step's copies of its items are
+brought at once, under one deadline, before any is read. Does not own: the encoder cache's books, the vision
+forward, nor what a failure does to the requests (stage.py).
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from mmserve.encoder.outputs import Prefetcher, Resolver
 from mmserve.messages import MultiModalFeatureSpec, ProcessedItem
+
+log = logging.getLogger(__name__)
 
 
 class Reader(Protocol):
@@ -30,6 +32,7 @@ class Reader(Protocol):
     def resolve(self) -> Resolver: ...
 
 
+Copy = tuple[Reader, MultiModalFeatureSpec]  # a waiting request and its spec of an item (the pixels it carries)
 Read = tuple[list[tuple[MultiModalFeatureSpec, ProcessedItem]], list[tuple[MultiModalFeatureSpec, BaseException]]]
 
 
@@ -38,53 +41,65 @@ def read_misses(misses: Sequence[tuple[Reader, MultiModalFeatureSpec]], waiting:
     read: list[tuple[MultiModalFeatureSpec, ProcessedItem]] = []
     failed: list[tuple[MultiModalFeatureSpec, BaseException]] = []
     others = list(waiting)
-    late = _prefetch(misses)
-    for k, (req, spec) in enumerate(misses):
-        if k in late:
+    candidates = [[(req, spec), *_alternates(req, spec, others)] for req, spec in misses]
+    arrived = _prefetch(candidates)
+    for (_, spec), copies, here in zip(misses, candidates, arrived, strict=True):
+        ready = [copy for copy, ok in zip(copies, here, strict=True) if ok]
+        if not ready:
             failed.append((spec, TimeoutError(f"the pixels of item {spec.identifier} did not arrive in time")))
             continue
         try:
-            read.append((spec, _read_any(req, spec, others)))
+            read.append((spec, _read_first(ready)))
         except Exception as exc:  # e.g. its pixels' owner died and the store has no copy
             failed.append((spec, exc))
     return read, failed
 
 
-def _prefetch(misses: Sequence[tuple[Reader, MultiModalFeatureSpec]]) -> set[int]:
-    """The misses (by index) whose pixels did not arrive in time, after each prefetching resolver has brought
-    its items' pixels together.
+def _alternates(req: Reader, spec: MultiModalFeatureSpec, waiting: list[Reader]) -> list[Copy]:
+    """Other waiting requests' specs of the same item that carry other pixels than `spec`'s.
+
+    NOTE: requests that share an item (the same content hash) may carry pixels of different makers, and the
+    stage books the item for the first of them only: when that one's maker is gone (or its copy is late),
+    another's pixels still serve, and no request fails for another's lost pixels.
+    """
+    return [(other, alt) for other in waiting if other is not req for alt in other.features
+            if alt.identifier == spec.identifier and alt.data is not None and not _same(alt.data, spec.data)]
+
+
+def _prefetch(candidates: list[list[Copy]]) -> list[list[bool]]:
+    """Whether each candidate copy of each miss is here, once each prefetching resolver (`Prefetcher`) has
+    brought the copies it reads together; a copy that no resolver prefetches counts as here.
 
     NOTE: read one after another, N items on a stuck or far object store would hold the step N times a
     read's timeout, and their transfers would not overlap.
     """
-    by_resolver: dict[int, tuple[Prefetcher, list[int]]] = {}
-    for k, (req, spec) in enumerate(misses):
-        if isinstance(req.resolve, Prefetcher) and spec.data is not None:
-            by_resolver.setdefault(id(req.resolve), (req.resolve, []))[1].append(k)
-    late: set[int] = set()
-    for resolver, indices in by_resolver.values():
-        arrived = resolver.prefetch([misses[k][1] for k in indices])
-        late.update(k for k, ok in zip(indices, arrived, strict=True) if not ok)
-    return late
+    here = [[True] * len(copies) for copies in candidates]
+    by_resolver: dict[int, tuple[Prefetcher, list[tuple[int, int]]]] = {}
+    for k, copies in enumerate(candidates):
+        for j, (req, spec) in enumerate(copies):
+            if isinstance(req.resolve, Prefetcher) and spec.data is not None:
+                by_resolver.setdefault(id(req.resolve), (req.resolve, []))[1].append((k, j))
+    for resolver, where in by_resolver.values():
+        try:
+            arrived = resolver.prefetch([candidates[k][j][1] for k, j in where])
+        except Exception:  # NOTE: then each copy is read as it is, under its own timeout
+            log.warning("prefetching a step's pixels failed; reading them one by one", exc_info=True)
+            continue
+        for (k, j), ok in zip(where, arrived, strict=True):
+            here[k][j] = ok
+    return here
 
 
-def _read_any(req: Reader, spec: MultiModalFeatureSpec, waiting: list[Reader]) -> ProcessedItem:
-    """The item's pixels through `req`'s spec, else through another waiting request's spec of the same item.
-
-    NOTE: requests that share an item (the same content hash) may carry pixels of different makers, and the
-    stage books the item for the first of them only: when that one's maker is gone, another's pixels still
-    serve, and no request fails for another's lost pixels. The first error is raised if none serves.
-    """
-    try:
-        return _read(req, spec)
-    except Exception as first:
-        for other in waiting:
-            for alt in other.features:
-                if other is not req and alt.identifier == spec.identifier and alt.data is not None \
-                        and not _same(alt.data, spec.data):
-                    with contextlib.suppress(Exception):
-                        return _read(other, alt)
-        raise first
+def _read_first(copies: list[Copy]) -> ProcessedItem:
+    """The pixels of the first copy that reads; the first copy's error if none does."""
+    first: Exception | None = None
+    for req, spec in copies:
+        try:
+            return _read(req, spec)
+        except Exception as exc:
+            first = first or exc
+    assert first is not None
+    raise first
 
 
 def _read(req: Reader, spec: MultiModalFeatureSpec) -> ProcessedItem:

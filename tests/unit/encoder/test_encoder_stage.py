@@ -319,6 +319,28 @@ def test_a_steps_misses_are_prefetched_together_and_one_that_arrives_late_fails_
     assert stage.stats().forward_passes == 1
 
 
+def test_a_late_copy_of_an_item_is_served_by_another_requests_copy_that_arrived() -> None:
+    """Two requests carry one item made by two makers: the first's copy is late, the second's here. Both are
+    prefetched in one call, and neither request fails."""
+    stage, store = _stage(), PrefetchingStore(late={"slow"})
+    store.items.update(slow=_item(3), fast=_item(3))
+    stage.add_request("r1", [_spec("x", "slow")], store)
+    stage.add_request("r2", [_spec("x", "fast")], store)
+    assert [r.request_id for r in stage.step()] == ["r1", "r2"]
+    assert store.prefetched == [["slow", "fast"]] and store.calls == ["fast"]  # the late one never read
+
+
+def test_a_failed_prefetch_reads_each_copy_as_it_is() -> None:
+    class Broken(PrefetchingStore):
+        def prefetch(self, specs: list[MultiModalFeatureSpec]) -> list[bool]:
+            raise RuntimeError("the object store's wait failed")
+
+    stage, store = _stage(), Broken(late=set())
+    store.items["k"] = _item(1)
+    stage.add_request("r", [_spec("a", "k")], store)
+    assert [r.request_id for r in stage.step()] == ["r"] and store.calls == ["k"]
+
+
 def test_each_failed_request_carries_its_own_items_error_and_the_error_pickles() -> None:
     stage, store = _stage(), Store()
     stage.add_request("lost", [_spec("x", "gone")], store.resolve)  # its maker died: the store raises KeyError
