@@ -183,13 +183,15 @@ class KVBlockManager:
             table.lo, table.hi, table.indexed = lo, m, m
         return m * self.block_size
 
-    def pages_in_hand(self, blocks: SeqBlocks) -> int:
-        """Pages a sequence holds that count toward its peak at no further cost to the pool: all it holds, less
-        the sliding layers' cached blocks that others hold too (its window moves past them and takes new pages
-        in their place, while they stay with the others)."""
-        shared_away = sum(len(block.pages) for kind, table in zip(self.kinds, blocks.tables, strict=True)
-                          if kind.window is not None for block in table.shared.values() if block.holders > 1)
-        return blocks.num_pages - shared_away
+    def pages_in_hand(self, blocks: SeqBlocks, num_tokens: int) -> int:
+        """Pages a sequence of `num_tokens` tokens holds that count toward its peak at no further cost to the
+        pool: all it holds, less the sliding layers' cached blocks that others hold too and that its window
+        passes before its last token (it takes new pages in their place, while they stay with the others)."""
+        last = -(-num_tokens // self.block_size)
+        passed = sum(len(block.pages) for kind, table in zip(self.kinds, blocks.tables, strict=True)
+                     if kind.window is not None for row, block in table.shared.items()
+                     if block.holders > 1 and row < self._first_read(kind, last))
+        return blocks.num_pages - passed
 
     def _first_read(self, kind: LayerKind, blocks: int) -> int:
         """The first block a kind reads for a query at position `blocks * block_size`."""

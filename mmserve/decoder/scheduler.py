@@ -263,10 +263,10 @@ class Scheduler:
         and again, every other step, until others finish (a preemption storm; docs/benchmarks.md). So it waits
         for the pages its whole prefill takes; a sequence alone in the pool always has them (`max_seq_len`).
         NOTE: a cached sliding-layer block that another sequence holds too costs the pool nothing now, but once
-        this one's window has passed it, it takes a new page in its place: not counted as held.
+        this one's window has passed it, it takes a new page in its place: not counted as held if it will be.
         """
         peak = self.kv.peak_pages(seq.num_tokens, self.config.max_num_batched_tokens)
-        return max(peak - self.kv.pages_in_hand(seq.blocks), 0)
+        return max(peak - self.kv.pages_in_hand(seq.blocks, seq.num_tokens), 0)
 
     def _start_from_cache(self, seq: Sequence) -> int:
         """Take the longest cached prefix of a sequence that holds nothing (at least its last token is

@@ -175,21 +175,25 @@ def test_a_head_of_queue_whose_hit_ends_inside_a_skipped_item_asks_for_it_and_is
     assert b.status.value in ("running", "finished") and b.num_cached_tokens == 8
 
 
-def test_a_sliding_layers_cached_blocks_another_sequence_holds_too_are_not_in_hand() -> None:
-    """Its window moves past them and takes new pages in their place, while they stay with the other: the
-    admission counts those pages as still to take."""
+def test_a_sliding_layers_cached_blocks_another_sequence_holds_too_are_not_in_hand_once_its_window_passes() -> None:
+    """Those its window moves past take new pages in their place while they stay with the other: admission
+    counts them as pages still to take; those still in the window at its last token are in hand."""
     pool = BlockPool(64)
-    manager = KVBlockManager(pool, MIXED, BS, PrefixCache(pool))
+    manager = KVBlockManager(pool, MIXED, BS, PrefixCache(pool))  # window 6, blocks of 4
     a = seq("a", list(range(24)), manager)
     manager.grow(a.blocks, 24)
     manager.index(a.blocks, a.block_hashes, 24)  # a still holds all of it
-    b = seq("b", [*range(24), 5], manager)
-    assert manager.start_from_cache(b.blocks, b.block_hashes, limit=6) == 24
-    sliding, _ = b.blocks.tables
-    shared_sliding = (sliding.hi - sliding.lo) * sliding.pages.shape[1]
-    assert shared_sliding == 2 and manager.pages_in_hand(b.blocks) == b.blocks.num_pages - shared_sliding
-    manager.release(a.blocks)  # now b alone holds them: they come back to the pool when it lets go
-    assert manager.pages_in_hand(b.blocks) == b.blocks.num_pages
+    for tokens, passed in ((44, 2), (25, 1)):  # the sliding rows 4 and 5 shared; at 25 tokens row 5 stays read
+        b = seq("b", [*range(24), *range(100, 100 + tokens - 24)], manager)
+        assert manager.start_from_cache(b.blocks, b.block_hashes, limit=6) == 24
+        sliding, _ = b.blocks.tables
+        assert (sliding.lo, sliding.hi) == (4, 6)
+        assert manager.pages_in_hand(b.blocks, tokens) == b.blocks.num_pages - passed, tokens
+        manager.release(b.blocks)
+    manager.release(a.blocks)  # now b alone would hold them: they come back to the pool when it lets go
+    b = seq("b", [*range(24), *range(100, 120)], manager)
+    manager.start_from_cache(b.blocks, b.block_hashes, limit=6)
+    assert manager.pages_in_hand(b.blocks, 44) == b.blocks.num_pages
 
 
 def test_a_running_sequence_grows_into_free_cached_blocks_without_preempting() -> None:
