@@ -32,23 +32,6 @@ from mmserve.runtime.timeline import Timeline
 EncodeFn = Callable[[PreprocessedRequest], Awaitable[EncoderOutput]]  # -> per-feature embeddings, the encoder's phases
 
 
-def one_at_a_time(encode: EncodeFn) -> EncodeFn:
-    """`encode` for the choices of one request, which call it one at a time (the later ones then find the
-    items in the encoder's cache).
-
-    NOTE: a transport may route every call made while serving one request by that request's id: Ray Serve
-    does, and a custom router (the Encoder's affinity router) hands a chosen replica to the pending call of
-    that id, so a second call in flight under the same id would never be routed, and wait for ever.
-    """
-    lock = asyncio.Lock()
-
-    async def call(pre: PreprocessedRequest) -> EncoderOutput:
-        async with lock:
-            return await encode(pre)
-
-    return call
-
-
 @dataclass
 class _Live:
     """A request between its `generate` call and its end, as a late fetch of embeddings needs it."""
@@ -56,6 +39,8 @@ class _Live:
     pre: PreprocessedRequest
     encode: EncodeFn | None
     loop: asyncio.AbstractEventLoop  # the consumer's
+    # held while getting embeddings; one for all the choices of a request (see `_choices`), else its own
+    encoding: asyncio.Lock = field(default_factory=asyncio.Lock)
     fetches: int = 0  # late fetches started (each its own encoder request id)
     fetching: set[concurrent.futures.Future[None]] = field(default_factory=set)  # late fetches under way
     ended: bool = False  # the consumer is gone: a late fetch finishing after it is dropped
@@ -72,7 +57,7 @@ class DecoderService:
         self._streams = 0  # requests streaming now: past their first output, not final_only
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
         self._live: dict[str, _Live] = {}
-        self._parents: set[str] = set()  # ids of the requests with n > 1 being served (their choices are in _live)
+        self._reserved: set[str] = set()  # the ids of the requests with n > 1 being served and of their choices
         self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder
         decoder.on_missing = self._on_missing
         self.shared_cores = SharedCores()  # encodes in flight on this host's CPU: the steps take fewer threads
@@ -85,11 +70,11 @@ class DecoderService:
         it and frees its KV blocks."""
         n = pre.sampling.n
         ids = [pre.request_id, *(f"{pre.request_id}/{i}" for i in range(n) if n > 1)]  # its choices' own ids too
-        if taken := [i for i in ids if i in self._live or i in self._parents]:
+        if taken := [i for i in ids if i in self._live or i in self._reserved]:
             raise ValueError(f"request {taken[0]} is already being served here")  # NOTE: the live one goes on
         self._admit_or_refuse(n)
         if n > 1:
-            self._parents.add(pre.request_id)  # NOTE: its choices are live under their own ids, not this one
+            self._reserved.update(ids)  # NOTE: the choices become live one by one, the request never
         outputs = self._one(pre, encode) if n == 1 else self._choices(pre, encode)
         try:
             async with contextlib.aclosing(outputs):  # NOTE: closing this one closes (aborts) that one at once
@@ -97,7 +82,7 @@ class DecoderService:
                     yield out
         finally:
             if n > 1:
-                self._parents.discard(pre.request_id)
+                self._reserved.difference_update(ids)
 
     async def _choices(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncGenerator[RequestOutput]:
         """`n` choices as sequences of their own, each with seed `seed + index` (as vLLM), merged in one stream.
@@ -107,7 +92,7 @@ class DecoderService:
         computed again) and compute only its last partial block. Without prefix caching each computes it all.
         """
         queue: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
-        encode = None if encode is None else one_at_a_time(encode)
+        encoding = asyncio.Lock()  # NOTE: the choices get embeddings one at a time (`_encode`)
         prefilled = asyncio.Event()
         if self.decoder.scheduler.hasher is None:
             prefilled.set()  # no prefix cache to share: no reason to wait for choice 0
@@ -127,7 +112,7 @@ class DecoderService:
                 if index:
                     await prefilled.wait()
                     started(index)
-                async for out in self._one(child, encode):
+                async for out in self._one(child, encode, encoding):
                     prefilled.set()
                     queue.put_nowait(replace(out, request_id=pre.request_id, index=index))
             except Exception as exc:  # NOTE: not CancelledError: that is this stream closing
@@ -149,11 +134,12 @@ class DecoderService:
             for index in list(waiting):  # cancelled before they started
                 started(index)
 
-    async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncGenerator[RequestOutput]:
+    async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None,
+                   encoding: asyncio.Lock | None = None) -> AsyncGenerator[RequestOutput]:
         request_id = pre.request_id
         if request_id in self._live:  # NOTE: before any state changes: the live one keeps its stream
             raise ValueError(f"request {request_id} is already being served here")
-        live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop())
+        live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop(), encoding or asyncio.Lock())
         finished = False
         self._arriving += 1
         try:
@@ -239,24 +225,31 @@ class DecoderService:
     async def _encode(self, live: _Live, encoder_id: str, indices: list[int], call: str = "decoder.encode_call"
                       ) -> list[Any]:
         """Embeddings of the features at `indices` (None elsewhere): this service's cache first, then one
-        encoder request for the rest, which the cache then keeps; the encoder call is timed as `call`."""
-        features = live.pre.features
-        embeddings: list[Any] = [None] * len(features)
-        for i in indices:
-            embeddings[i] = self.embeddings.get(features[i].identifier)
-        missing = [i for i in indices if embeddings[i] is None]
-        if missing:
-            assert live.encode is not None
-            sub = replace(live.pre, request_id=encoder_id, features=[features[i] for i in missing])
-            started = time.perf_counter()
-            with self.shared_cores.waiting():
-                out = await live.encode(sub)
-            self.shared_cores.answered(out.host)
-            # NOTE: the call's round trip and, inside it, the encoder's own phases (the rest is the hop)
-            live.timeline.add(((call, (time.perf_counter() - started) * 1e3), *out.timings))
-            for i, emb in zip(missing, out.embeddings, strict=True):
-                embeddings[i] = emb
-                self.embeddings.put(features[i].identifier, emb)
+        encoder request for the rest, which the cache then keeps; the encoder call is timed as `call`.
+
+        NOTE: under `live.encoding`, which a request's choices share: they get embeddings one at a time, the
+        later ones from the cache (or the encoder's). A transport may route every call made while serving one
+        request by that request's id: Ray Serve does, and a custom router (the Encoder's affinity router) hands
+        a chosen replica to the pending call of that id, so a second call in flight under it would wait for ever.
+        """
+        async with live.encoding:
+            features = live.pre.features
+            embeddings: list[Any] = [None] * len(features)
+            for i in indices:
+                embeddings[i] = self.embeddings.get(features[i].identifier)
+            missing = [i for i in indices if embeddings[i] is None]
+            if missing:
+                assert live.encode is not None
+                sub = replace(live.pre, request_id=encoder_id, features=[features[i] for i in missing])
+                started = time.perf_counter()
+                with self.shared_cores.waiting():
+                    out = await live.encode(sub)
+                self.shared_cores.answered(out.host)
+                # NOTE: the call's round trip and, inside it, the encoder's own phases (the rest is the hop)
+                live.timeline.add(((call, (time.perf_counter() - started) * 1e3), *out.timings))
+                for i, emb in zip(missing, out.embeddings, strict=True):
+                    embeddings[i] = emb
+                    self.embeddings.put(features[i].identifier, emb)
         return embeddings
 
     def _on_missing(self, request_id: str, indices: list[int]) -> None:

@@ -89,16 +89,17 @@ def test_closing_the_stream_early_aborts_every_choice(engine):
 
 
 def test_without_prefix_caching_the_choices_call_the_encoder_one_at_a_time(tiny_ckpt_224) -> None:
-    """All choices start at once then, each needing the image: their encoder calls go one after another (a
+    """All choices start at once then, each needing the image: they get embeddings one after another (a
     transport may route a request's calls by its id, and two in flight under one id could wait for ever);
-    the later ones find the item in the encoder's cache."""
+    the later ones find them in the decoder's cache."""
     from mmserve.config import DecoderConfig, EngineConfig
 
     engine = Engine(EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
                                  decoder=DecoderConfig(enable_prefix_caching=False)))
-    real, in_flight, most = engine._encode, [0], [0]
+    real, in_flight, most, calls = engine._encode, [0], [0], [0]
 
     async def watched(pre: Any) -> Any:
+        calls[0] += 1
         in_flight[0] += 1
         most[0] = max(most[0], in_flight[0])
         try:
@@ -116,4 +117,5 @@ def test_without_prefix_caching_the_choices_call_the_encoder_one_at_a_time(tiny_
         engine.shutdown()
     assert [c.index for c in choices] == [0, 1, 2] and len({tuple(c.token_ids) for c in choices}) == 1
     assert most[0] == 1  # never two calls at once
-    assert after.forward_passes - before.forward_passes == 1  # the others were the encoder's cache hits
+    assert after.forward_passes - before.forward_passes == 1
+    assert calls[0] == 1  # the later choices found the embeddings in the decoder's cache, waiting their turn

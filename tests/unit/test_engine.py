@@ -216,20 +216,23 @@ def test_ids_taken_by_a_live_request_with_choices_are_refused_before_anything_ru
     async def run() -> list[Any]:
         first = engine.stream(chat("dupn", max_tokens=24, ignore_eos=True, n=2, temperature=1.0, seed=3))
         outs = [await first.__anext__()]
-        with pytest.raises(ValueError, match="dupn is already being served"):  # its own id, though no choice's
-            async for _ in engine.stream(chat("dupn", max_tokens=4)):
-                pass
+        for taken in ("dupn", "dupn/1"):  # its own id, though no choice's; a choice's, whether it runs yet or not
+            with pytest.raises(ValueError, match=f"{taken} is already being served"):
+                async for _ in engine.stream(chat(taken, max_tokens=4)):
+                    pass
         outs += [out async for out in first]
         return outs
 
     async def with_a_live_choice_id() -> list[Any]:
         live = engine.stream(chat("dupc/1", max_tokens=24, ignore_eos=True))
         await live.__anext__()
+        got: list[Any] = []
         try:
-            async for _ in engine.stream(chat("dupc", max_tokens=4, n=2)):
-                pass
+            async for out in engine.stream(chat("dupc", max_tokens=4, n=2)):
+                got.append(out)
         finally:
             rest = [out async for out in live]
+            assert got == []  # NOTE: refused before its choice 0 ran, not when its choice 1 met the live id
         return rest
 
     outs = asyncio.run(asyncio.wait_for(run(), 60))
