@@ -16,7 +16,7 @@ from deployments.args import INGRESS_INLINE_BYTES
 
 # Seconds between the Serve controller's passes over the cluster's state (Ray's default 0.1).
 # NOTE: each pass costs the controller's CPU whether anything changed or not: idle, the controller was the
-# busiest of a small node's Ray processes, and at 0.5 s it took about a third as much (docs/benchmarks.md).
+# busiest of a small node's Ray processes, and at 0.5 s it took much less (docs/benchmarks.md).
 # What waits for a pass (a replica started or replaced, an autoscaling decision, a route change reaching the
 # proxies) waits up to 0.4 s longer; health checks keep their own period (10 s).
 SERVE_CONTROL_LOOP_INTERVAL_S = 0.5

@@ -1,9 +1,10 @@
 """Engine outputs -> OpenAI response bodies: the non-streaming accumulator, stream chunks, SSE framing.
 
 Owns: folding a request's `RequestOutput` deltas into one `ChatCompletionResponse`, turning each delta
-into the `ChatCompletionChunk`s to send (first carries the role, last the finish reason, then an
-optional usage chunk), and `data: ...` framing. Does not own: the request/response schemas and error
-bodies (protocol.py), reading the engine, nor writing to the socket.
+into the `ChatCompletionChunk`s to send (a choice's first carries the role, or with n > 1 every choice's
+role comes first, in index order; a choice's last carries the finish reason; then an optional usage chunk,
+and the usage so far on every chunk if asked), and `data: ...` framing. Does not own: the request/response
+schemas and error bodies (protocol.py), reading the engine, nor writing to the socket.
 """
 
 from __future__ import annotations

@@ -51,9 +51,12 @@ class GrammarStep:
         if all(m is None for _, m in rows):
             return None
         ids, matchers = [rid for rid, _ in rows], [m for _, m in rows]
-        if beside:  # NOTE: on llguidance's pool, which lets go of the GIL that the forward's own Python needs
+        if beside:
+            # NOTE: beside an accelerator's forward on llguidance's pool, which lets go of the GIL that the
+            # forward's launches need; on a CPU its spinning thread would take a core from the forward's
+            background = self.device.type != "cpu"
             return self._worker().submit(
-                lambda: (ids, self.grammars.forbidden(matchers, self.device, background=True)))
+                lambda: (ids, self.grammars.forbidden(matchers, self.device, background=background)))
         done: Pending = Future()
         try:
             done.set_result((ids, self.grammars.forbidden(matchers, self.device)))
