@@ -3,7 +3,7 @@ shares it through a small client.
 
 Owns: translating mmserve's `ItemCache` calls into Ray. A preprocess replica `ray.put`s the pixels it
 made and hands that ref on at once; the store indexes the maker's ref (`adopt`) and copies the item into an
-object of its own on its first hit there (cache_keeper.py), so that an item found there outlives the
+object of its own on its first hit there (mmserve/preprocess/shared_copies.py), so that an item found there outlives the
 replica that made it; an item only its maker found again (from its own refs, below) is copied when that
 replica shuts down gracefully (`keep`), and dies with it in a crash (a miss the next time). The store keeps
 the byte-bounded LRU index of these ObjectRefs (mmserve's ProcessorCache, with refs as its storage
@@ -39,9 +39,8 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.exceptions import ObjectLostError
+from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError
 
-from deployments.cache_keeper import READ_TIMEOUT_S, Keeper
 from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
 from deployments.retry import replica_lost
@@ -53,12 +52,26 @@ from mmserve.preprocess.processor_cache import (
     ProcessorCacheStats,
     done,
 )
+from mmserve.preprocess.shared_copies import ItemLostError, Keeper, MakerGoneError
 from mmserve.runtime.metrics import MetricsSnapshot, processor_cache_snapshot
 
 log = logging.getLogger(__name__)
 # NOTE: a lookup answers in about a millisecond; this long means the store is down or restarting (Serve
 # queues calls to a deployment without replicas), and the item is cheaper to process again.
 LOOKUP_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 60.0  # reading pixels from the object store (another node's: a transfer)
+
+
+async def read_stored(item: StoredItem) -> ProcessedItem:
+    """A stored item's pixels (zero-copy from this node's object store; from another node's, a transfer), its
+    loss as mmserve's errors: the maker's death (MakerGoneError), any other loss or a read past its timeout."""
+    try:
+        made: ProcessedItem = await asyncio.wait_for(item.ref, READ_TIMEOUT_S)
+    except OwnerDiedError as exc:
+        raise MakerGoneError(str(exc)) from exc
+    except (ObjectLostError, GetTimeoutError, TimeoutError) as exc:
+        raise ItemLostError(f"{type(exc).__name__}: {exc}") from exc
+    return made
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
@@ -69,7 +82,7 @@ class ProcessorCacheStore:
         # evicted entry drops the index's ref, and Ray frees the object once no in-flight spec borrows it.
         self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())
         self.epoch = uuid.uuid4().hex  # NOTE: a replacement replica starts empty: its clients must know
-        self.keeper = Keeper(self.cache)
+        self.keeper = Keeper(self.cache, read_stored, ray.put)
         self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics, metrics_push_interval_s)
         self.reporter.ensure_started()
 

@@ -1,18 +1,21 @@
 """The preprocess replica's client of the ProcessorCacheStore (deployments/cache_store.py), without Ray: a store
 that is lost or slow is a miss (the item is processed again), never a failed request; any other error is the
-lookup's."""
+lookup's. And the store's read of an item, which tells mmserve's copies a dead maker from another loss."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import Future
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, GetTimeoutError, ObjectLostError, OwnerDiedError
 
-from deployments.cache_store import LOOKUP_TIMEOUT_S, SharedProcessorCache
+from deployments.cache_store import LOOKUP_TIMEOUT_S, SharedProcessorCache, read_stored
+from mmserve.messages import StoredItem
 from mmserve.preprocess.processor_cache import ProcessorCache
+from mmserve.preprocess.shared_copies import ItemLostError, MakerGoneError
 
 
 class FailingStore:
@@ -49,3 +52,17 @@ def test_any_other_store_error_is_the_lookups() -> None:
     cache = client(FailingStore(ValueError("a bug in the store")))
     with pytest.raises(ValueError, match="a bug in the store"):
         cache.find_source("bytes-key").result(timeout=5)
+
+
+@pytest.mark.parametrize(("lost", "as_"), [
+    (OwnerDiedError("00" * 28, None, ""), MakerGoneError), (ObjectLostError("00" * 28, None, ""), ItemLostError),
+    (GetTimeoutError("slow"), ItemLostError)])
+def test_the_stores_read_tells_a_dead_maker_from_another_loss(lost: BaseException, as_: type) -> None:
+    async def read() -> Any:
+        ref: asyncio.Future[Any] = asyncio.get_running_loop().create_future()  # NOTE: awaited as a ref is
+        ref.set_exception(lost)
+        return await read_stored(StoredItem(ref=ref, num_tiles=1, nbytes=1))
+
+    with pytest.raises(as_) as info:
+        asyncio.run(read())
+    assert isinstance(info.value, MakerGoneError) == (as_ is MakerGoneError)  # a lost object is no dead maker

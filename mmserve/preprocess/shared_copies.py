@@ -1,11 +1,12 @@
-"""The ProcessorCacheStore's own copies: an entry is its maker's object until its first hit at the store,
-which copies it into an object the store owns.
+"""A shared processor cache's own copies: an entry is its maker's object until its first hit at the shared
+store, which copies it into an object the store owns.
 
 Owns: copying an entry on its first hit (one copy per entry at a time, the hit waiting for it at most
 `KEEP_WAIT_S`), dropping an entry whose maker died (and every other entry that maker made, found by the
-Ray worker that made each), an entry adopted again while the first one's copy was in flight (it takes the
-dropped one's place), and taking back the hit a lost entry counted. Does not own the index (mmserve's
-ProcessorCache) nor the store's Serve calls (cache_store.py).
+process that made each), an entry adopted again while the first one's copy was in flight (it takes the
+dropped one's place), and taking back the hit a lost entry counted. Does not own the index (ProcessorCache),
+how an object is read or put (the `read` and `put` it is given: the Ray object store's in the app), nor the
+store's calls (deployments/cache_store.py).
 
 NOTE: not copied on sight because most images are seen once and most repeats are found in their maker's own
 refs: copying each new one cost its request time in the other processes' hops and put every image in the
@@ -17,19 +18,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-import ray
-from ray.exceptions import ObjectLostError, OwnerDiedError
+from typing import Any
 
 from mmserve.messages import ProcessedItem, StoredItem
 from mmserve.preprocess.processor_cache import CachedItem, ProcessorCache
 
 log = logging.getLogger(__name__)
-# NOTE: under the client's lookup timeout (cache_store.LOOKUP_TIMEOUT_S): a copy slower than this (another
-# node's object, a maker whose node is being declared dead) answers that hit as a miss, and goes on.
+# NOTE: under the client's lookup timeout (deployments/cache_store.py: LOOKUP_TIMEOUT_S): a copy slower than
+# this (another node's object, a maker whose node is being declared dead) answers that hit as a miss, and goes on.
 KEEP_WAIT_S = 2.0
-READ_TIMEOUT_S = 60.0  # reading pixels from the object store (another node's: a transfer)
+
+
+class ItemLostError(RuntimeError):
+    """A stored item's object cannot be read any more (lost, or not read in time)."""
+
+
+class MakerGoneError(ItemLostError):
+    """A stored item's object died with the process that made it (and so did every other it made)."""
+
+
+Read = Callable[[StoredItem], Awaitable[ProcessedItem]]  # a stored item's pixels; ItemLostError if gone
+Put = Callable[[ProcessedItem], Any]  # an object this process owns holding the pixels: its reference
 
 
 @dataclass
@@ -39,12 +50,13 @@ class _Copy:
 
 
 class Keeper:
-    """Run on the store's event loop only (no locking)."""
+    """Run on the store's event loop only (no locking). NOTE: `put` runs in a worker thread (a put of
+    several MiB on the loop would hold every other lookup meanwhile)."""
 
-    def __init__(self, cache: ProcessorCache) -> None:
-        self.cache = cache
+    def __init__(self, cache: ProcessorCache, read: Read, put: Put) -> None:
+        self.cache, self._read, self._put = cache, read, put
         self._copies: dict[str, _Copy] = {}  # content hash -> its copy in the making
-        self._makers: dict[str, str] = {}  # content hash -> the Ray worker that made its entry (until kept)
+        self._makers: dict[str, str] = {}  # content hash -> the process that made its entry (until kept)
         self._spares: dict[str, tuple[StoredItem, str | None]] = {}  # adopted again during a copy, with maker
 
     def adopt(self, key: str, item: StoredItem, source: str | None, maker: str | None) -> None:
@@ -98,21 +110,21 @@ class Keeper:
 
     async def _copy(self, key: str, item: StoredItem, maker: str | None) -> StoredItem | None:
         """Copy the maker's object into one this replica owns and swap it into the index (if still held)."""
-        try:  # NOTE: zero-copy from this node's object store; from another node's, a transfer
-            made: ProcessedItem = await asyncio.wait_for(item.ref, READ_TIMEOUT_S)
-        except OwnerDiedError:
+        try:
+            made = await self._read(item)
+        except MakerGoneError:
             log.info("processed item %s died with its maker %s; dropping what that maker made", key, maker)
             self._drop(key, item)
             self._drop_made_by(maker)
             return None
         except Exception as exc:  # NOTE: any failure: a lookup answers a miss, never an error
-            expected = isinstance(exc, (ObjectLostError, TimeoutError))  # (logged without a traceback)
+            expected = isinstance(exc, ItemLostError)  # (logged without a traceback)
             log.log(logging.INFO if expected else logging.WARNING, "processed item %s could not be read (%s); "
                     "dropped", key, type(exc).__name__, exc_info=not expected)
             self._drop(key, item)
             return None
-        try:  # NOTE: in a thread: a put of several MiB on this loop would hold every replica's lookups meanwhile
-            kept = StoredItem(ref=await asyncio.to_thread(ray.put, made), num_tiles=item.num_tiles,
+        try:
+            kept = StoredItem(ref=await asyncio.to_thread(self._put, made), num_tiles=item.num_tiles,
                               nbytes=item.nbytes, kept=True)
         except Exception:  # e.g. the object store full: the maker's object still serves; the next hit tries again
             log.warning("could not copy processed item %s", key, exc_info=True)

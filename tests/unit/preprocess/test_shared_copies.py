@@ -1,6 +1,6 @@
-"""The ProcessorCacheStore's copies (deployments/cache_keeper.py), without Ray: a maker's "ref" is an
-asyncio future that resolves to the pixels (or fails as Ray would), and `ray.put` is replaced by a fake
-that records what it copied."""
+"""A shared processor cache's copies (mmserve/preprocess/shared_copies.py), without Ray: a maker's "ref" is an
+asyncio future that resolves to the pixels (or fails as a lost object's read does), read by awaiting it, and
+the put is a fake that records what it copied."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ray.exceptions import ObjectLostError, OwnerDiedError
 
-from deployments import cache_keeper
-from deployments.cache_keeper import Keeper
 from mmserve.messages import ProcessedItem, StoredItem
 from mmserve.preprocess.processor_cache import ProcessorCache
+from mmserve.preprocess.shared_copies import ItemLostError, Keeper, MakerGoneError, Put
 
 ITEM = ProcessedItem(pixel_values=np.zeros((1, 3, 4, 4), dtype=np.uint8))
 
@@ -31,10 +29,8 @@ class Puts:
 
 
 @pytest.fixture
-def puts(monkeypatch: pytest.MonkeyPatch) -> Puts:
-    fake = Puts()
-    monkeypatch.setattr(cache_keeper.ray, "put", fake)
-    return fake
+def puts() -> Puts:
+    return Puts()
 
 
 def made(result: Any = ITEM) -> StoredItem:
@@ -47,13 +43,19 @@ def made(result: Any = ITEM) -> StoredItem:
     return StoredItem(ref=ref, num_tiles=1, nbytes=ITEM.nbytes)
 
 
-def owner_died() -> OwnerDiedError:
-    return OwnerDiedError("00" * 28, None, "")
+def owner_died() -> MakerGoneError:
+    return MakerGoneError("the process that made it died")
 
 
-def fresh() -> tuple[ProcessorCache, Keeper]:
+async def read(item: StoredItem) -> ProcessedItem:
+    """The read of the store's object: here, the maker's "ref" awaited."""
+    made: ProcessedItem = await item.ref
+    return made
+
+
+def fresh(put: Put) -> tuple[ProcessorCache, Keeper]:
     cache = ProcessorCache(1 << 20)
-    return cache, Keeper(cache)
+    return cache, Keeper(cache, read, put)
 
 
 async def copying(keeper: Keeper, key: str, item: StoredItem) -> asyncio.Future[StoredItem | None]:
@@ -70,7 +72,7 @@ def adopted(keeper: Keeper, key: str, item: StoredItem, maker: str = "A") -> Sto
 
 def test_a_hit_copies_the_item_once_and_answers_the_copy(puts: Puts):
     async def run() -> None:
-        cache, keeper = fresh()
+        cache, keeper = fresh(puts)
         item = adopted(keeper, "k", made())
         assert cache.peek("k") is item  # indexed as the maker's object: nothing copied on sight
         assert puts.made == []
@@ -86,7 +88,7 @@ def test_a_hit_copies_the_item_once_and_answers_the_copy(puts: Puts):
 
 def test_a_dead_maker_answers_a_miss_and_its_other_entries_go_too(puts: Puts):
     async def run() -> None:
-        cache, keeper = fresh()
+        cache, keeper = fresh(puts)
         dead = adopted(keeper, "dead", made(owner_died()))
         adopted(keeper, "sibling", made(None))  # the same maker's: never read, dropped with it
         alive = adopted(keeper, "alive", made(), maker="B")
@@ -103,12 +105,12 @@ def test_a_dead_maker_answers_a_miss_and_its_other_entries_go_too(puts: Puts):
 
 def test_an_entry_adopted_again_during_a_failing_copy_takes_its_place(puts: Puts):
     async def run() -> None:
-        cache, keeper = fresh()
+        cache, keeper = fresh(puts)
         first = adopted(keeper, "k", made(None))  # its read pends until the test fails it
         pending = await copying(keeper, "k", first)
         second = adopted(keeper, "k", made(), maker="B")  # another replica made it too, meanwhile
         assert cache.peek("k") is first
-        first.ref.set_exception(ObjectLostError("00" * 28, None, ""))
+        first.ref.set_exception(ItemLostError("lost with its node"))
         assert await pending is None
         assert cache.peek("k") is second  # the spare, not a miss for the next request
         assert (await keeper.kept("k", second, counted=False)).ref == "copy-1"  # type: ignore[union-attr]
@@ -118,7 +120,7 @@ def test_an_entry_adopted_again_during_a_failing_copy_takes_its_place(puts: Puts
 
 def test_a_dead_makers_entries_go_but_not_another_makers_that_took_one_of_their_places(puts: Puts):
     async def run() -> None:
-        cache, keeper = fresh()
+        cache, keeper = fresh(puts)
         first = adopted(keeper, "x", made(owner_died()))
         second = adopted(keeper, "y", made(None))  # A's too; its read pends until the test fails it
         pending = await copying(keeper, "y", second)
@@ -136,7 +138,7 @@ def test_a_dead_makers_entries_go_but_not_another_makers_that_took_one_of_their_
 
 def test_a_slow_copy_answers_a_miss_and_goes_on(puts: Puts):
     async def run() -> None:
-        cache, keeper = fresh()
+        cache, keeper = fresh(puts)
         item = adopted(keeper, "k", made(None))
         assert await keeper.kept("k", cache.get("k"), counted=True, wait_s=0.01) is None
         assert cache.stats().hits == 0  # answered as a miss
@@ -151,14 +153,12 @@ def test_a_slow_copy_answers_a_miss_and_goes_on(puts: Puts):
     asyncio.run(run())
 
 
-def test_a_failed_copy_leaves_the_makers_object_serving(monkeypatch: pytest.MonkeyPatch):
+def test_a_failed_copy_leaves_the_makers_object_serving():
     def full(_: Any) -> None:
         raise MemoryError("object store full")
 
-    monkeypatch.setattr(cache_keeper.ray, "put", full)
-
     async def run() -> None:
-        cache, keeper = fresh()
+        cache, keeper = fresh(full)
         item = adopted(keeper, "k", made())
         assert await keeper.kept("k", item, counted=False) is item
         assert cache.peek("k") is item
