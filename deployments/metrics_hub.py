@@ -2,15 +2,15 @@
 
 Owns the Ray side of metrics: each replica pushes its `MetricsSnapshot` to the one `MetricsHub`
 replica every `metrics_push_interval_s` (and the ingress right before it answers `GET /metrics`);
-the hub merges the latest snapshot of every replica. Each push also mirrors the values into `ray.util.metrics`, so a
-Ray cluster's Prometheus/Grafana sees them too. Does not own what is measured (mmserve/runtime/metrics.py).
+the hub keeps the latest snapshot of every replica on a `MetricsBoard`. Each push also mirrors the values into
+`ray.util.metrics`, so a Ray cluster's Prometheus/Grafana sees them too. Does not own what is measured
+(mmserve/runtime/metrics.py) nor the board's rules for replicas gone quiet (mmserve/runtime/metrics_board.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -20,38 +20,23 @@ from ray.util import metrics as ray_metrics
 
 from deployments.handles import hold
 from mmserve.runtime.metrics import HistogramValue, Metric, MetricsSnapshot, merge
+from mmserve.runtime.metrics_board import MetricsBoard
 from mmserve.runtime.process_memory import resident_memory_snapshot
 
 log = logging.getLogger(__name__)
-STALE_AFTER_S = 30.0  # a replica silent this long is gone: its gauges stop counting, its counters stay
-_clock = time.monotonic  # NOTE: a module name of its own, so tests can move the hub's clock alone
-RETIRE_AFTER_S = 600.0  # ...and this long: its counters are folded into one sum and its entry dropped
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
                   logging_config={"enable_access_log": False})  # NOTE: internal calls; no per-call log line
 class MetricsHub:
     def __init__(self) -> None:
-        self._latest: dict[str, tuple[float, MetricsSnapshot]] = {}  # source -> (time, snapshot)
-        self._retired = MetricsSnapshot()  # the counters of replicas long gone, summed into one
-        self._retired_sources: set[str] = set()  # NOTE: names only; a late report from one is dropped
+        self.board = MetricsBoard()
 
     def report(self, source: str, snapshot: MetricsSnapshot) -> None:
-        if source not in self._retired_sources:  # (its counters are in `_retired` already)
-            self._latest[source] = (_clock(), snapshot)
+        self.board.report(source, snapshot)
 
     def collect(self) -> MetricsSnapshot:
-        now = _clock()
-        gone = [source for source, (t, _) in self._latest.items() if now - t > RETIRE_AFTER_S]
-        if gone:  # NOTE: so the hub's snapshots do not grow with every replica ever started
-            self._retired = merge([self._retired, *(_without_gauges(self._latest.pop(s)[1]) for s in gone)])
-            self._retired_sources.update(gone)
-        snapshots = [s if now - t < STALE_AFTER_S else _without_gauges(s) for t, s in self._latest.values()]
-        return merge([self._retired, *snapshots])
-
-
-def _without_gauges(snapshot: MetricsSnapshot) -> MetricsSnapshot:
-    return MetricsSnapshot({n: m for n, m in snapshot.metrics.items() if m.kind != "gauge"})
+        return self.board.collect()
 
 
 class MetricsReporter:

@@ -1,4 +1,4 @@
-"""metrics_hub.py's MetricsHub (the class, without Serve) and the resident-memory gauge."""
+"""metrics_hub.py's reporter and the resident-memory gauge (the hub's rules: test_metrics_board.py)."""
 
 from __future__ import annotations
 
@@ -16,25 +16,6 @@ from mmserve.runtime.process_memory import RESIDENT_BYTES, resident_bytes, resid
 def _snap(requests: float, running: float) -> MetricsSnapshot:
     return snapshot_of(Metric("mmserve_requests_total", "counter", "", (), {(): requests}),
                        Metric("mmserve_decoder_running_requests", "gauge", "", (), {(): running}))
-
-
-def test_gone_replicas_keep_their_counters_but_not_their_gauges_nor_an_entry(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(metrics_hub, "_clock", lambda: clock[0])
-    hub = typing.cast(Any, metrics_hub.MetricsHub).func_or_class()  # the class under Serve's decorator
-    hub.report("Decoder#a", _snap(5, 2))
-    hub.report("Decoder#b", _snap(7, 1))
-    assert hub.collect().value("mmserve_decoder_running_requests") == 3
-    clock[0] += metrics_hub.STALE_AFTER_S + 1
-    hub.report("Decoder#b", _snap(8, 1))
-    merged = hub.collect()
-    assert merged.value("mmserve_requests_total") == 13 and merged.value("mmserve_decoder_running_requests") == 1
-    clock[0] += metrics_hub.RETIRE_AFTER_S
-    hub.report("Decoder#b", _snap(9, 0))
-    merged = hub.collect()
-    assert merged.value("mmserve_requests_total") == 14 and list(hub._latest) == ["Decoder#b"]
-    hub.report("Decoder#a", _snap(6, 1))  # a late report from a retired one is not counted twice
-    assert hub.collect().value("mmserve_requests_total") == 14
 
 
 def test_resident_memory_is_one_series_per_replica() -> None:
