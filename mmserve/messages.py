@@ -104,7 +104,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """NOTE: a temperature below 1e-5 is greedy too (vLLM's rule): dividing by it only magnifies ties."""
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 @dataclass(frozen=True)

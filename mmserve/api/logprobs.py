@@ -39,4 +39,5 @@ def choice_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, FORBIDDEN_LOGPROB)
+    """NOTE: a NaN (a broken checkpoint's logits) too: JSON has no NaN, and a client's parser refuses one."""
+    return logprob if logprob >= FORBIDDEN_LOGPROB else FORBIDDEN_LOGPROB

@@ -100,10 +100,10 @@ class IncrementalDetokenizer:
         text from `fresh` on (None: no stop string may end the text yet, `min_tokens`)."""
         if not self._stop:
             return len(self._pending)
-        hits = [] if fresh is None else \
-            [(i, s) for s in self._stop if (i := self._pending.find(s, max(0, fresh - len(s) + 1))) >= 0]
-        if hits:
-            cut, self.stop_string = min(hits)
+        hits = [] if fresh is None else [(i, k, s) for k, s in enumerate(self._stop)
+                                         if (i := self._pending.find(s, max(0, fresh - len(s) + 1))) >= 0]
+        if hits:  # NOTE: the earliest; of those at one place, the first in the request's list (vLLM's order)
+            cut, _, self.stop_string = min(hits)
             cut += len(self.stop_string) if self._include_stop else 0
             self._pending = self._pending[:cut]
             return cut

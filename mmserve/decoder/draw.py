@@ -81,8 +81,18 @@ def truncated_probs(scaled: torch.Tensor, params: list[SamplingParams],
     # that float rounding of the cumsum never drops tail tokens.
     drop = (top_p[:, None] < 1.0) & (mass_before >= top_p[:, None])  # (g, K)
     drop[:, 0] = False
+    if widens and k < vocab and bool(_ties_past(values, drop, top_k == vocab).any()):
+        return truncated_probs(scaled, params, candidates=2 * k)
     probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True), order
+
+
+def _ties_past(values: torch.Tensor, drop: torch.Tensor, top_p_only: torch.Tensor) -> torch.Tensor:
+    """(g,) whether a top-p-only row's nucleus ends on a logit that the last candidate ties: the ties may go on
+    past the K candidates, where `topk` kept an arbitrary few of them, so which of them are kept (by id) would
+    change with K, i.e. with the batch mates."""
+    last_kept = values.gather(-1, ((~drop).sum(dim=-1, keepdim=True) - 1))  # (g, 1)
+    return top_p_only & (last_kept[:, 0] == values[:, -1]) & torch.isfinite(values[:, -1])
 
 
 def _best(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +129,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]  # (g, 1)
     pos = torch.searchsorted(cdf, target, right=True)  # (g, 1): first position whose cdf exceeds target
     last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())  # (g, 1): where the cdf first reaches its total
-    return torch.minimum(pos, last).squeeze(-1)
+    # NOTE: clamped: a row of NaN (a broken checkpoint's logits) finds no position, and its draw must still be
+    # a token, or the batch's gather fails with it
+    return torch.minimum(pos, last).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
 def apply_min_p(min_ps: list[float], scaled: torch.Tensor) -> None:

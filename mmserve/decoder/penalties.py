@@ -30,19 +30,20 @@ from mmserve.runtime.host_copy import floats_to_device, ints_to_device, to_devic
 
 
 def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-              prompts: list[list[int]], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """(n, vocab) float32 logits -> the same, adjusted (a new tensor when any row asks, else `logits`)."""
+              prompts: list[list[int]], eos_token_ids: tuple[int, ...], never: tuple[int, ...] = ()) -> torch.Tensor:
+    """(n, vocab) float32 logits -> the same, adjusted (a new tensor when any row asks, else `logits`); `never`:
+    the ids the sampler never picks (left to it, but no token left beside them is no token left)."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
-        _adjust(logits[i], params[i], outputs[i], prompts[i], eos_token_ids)
+        _adjust(logits[i], params[i], outputs[i], prompts[i], eos_token_ids, never)
     return logits
 
 
 def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: list[int],
-            eos_token_ids: tuple[int, ...]) -> None:
+            eos_token_ids: tuple[int, ...], never: tuple[int, ...]) -> None:
     """Adjust one (vocab,) row in place.
 
     NOTE: which tokens and by how much is worked out on the host (numpy over the token lists) and sent in
@@ -79,7 +80,8 @@ def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: lis
         # NOTE: allowed ids that the output has since made bad words leave no token: the sequence ends (its
         # end's logits 0) rather than sample from nothing, which no row of a batch may do; no device read
         ends_t = ints_to_device([t for t in eos_token_ids if 0 <= t < vocab], device)
-        nothing = row.amax() == float("-inf")  # () bool
+        left = row.index_fill(0, ints_to_device(list(never), device), float("-inf")) if never else row
+        nothing = left.amax() == float("-inf")  # () bool
         row.index_copy_(0, ends_t, torch.where(nothing, 0.0, row.index_select(0, ends_t)))
 
 

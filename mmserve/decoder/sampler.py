@@ -75,6 +75,7 @@ class Sampler:
     def __init__(self, never: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = ()) -> None:
         self._never = torch.tensor(never, dtype=torch.int64)  # (k,) on the device of the last logits
         self._never_ids = frozenset(never)  # the same ids, for a membership test without a torch call
+        self._never_tuple = tuple(never)  # the same ids, as the penalties take them
         self._eos = eos_token_ids  # what `min_tokens` holds back
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -89,7 +90,7 @@ class Sampler:
         if any(p.adjusts_logits for p in params):
             if outputs is None or prompts is None:
                 raise ValueError("penalties need each row's output and prompt token ids")
-            logits = penalized(logits, params, outputs, prompts, self._eos)
+            logits = penalized(logits, params, outputs, prompts, self._eos, self._never_tuple)
         never = self._never_on(logits.device)  # (k,)
         on_host = _numpy_can(logits)
         # NOTE: off the host the never-sampled tokens are filtered out before the pick, in a (n, V) copy on the

@@ -76,3 +76,15 @@ def test_a_row_its_bad_words_leave_without_an_allowed_token_ends_instead_of_samp
     out = penalized(torch.tensor([ROW]), [params], [[2, 3]], [PROMPT], eos_token_ids=(3,))
     assert out[0].tolist() == [INF, INF, INF, 0.0]  # the end (3) alone, at 0
     assert penalized(torch.tensor([ROW]), [params], [[2]], [PROMPT], (3,))[0].tolist() == [INF, INF, 0.5, INF]
+
+
+def test_a_row_whose_only_allowed_tokens_left_are_never_sampled_ends_too() -> None:
+    """Allowed 1 and 2, "3 2" a bad word, and 1 a token the sampler never picks: nothing is left but the end."""
+    params = SamplingParams(allowed_token_ids=(1, 2), bad_words_token_ids=((3, 2),))
+    out = penalized(torch.tensor([ROW]), [params], [[2, 3]], [PROMPT], (3,), never=(1,))
+    assert out[0].tolist() == [INF, -1.0, INF, 0.0]  # the end at 0: the sampler's pick, greedy or drawn
+    for temperature in (0.0, 1.0):
+        picked = Sampler(never=(1,), eos_token_ids=(3,)).sample(
+            torch.tensor([ROW]), [replace(params, temperature=temperature)], [None], outputs=[[2, 3]],
+            prompts=[PROMPT])
+        assert int(picked[0]) == 3, temperature

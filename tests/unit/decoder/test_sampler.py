@@ -317,3 +317,49 @@ def test_a_row_with_fewer_tokens_left_than_its_top_k_keeps_them_all_without_a_fu
     probs, ids = truncated_probs(row[None], [SamplingParams(temperature=1.0, top_k=64)])
     assert widths == [64 + TIE_SLACK]  # one look, no widening
     assert sorted(int(i) for i in ids[0][probs[0] > 0]) == [3, 70, 900, 1500, 2000]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.95),
+                                    SamplingParams(temperature=1.0, top_k=8, top_p=0.95)])
+def test_a_row_of_nan_logits_gets_a_token_and_its_batch_mates_theirs(params: SamplingParams) -> None:
+    """A broken checkpoint's NaN row must not fail the step for everyone (an index past the candidates)."""
+    x = logits(3)
+    x[1] = float("nan")
+    alone = [int(Sampler().sample(x[i:i + 1], [params], [make_generator(i)])[0]) for i in (0, 2)]
+    got = Sampler().sample(x, [params] * 3, [make_generator(0), make_generator(1), make_generator(2)])
+    assert 0 <= int(got[1]) < VOCAB and [int(got[0]), int(got[2])] == alone
+
+
+def test_a_temperature_below_1e_5_is_greedy_as_in_vllm() -> None:
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+    x = torch.tensor([[5.0, 5.0, 1.0]])  # tied best: a draw at a tiny temperature would pick either
+    assert {int(Sampler().sample(x, [SamplingParams(temperature=1e-6)], [make_generator(s)])[0])
+            for s in range(8)} == {0}
+
+
+def test_a_top_p_rows_kept_ties_do_not_depend_on_how_many_candidates_topk_returned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`topk` keeps an arbitrary few of the ties at its last place; a nucleus ending on those ties is taken
+    from a wider cut, so its kept ids are those of a full sort whatever K its batch mates set."""
+    import mmserve.decoder.draw as draw_module
+
+    real = draw_module._best
+
+    def arbitrary(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `topk` may: of the ties at the cut, the highest ids (not the lowest)."""
+        if k >= scaled.shape[-1]:
+            return real(scaled, k)
+        order = torch.argsort(scaled - torch.arange(scaled.shape[-1]) * 1e-6, dim=-1, descending=True)[:, :k]
+        order = order.sort(dim=-1).values
+        flipped = scaled.gather(-1, order)
+        values, by_value = flipped.sort(dim=-1, descending=True, stable=True)
+        return values, order.gather(-1, by_value)
+
+    row = torch.ones(64)
+    row[:4] = torch.tensor([5.0, 4.0, 3.0, 2.0])  # then 60 tokens tied at 1.0
+    params = [SamplingParams(temperature=1.0, top_p=0.595)]  # the nucleus takes 2 of the ties
+    full, full_ids = truncated_probs(row[None], params, candidates=64)
+    monkeypatch.setattr(draw_module, "_best", arbitrary)
+    cut, cut_ids = truncated_probs(row[None], params, candidates=8)
+    assert {int(i) for i in full_ids[0][full[0] > 0]} == {0, 1, 2, 3, 4, 5}  # the lowest-id ties
+    assert {int(i) for i in cut_ids[0][cut[0] > 0]} == {0, 1, 2, 3, 4, 5}

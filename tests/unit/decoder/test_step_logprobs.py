@@ -50,3 +50,11 @@ def test_a_grammar_rows_log_probs_are_over_the_tokens_its_grammar_allows():
     rendered = choice_logprobs([out[0]]).content[0]
     assert [t.logprob for t in rendered.top_logprobs] == [0.0, FORBIDDEN_LOGPROB, FORBIDDEN_LOGPROB]
     assert rendered.model_dump_json()  # JSON has no -inf
+
+
+def test_a_nan_logprob_is_sent_as_the_floor_json_can_hold() -> None:
+    """A broken checkpoint's NaN logits: JSON has no NaN, and a client's parser refuses one."""
+    from mmserve.messages import TokenLogprob
+
+    rendered = choice_logprobs([TokenLogprob(5, "x", math.nan, ((5, "x", math.nan),))]).content[0]
+    assert rendered.logprob == FORBIDDEN_LOGPROB and rendered.top_logprobs[0].logprob == FORBIDDEN_LOGPROB
