@@ -79,8 +79,13 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
 
 def _check_ratio(name: str, value: Any) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:
-        raise InvalidRequestError(f"mm_processor_kwargs.{name} must be a finite number > 0, got {value!r}")
+    try:  # NOTE: JSON's integers are unbounded: one past a float's range is no finite number either
+        ok = ok and math.isfinite(value) and value > 0
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise InvalidRequestError(f"mm_processor_kwargs.{name} must be a finite number > 0, "
+                                  f"got {str(value)[:40]!r}")
     return float(value)
 
 

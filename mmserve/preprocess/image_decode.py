@@ -50,7 +50,10 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
         image = ImageOps.exif_transpose(image)
     except Exception as err:
         raise MediaError(f"image data is corrupt or truncated ({err})") from err
-    return to_rgb(image)
+    try:
+        return to_rgb(image)
+    except Exception as err:  # e.g. a mode Pillow cannot convert (a TIFF's premultiplied gray and alpha, "La")
+        raise MediaError(f"image mode {image.mode} cannot be converted to RGB ({err})") from err
 
 
 def jpeg_scans(data: bytes, most: int) -> int:

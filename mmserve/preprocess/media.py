@@ -119,9 +119,13 @@ def _read_regular_file(path: Path, most: int) -> bytes:
     """Up to `most` bytes of a regular file. NOTE: opened without blocking, then refused unless regular: a FIFO or
     a device in the media folder would block the reading thread for ever (a file read has no deadline)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
+    try:  # NOTE: checked on the bare descriptor: `fdopen` of a directory raises, and leaves it open
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         return f.read(most)
 
 

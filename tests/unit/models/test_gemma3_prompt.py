@@ -52,3 +52,10 @@ def test_an_items_tiles_are_the_image_then_its_crops_or_the_output_is_refused() 
     assert rule.tiles({"pixel_values": pixels, "num_crops": np.array([2])}) is pixels
     with pytest.raises(RuntimeError, match="3 tiles for 1 crops"):
         rule.tiles({"pixel_values": pixels, "num_crops": np.array([1])})
+
+
+def test_a_ratio_past_a_floats_range_is_a_4xx_naming_it() -> None:
+    from mmserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="pan_and_scan_min_ratio_to_activate must be a finite number"):
+        Gemma3PromptRule(mm_tokens=4).resolve_kwargs({"pan_and_scan_min_ratio_to_activate": 10**400})

@@ -164,3 +164,17 @@ def test_an_animated_image_is_its_first_frame(fmt: str) -> None:
                   **({"lossless": True} if fmt == "WEBP" else {}))
     assert getattr(Image.open(io.BytesIO(data)), "n_frames", 1) == 3  # the file really is animated
     assert decode_image(data, max_pixels=CAP).getpixel((8, 8)) == (255, 0, 0)
+
+
+def test_a_mode_pillow_cannot_convert_to_rgb_is_a_4xx() -> None:
+    """A TIFF of gray with premultiplied alpha (ExtraSamples 1) opens as mode "La", which Pillow cannot make RGB."""
+    data = bytearray(encode(Image.new("LA", (4, 4), (100, 200)), "TIFF"))
+    order = "<" if data[:2] == b"II" else ">"
+    ifd = struct.unpack(order + "I", data[4:8])[0]
+    for k in range(struct.unpack(order + "H", data[ifd:ifd + 2])[0]):
+        entry = ifd + 2 + 12 * k
+        if struct.unpack(order + "H", data[entry:entry + 2])[0] == 338:  # ExtraSamples: 2 (straight) -> 1
+            data[entry + 8:entry + 10] = struct.pack(order + "H", 1)
+    assert Image.open(io.BytesIO(bytes(data))).mode == "La"
+    with pytest.raises(MediaError, match="mode La cannot be converted"):
+        decode_image(bytes(data), max_pixels=MediaConfig().max_image_pixels)

@@ -157,6 +157,17 @@ def test_a_fifo_a_device_or_a_symlink_loop_in_the_folder_is_a_4xx_at_once(tmp_pa
         loader.load("file:///dev/zero")
 
 
+def test_a_folder_in_the_media_folder_is_a_4xx_and_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    loader = MediaLoader(MediaConfig(allowed_local_media_path=str(tmp_path)))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        for url in (f"file://{tmp_path}/", f"file://{tmp_path}/sub"):
+            with pytest.raises(MediaError, match="cannot read file"):
+                loader.load(url)
+    assert len(os.listdir("/proc/self/fd")) <= before  # NOTE: each leaked one before: a replica ran out
+
+
 def test_an_empty_media_folder_is_refused_not_read_as_the_working_directory() -> None:
     with pytest.raises(ValueError, match="allowed_local_media_path is empty"):
         MediaConfig(allowed_local_media_path="")
