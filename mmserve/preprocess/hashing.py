@@ -1,8 +1,9 @@
 """Content hash of one multimodal item: the key of the ProcessorCache and the encoder cache; and the
 source key of the request's bytes, by which a byte-identical repeat is found before it is decoded.
 
-Owns: what goes into the key (decoded pixels, mode, size, palette, model id, and the output-changing
-processor kwargs with their defaults resolved) and its canonical byte form. Does not own: which
+Owns: what goes into the key (decoded pixels, mode, size, palette, model id with a digest of the checkpoint's
+image-processor files, and the output-changing processor kwargs with their defaults resolved) and its
+canonical byte form. Does not own: which
 kwargs change the output or what their defaults are (the model's prompt rule says so), nor caching.
 
 Hashing decoded pixels, not the request's bytes, makes a PNG and a lossless WebP of one picture
@@ -19,11 +20,26 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
 DIGEST_BYTES = 32
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # what the image processor reads
+
+
+def processor_fingerprint(model_dir: str | Path) -> str:
+    """A digest of the checkpoint's image-processor files (absent ones count as empty), for the keys' model id.
+
+    NOTE: the served name alone does not pin the processing: a rolling upgrade to a checkpoint that resizes
+    otherwise, under the same name, would be served the old tiles by the processor cache that its replicas share.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for name in PROCESSOR_FILES:
+        path = Path(model_dir) / name
+        digest.update(name.encode() + b"\x00" + (path.read_bytes() if path.is_file() else b"") + b"\x00")
+    return digest.hexdigest()
 
 
 def hash_image(image: Image.Image, *, model_id: str, kwargs: Mapping[str, Any],

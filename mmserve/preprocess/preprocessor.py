@@ -37,7 +37,7 @@ from mmserve.messages import (
 from mmserve.models.base import PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, as_uint8
 from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages, with_neutral_text
-from mmserve.preprocess.hashing import hash_image, hash_source
+from mmserve.preprocess.hashing import hash_image, hash_source, processor_fingerprint
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.preprocess.media import MediaLoader
 from mmserve.preprocess.processor_cache import CachedItem, ItemCache
@@ -68,6 +68,7 @@ class Preprocessor:
         self.loader = loader or MediaLoader(media)
         self.cache = cache
         self.model_id = model_id
+        self._keys_model = f"{model_id}@{processor_fingerprint(model_dir)}"  # the model id the item keys carry
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size  # the model's token ids (its logits' width); None = not checked
         self.limits = limits or LimitsConfig()
@@ -198,7 +199,7 @@ class Preprocessor:
         for index, data in enumerate(self.loader.read_all(urls), start=1):
             if cancelled():  # NOTE: asked once an image is read, before its work; leaving ends the other reads
                 raise CancelledError(f"the caller left before image {index} was processed")
-            source = hash_source(data, model_id=self.model_id, kwargs=kwargs, salt=salt)
+            source = hash_source(data, model_id=self._keys_model, kwargs=kwargs, salt=salt)
             timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
             # NOTE: requests that bring the same new image at once process it once: the others wait for it
             (local[source], hit), shared = self._flights.run(source, functools.partial(
@@ -230,7 +231,7 @@ class Preprocessor:
             return earlier, False
         if image is None:
             image = self._decode(data, index, timeline)
-        key = hash_image(image, model_id=self.model_id, kwargs=kwargs, salt=salt)
+        key = hash_image(image, model_id=self._keys_model, kwargs=kwargs, salt=salt)
         timeline.mark("preprocess.image_hash")
         by_key = self.cache.find(key, source)
         processed = None if by_key.done() else self._process(image, kwargs, timeline)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -90,3 +93,20 @@ def test_a_cache_salt_gives_keys_of_its_own() -> None:
     assert salted["a"] == both("a")  # the same salt: the same keys
     assert len({plain[0], salted["a"][0], salted["b"][0]}) == 3
     assert len({plain[1], salted["a"][1], salted["b"][1]}) == 3
+
+
+def test_an_items_key_follows_the_checkpoints_image_processor_files_under_one_served_name(
+        tiny_ckpt_224: Path, tmp_path: Path) -> None:
+    """A rolling upgrade to a checkpoint that processes otherwise, under the same name, shares the processor
+    cache with the old replicas: its items must not be found under the old keys."""
+    from mmserve.preprocess.hashing import processor_fingerprint
+    from tests.unit.preprocess.test_preprocessor import CAT, make, one_image
+
+    copy = Path(shutil.copytree(tiny_ckpt_224, tmp_path / "same-name"))
+    assert processor_fingerprint(copy) == processor_fingerprint(tiny_ckpt_224)
+    config = json.loads((copy / "preprocessor_config.json").read_text())
+    config["resample"] = 3 if config.get("resample") != 3 else 2  # another resampling filter
+    (copy / "preprocessor_config.json").write_text(json.dumps(config))
+    assert processor_fingerprint(copy) != processor_fingerprint(tiny_ckpt_224)
+    keys = [make(ckpt).process(one_image(CAT)).features[0].identifier for ckpt in (tiny_ckpt_224, copy)]
+    assert keys[0] != keys[1]
