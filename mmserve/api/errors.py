@@ -20,7 +20,8 @@ UNION_TAGS = frozenset({"text_part", "image_part", "string", "parts"})
 
 
 class UnsupportedParameterError(InvalidRequestError):
-    """An OpenAI parameter we accept only at its default (n > 1, logprobs, tools, ...)."""
+    """An OpenAI parameter we accept only at its default (tools unless tool_choice is none, echo, beam search,
+    ...: mmserve/api/unserved.py)."""
 
     code = "unsupported_parameter"
 

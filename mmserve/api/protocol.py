@@ -1,10 +1,10 @@
-"""The OpenAI-compatible HTTP schemas of `/v1/chat/completions` and `/v1/models`.
+"""The OpenAI-compatible HTTP schemas of `/v1/chat/completions` and `/v1/models` (and `/v1/models/{model}`).
 
 Owns: the pydantic models at the HTTP edge (nothing past `ChatCompletionRequest.to_chat_request` sees
-pydantic), OpenAI's defaults and aliases, and the rejection of OpenAI features we do not serve.
-Does not own: the error bodies (`protocol_errors.py`), deep message checks (reserved tokens,
-image count, chat template: `mmserve.preprocess.preprocessor`), assembling responses from engine outputs
-(`protocol_stream.py`), nor the HTTP server.
+pydantic), OpenAI's defaults and aliases, the rejection of OpenAI features we do not serve, and the check
+that a request names the served model. Does not own: the error bodies (`errors.py`), deep message checks
+(reserved tokens, image count, chat template: `mmserve.preprocess.preprocessor`), assembling responses from
+engine outputs (`stream.py`), nor the HTTP server.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Owns: the strings the Gemma 3 tokenizer uses around images, the image-processor kwargs that change
 the processed pixels (with their defaults and valid ranges), and `expand_image_placeholders`, which
 rewrites each `<start_of_image>` the chat template emitted exactly as transformers'
-`Gemma3Processor.replace_image_token` does. Does not own: tokenizing, running the image processor,
-or finding placeholder ranges (processing.py does those for any rule of this shape).
+`Gemma3Processor.replace_image_token` does, and reading one image's tiles from its processor's output. Does
+not own: tokenizing or running the image processor (mmserve/preprocess/preprocessor.py), nor finding
+placeholder ranges (mmserve/preprocess/image_runs.py), which work for any rule of this shape.
 """
 
 from __future__ import annotations
