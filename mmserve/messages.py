@@ -39,7 +39,7 @@ class StructuredOutput:
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # tokens to generate at most
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below 1e-5 (0 too) means greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one, in [0, 1]; 0 = off (vLLM's)

@@ -187,10 +187,9 @@ class KVBlockManager:
         """Pages a sequence of `num_tokens` tokens holds that count toward its peak at no further cost to the
         pool: all it holds, less the sliding layers' cached blocks that others hold too and that its window
         passes before its last token (it takes new pages in their place, while they stay with the others)."""
-        last = -(-num_tokens // self.block_size)
         passed = sum(len(block.pages) for kind, table in zip(self.kinds, blocks.tables, strict=True)
                      if kind.window is not None for row, block in table.shared.items()
-                     if block.holders > 1 and row < self._first_read(kind, last))
+                     if block.holders > 1 and row < _first_block(num_tokens - 1, kind.window, self.block_size))
         return blocks.num_pages - passed
 
     def _first_read(self, kind: LayerKind, blocks: int) -> int:
@@ -224,6 +223,12 @@ class KVBlockManager:
             else:
                 hi = mid - 1
         return lo
+
+
+def _first_block(position: int, window: int, block_size: int) -> int:
+    """The first block a sliding layer's query at `position` reads (it sees back `window` positions, itself
+    included)."""
+    return max(position - window + 1, 0) // block_size
 
 
 def _ensure_rows(table: KindTable, rows: int) -> None:

@@ -80,8 +80,10 @@ def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: lis
         # NOTE: allowed ids that the output has since made bad words leave no token: the sequence ends (its
         # end's logits 0) rather than sample from nothing, which no row of a batch may do; no device read
         ends_t = ints_to_device([t for t in eos_token_ids if 0 <= t < vocab], device)
-        left = row.index_fill(0, ints_to_device(list(never), device), float("-inf")) if never else row
-        nothing = left.amax() == float("-inf")  # () bool
+        # NOTE: only allowed ids can still be finite: those left but the never-sampled ones decide
+        left = [t for t in p.allowed_token_ids if 0 <= t < vocab and t not in never]
+        nothing = row.index_select(0, ints_to_device(left, device)).amax() == float("-inf") if left \
+            else torch.tensor(True, device=device)  # () bool
         row.index_copy_(0, ends_t, torch.where(nothing, 0.0, row.index_select(0, ends_t)))
 
 

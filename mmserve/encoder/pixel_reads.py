@@ -2,9 +2,10 @@
 
 Owns: reading each missed item through its request's resolver (`Resolver`: `ray.get` in the Ray app, the
 item itself in process), else through another waiting request's reference to the same item, and saying which
-items could not be read, with why; where the resolver can (`Prefetcher`), the step's copies of its items are
-brought at once, under one deadline, before any is read. Does not own: the encoder cache's books, the vision
-forward, nor what a failure does to the requests (stage.py).
+items could not be read, with why; where the resolver can (`Prefetcher`), the misses' own copies are brought
+at once, under one deadline, before any is read (and other requests' copies of a late one under a second).
+Does not own: the encoder cache's books, the vision forward, nor what a failure does to the requests
+(stage.py).
 """
 
 from __future__ import annotations
@@ -37,33 +38,45 @@ Read = tuple[list[tuple[MultiModalFeatureSpec, ProcessedItem]], list[tuple[Multi
 
 
 def read_misses(misses: Sequence[tuple[Reader, MultiModalFeatureSpec]], waiting: Iterable[Reader]) -> Read:
-    """(the misses read, in order; those that could not be, each with the first error met)."""
+    """(the misses read, in order; those that could not be, each with the first error met).
+
+    NOTE: each miss's own copy is brought first, all of them together; other waiting requests' copies of an item
+    only for the misses whose own copy did not arrive (a second wait, for those alone): a far copy that no miss
+    needs never holds the step.
+    """
     read: list[tuple[MultiModalFeatureSpec, ProcessedItem]] = []
     failed: list[tuple[MultiModalFeatureSpec, BaseException]] = []
     others = list(waiting)
-    candidates = [[(req, spec), *_alternates(req, spec, others)] for req, spec in misses]
-    arrived = _prefetch(candidates)
-    for (_, spec), copies, here in zip(misses, candidates, arrived, strict=True):
-        ready = [copy for copy, ok in zip(copies, here, strict=True) if ok]
-        if not ready:
-            failed.append((spec, TimeoutError(f"the pixels of item {spec.identifier} did not arrive in time")))
-            continue
+    own = _prefetch([[copy] for copy in misses])
+    late = [k for k, [here] in enumerate(own) if not here]
+    alternates = {k: _alternates(*misses[k], others) for k in late}
+    arrived = dict(zip(late, _prefetch([alternates[k] for k in late]), strict=True))
+    for k, (req, spec) in enumerate(misses):
+        late_own = TimeoutError(f"the pixels of item {spec.identifier} did not arrive in time") \
+            if k in alternates else None
+        ready = [copy for copy, here in zip(alternates[k], arrived[k], strict=True) if here] if late_own \
+            else [(req, spec), *_alternates(req, spec, others)]
         try:
             read.append((spec, _read_first(ready)))
         except Exception as exc:  # e.g. its pixels' owner died and the store has no copy
-            failed.append((spec, exc))
+            failed.append((spec, late_own or exc))  # NOTE: a late own copy is the reason, whatever the others did
     return read, failed
 
 
 def _alternates(req: Reader, spec: MultiModalFeatureSpec, waiting: list[Reader]) -> list[Copy]:
-    """Other waiting requests' specs of the same item that carry other pixels than `spec`'s.
+    """Other waiting requests' specs of the same item that carry other pixels than `spec`'s, each pixels once.
 
     NOTE: requests that share an item (the same content hash) may carry pixels of different makers, and the
     stage books the item for the first of them only: when that one's maker is gone (or its copy is late),
     another's pixels still serve, and no request fails for another's lost pixels.
     """
-    return [(other, alt) for other in waiting if other is not req for alt in other.features
-            if alt.identifier == spec.identifier and alt.data is not None and not _same(alt.data, spec.data)]
+    found: list[Copy] = []
+    for other in waiting:
+        for alt in other.features if other is not req else ():
+            if alt.identifier == spec.identifier and alt.data is not None \
+                    and not any(_same(alt.data, seen.data) for seen in (spec, *(s for _, s in found))):
+                found.append((other, alt))
+    return found
 
 
 def _prefetch(candidates: list[list[Copy]]) -> list[list[bool]]:
@@ -91,15 +104,14 @@ def _prefetch(candidates: list[list[Copy]]) -> list[list[bool]]:
 
 
 def _read_first(copies: list[Copy]) -> ProcessedItem:
-    """The pixels of the first copy that reads; the first copy's error if none does."""
+    """The pixels of the first copy that reads; the first copy's error if none does (LookupError: no copy)."""
     first: Exception | None = None
     for req, spec in copies:
         try:
             return _read(req, spec)
         except Exception as exc:
             first = first or exc
-    assert first is not None
-    raise first
+    raise first or LookupError("no copy of the item to read")
 
 
 def _read(req: Reader, spec: MultiModalFeatureSpec) -> ProcessedItem:

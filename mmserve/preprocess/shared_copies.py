@@ -119,8 +119,8 @@ class Keeper:
             return None
         except Exception as exc:  # NOTE: any failure: a lookup answers a miss, never an error
             expected = isinstance(exc, ItemLostError)  # (logged without a traceback)
-            log.log(logging.INFO if expected else logging.WARNING, "processed item %s could not be read (%s); "
-                    "dropped", key, type(exc).__name__, exc_info=not expected)
+            log.log(logging.INFO if expected else logging.WARNING, "processed item %s could not be read (%s: %s); "
+                    "dropped", key, type(exc).__name__, exc, exc_info=not expected)
             self._drop(key, item)
             return None
         try:

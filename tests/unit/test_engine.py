@@ -213,13 +213,22 @@ def test_a_second_request_under_a_live_id_is_refused_and_the_first_goes_on(engin
 
 def test_ids_taken_by_a_live_request_with_choices_are_refused_before_anything_runs(engine):
     """A request with n > 1 is served as choices `id/0`, `id/1`, ...: its own id and its choices' are taken."""
+    clash = engine.preprocess(chat("dupn/1", max_tokens=4))  # NOTE: ready beforehand: no wait before it is sent
+
     async def run() -> list[Any]:
         first = engine.stream(chat("dupn", max_tokens=24, ignore_eos=True, n=2, temperature=1.0, seed=3))
-        outs = [await first.__anext__()]
-        for taken in ("dupn", "dupn/1"):  # its own id, though no choice's; a choice's, whether it runs yet or not
-            with pytest.raises(ValueError, match=f"{taken} is already being served"):
-                async for _ in engine.stream(chat(taken, max_tokens=4)):
-                    pass
+        opened = asyncio.ensure_future(first.__anext__())
+        while "dupn" not in engine.decoder_service._reserved:  # NOTE: taken as it starts, before any output
+            await asyncio.sleep(0.001)
+        # a choice's id before that choice runs (it waits for choice 0's first output); nothing awaited between
+        assert "dupn/1" not in engine.decoder_service._live
+        with pytest.raises(ValueError, match="dupn/1 is already being served"):
+            async for _ in engine._serve(clash):
+                pass
+        outs = [await opened]
+        with pytest.raises(ValueError, match="dupn is already being served"):
+            async for _ in engine.stream(chat("dupn", max_tokens=4)):
+                pass
         outs += [out async for out in first]
         return outs
 

@@ -183,7 +183,8 @@ def test_a_sliding_layers_cached_blocks_another_sequence_holds_too_are_not_in_ha
     a = seq("a", list(range(24)), manager)
     manager.grow(a.blocks, 24)
     manager.index(a.blocks, a.block_hashes, 24)  # a still holds all of it
-    for tokens, passed in ((44, 2), (25, 1)):  # the sliding rows 4 and 5 shared; at 25 tokens row 5 stays read
+    # the sliding rows 4 and 5 are shared; the last token (at tokens - 1) reads back from (tokens - 6)
+    for tokens, passed in ((44, 2), (26, 1), (25, 0)):
         b = seq("b", [*range(24), *range(100, 100 + tokens - 24)], manager)
         assert manager.start_from_cache(b.blocks, b.block_hashes, limit=6) == 24
         sliding, _ = b.blocks.tables

@@ -320,14 +320,36 @@ def test_a_steps_misses_are_prefetched_together_and_one_that_arrives_late_fails_
 
 
 def test_a_late_copy_of_an_item_is_served_by_another_requests_copy_that_arrived() -> None:
-    """Two requests carry one item made by two makers: the first's copy is late, the second's here. Both are
-    prefetched in one call, and neither request fails."""
+    """Two requests carry one item made by two makers: the first's copy is late, the second's here. Neither
+    request fails."""
     stage, store = _stage(), PrefetchingStore(late={"slow"})
     store.items.update(slow=_item(3), fast=_item(3))
     stage.add_request("r1", [_spec("x", "slow")], store)
     stage.add_request("r2", [_spec("x", "fast")], store)
     assert [r.request_id for r in stage.step()] == ["r1", "r2"]
-    assert store.prefetched == [["slow", "fast"]] and store.calls == ["fast"]  # the late one never read
+    # its own copy first; the other request's only once its own was late
+    assert store.prefetched == [["slow"], ["fast"]] and store.calls == ["fast"]  # the late one never read
+
+
+def test_another_requests_far_copy_is_not_waited_for_when_the_own_copy_is_here() -> None:
+    stage, store = _stage(), PrefetchingStore(late={"far"})
+    store.items.update(here=_item(3), far=_item(3))
+    stage.add_request("r1", [_spec("x", "here")], store)
+    stage.add_request("r2", [_spec("x", "far")], store)
+    assert [r.request_id for r in stage.step()] == ["r1", "r2"]
+    assert store.prefetched == [["here"]] and store.calls == ["here"]
+
+
+def test_a_late_copy_whose_alternates_fail_too_fails_as_late_and_each_pixels_is_read_once() -> None:
+    stage, store = _stage(), PrefetchingStore(late={"slow"})
+    store.items["slow"] = _item(3)  # "gone" is not there: its maker died
+    stage.add_request("r1", [_spec("x", "slow")], store)
+    stage.add_request("r2", [_spec("x", "gone")], store)
+    stage.add_request("r3", [_spec("x", "gone")], store)  # the same reference as r2's
+    with pytest.raises(EncoderStepError) as err:
+        stage.step()
+    assert isinstance(err.value.cause_of("r1"), TimeoutError)  # the late own copy is the reason
+    assert store.prefetched == [["slow"], ["gone"]] and store.calls == ["gone"]
 
 
 def test_a_failed_prefetch_reads_each_copy_as_it_is() -> None:
