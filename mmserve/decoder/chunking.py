@@ -28,8 +28,8 @@ def chunk_tokens(seq: Sequence, budget: int) -> int:
 def awaits_embeddings(seq: Sequence, start: int) -> bool:
     """Whether a chunk from `start` cannot begin for want of an item's embeddings: an item it lacks begins
     there, or `start` falls inside one."""
-    return any(seq.features[i].placeholder.offset <= start < seq.features[i].placeholder.offset
-               + seq.features[i].placeholder.length for i in lacking(seq))
+    spans = (seq.features[i].placeholder for i in lacking(seq))
+    return any(span.offset <= start < span.offset + span.length for span in spans)
 
 
 def lacking(seq: Sequence) -> list[int]:

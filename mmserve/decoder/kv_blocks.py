@@ -106,7 +106,7 @@ class KVBlockManager:
         for kind, table in zip(self.kinds, blocks.tables, strict=True):
             if kind.window is None:
                 continue
-            first = max(next_position - kind.window + 1, 0) // self.block_size
+            first = _first_block(next_position, kind.window, self.block_size)
             if first > table.lo:
                 freed += self._let_go(table, range(table.lo, first))
                 table.lo = first
@@ -196,7 +196,7 @@ class KVBlockManager:
         """The first block a kind reads for a query at position `blocks * block_size`."""
         if kind.window is None:
             return 0
-        return max(blocks * self.block_size - kind.window + 1, 0) // self.block_size
+        return _first_block(blocks * self.block_size, kind.window, self.block_size)
 
     def _cached(self, k: int, hashes: list[bytes], lo: int, hi: int) -> bool:
         assert self.cache is not None

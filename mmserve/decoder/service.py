@@ -39,8 +39,7 @@ class _Live:
     pre: PreprocessedRequest
     encode: EncodeFn | None
     loop: asyncio.AbstractEventLoop  # the consumer's
-    # held while getting embeddings; one for all the choices of a request (see `_choices`), else its own
-    encoding: asyncio.Lock = field(default_factory=asyncio.Lock)
+    encoding: asyncio.Lock  # held while getting embeddings; one for all the choices of a request (`_choices`)
     fetches: int = 0  # late fetches started (each its own encoder request id)
     fetching: set[concurrent.futures.Future[None]] = field(default_factory=set)  # late fetches under way
     ended: bool = False  # the consumer is gone: a late fetch finishing after it is dropped

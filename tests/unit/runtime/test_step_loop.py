@@ -46,13 +46,19 @@ def test_outputs_that_queued_up_come_as_one_when_merging() -> None:
     assert [o.new_token_ids for o in plain] == [[1], [2], [3]]
 
 
-def test_a_failure_after_queued_outputs_delivers_them_then_raises() -> None:
+@pytest.mark.parametrize(("queued", "sent"), [
+    ([out(1, "a", n=1), out(2, "b", n=2), RequestFailed("r", ValueError("boom"))], [[1, 2]]),
+    # a step that failed every request, then the request's own add (queued meanwhile) ran: outputs follow the
+    # failure in the channel, and are not sent
+    ([out(1, "a", n=1), RequestFailed("r", ValueError("boom")), out(2, "b", n=2)], [[1]]),
+])
+def test_a_failure_delivers_the_outputs_queued_before_it_then_raises(queued: list, sent: list) -> None:
     got: list = []
 
     async def run() -> None:
         loop = idle_loop()
         loop.open("r")
-        for item in (out(1, "a", n=1), out(2, "b", n=2), RequestFailed("r", ValueError("boom"))):
+        for item in queued:
             loop._deliver("r", item)
         await asyncio.sleep(0)
         async for o in loop.outputs("r", merge=merge_outputs):
@@ -60,26 +66,7 @@ def test_a_failure_after_queued_outputs_delivers_them_then_raises() -> None:
 
     with pytest.raises(ValueError, match="boom"):
         asyncio.run(run())
-    assert [o.new_token_ids for o in got] == [[1, 2]]
-
-
-def test_outputs_queued_behind_a_failure_are_not_sent_and_the_failure_is_raised() -> None:
-    """A step that failed every request, then the request's own add (queued meanwhile) ran: its outputs follow
-    the failure in the channel."""
-    got: list = []
-
-    async def run() -> None:
-        loop = idle_loop()
-        loop.open("r")
-        for item in (out(1, "a", n=1), RequestFailed("r", ValueError("the step failed")), out(2, "b", n=2)):
-            loop._deliver("r", item)
-        await asyncio.sleep(0)
-        async for o in loop.outputs("r", merge=merge_outputs):
-            got.append(o)
-
-    with pytest.raises(ValueError, match="the step failed"):
-        asyncio.run(run())
-    assert [o.new_token_ids for o in got] == [[1]]
+    assert [o.new_token_ids for o in got] == sent
 
 
 def test_stop_joins_the_thread_and_fails_what_still_waits() -> None:
