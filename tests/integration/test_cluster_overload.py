@@ -5,6 +5,7 @@ that leaves while its body is read is counted as aborted, not as a server fault.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import socket
@@ -94,13 +95,19 @@ def test_past_the_queue_a_503_with_retry_after_at_once_and_the_admitted_complete
 
 
 def test_past_the_ingress_bound_its_own_503_at_once_and_probes_still_answered(tight_app: AppInfo):
-    # NOTE: the last test's requests may still hold slots (a closed stream's ends once the ingress notices): a
-    # slow request sent meanwhile was itself refused, and the requests after it found a slot (seen in CI)
-    wait_until(lambda: metric_lines(tight_app).get("mmserve_ingress_requests_in_flight") == 0, timeout=30,
-               what="the ingress to hold no request")
-    # NOTE: each slot is held by a request whose body never ends: the ingress waits for it (until the deadline)
-    slow = [slow_body(tight_app) for _ in range(INGRESS_SLOTS)]
+    def holds(requests: int) -> bool:
+        return metric_lines(tight_app).get("mmserve_ingress_requests_in_flight") == requests
+
+    # NOTE: each slot is held by a request whose body never ends: the ingress waits for it (until the deadline).
+    # Each is sent once the last one holds its slot, and the first once the last test's requests have left
+    # theirs: a slow request that met another in a slot was itself refused, and the probes after it found its
+    # slot free (seen in CI).
+    slow: list[socket.socket] = []
+    for held in range(INGRESS_SLOTS):
+        wait_until(functools.partial(holds, held), timeout=30, interval=0.05, what=f"the ingress to hold {held}")
+        slow.append(slow_body(tight_app))
     try:
+        wait_until(functools.partial(holds, INGRESS_SLOTS), timeout=30, interval=0.05, what="every slot held")
         answers: list[tuple[int, Any, Any, float]] = []
 
         def one_refused() -> bool:  # NOTE: a request sent before every slow one is in is served (a 200)
