@@ -47,11 +47,6 @@ class EncoderCacheManager:
                 f"an image needs {num_tokens} embedding tokens but the encoder cache holds at most "
                 f"{self.capacity_tokens} (EncoderConfig.cache_capacity_tokens)"
             )
-        if num_tokens > self.compute_budget_tokens:
-            raise CapacityError(
-                f"an image needs {num_tokens} embedding tokens but one encoder step computes at most "
-                f"{self.compute_budget_tokens} (EncoderConfig.compute_budget_tokens)"
-            )
 
     def validate_request(self, sizes: Mapping[str, int]) -> None:
         """Raise CapacityError if a request's distinct items (hash -> rows) cannot be held at once.

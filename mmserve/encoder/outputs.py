@@ -78,6 +78,8 @@ class EncoderStepError(RuntimeError):
         first = next(iter(causes.values()), None)
         super().__init__(f"encoder step failed for requests {list(causes)}: {first!r}")
         self.causes = causes  # request id -> the error of the item that failed it, in arrival order
+        # what the same step finished for other requests (the step loop hands them out; not pickled)
+        self.outputs: list[EncodedRequest] = []
 
     @property
     def request_ids(self) -> list[str]:

@@ -118,12 +118,24 @@ class EncoderStage:
         """Run one encoder step; return the requests whose embeddings are now all available.
 
         Raises EncoderStepError (after dropping the requests involved in the misses) if resolving
-        an item or the vision forward fails; the other requests stay queued, the books consistent.
+        an item or the vision forward fails, carrying the requests the step finished all the same (`outputs`);
+        the other requests stay queued, the books consistent. Any other error forgets the step's new entries
+        that got no tensor (the caller then aborts every request: see StepLoop).
         """
         misses = self._schedule()
         self._drop_freed()
-        if misses:
-            self._encode(misses)
+        try:
+            if misses:
+                self._encode(misses)
+        except EncoderStepError as exc:
+            # NOTE: requests whose items are all here (hits, or misses that encoded) go on now: a next step
+            # could fail the same way (a stuck object store fails each after a read's timeout)
+            exc.outputs = self._collect_done()
+            raise
+        except BaseException:
+            self.manager.discard([spec.identifier for _, spec in misses if spec.identifier not in self.cache])
+            self._drop_freed()
+            raise
         return self._collect_done()
 
     def _schedule(self) -> list[tuple[_Pending, MultiModalFeatureSpec]]:
@@ -142,8 +154,11 @@ class EncoderStage:
                 spec = req.features[req.next_index]
                 hit = self.manager.check_and_update_cache(req.request_id, spec.identifier)
                 if not hit:
+                    # NOTE: a step's first miss may take more than the budget and then runs alone, as an item
+                    # with more crops than one forward does (vLLM too raises its budget to the largest item)
+                    room = budget if misses else max(budget, spec.num_embeds)
                     if (misses and crops + _num_tiles(spec) > self.runner.max_batch_items) or \
-                            not self.manager.can_allocate(spec.num_embeds, budget):
+                            not self.manager.can_allocate(spec.num_embeds, room):
                         return misses
                     self.manager.allocate(req.request_id, spec.identifier, spec.num_embeds)
                     budget -= spec.num_embeds
@@ -160,7 +175,9 @@ class EncoderStage:
                 self._early[identifier] = ()  # its step's phases once it has run (`_encode`)
             return
         self._queries += 1
-        if identifier in self._early:  # made for this request: its miss, run ahead (and timed for it)
+        # NOTE: `hit` too: an early entry evicted earlier in this step (forgotten by `_drop_freed` after it)
+        # is this request's own miss again
+        if hit and identifier in self._early:  # made for this request: its miss, run ahead (and timed for it)
             req.timings += self._early.pop(identifier)
             self._early_found += 1
         elif hit:

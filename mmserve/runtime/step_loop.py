@@ -7,7 +7,8 @@ An optional batch window lets requests arriving together share the first step. D
 step does. Used alike by the in-process Engine and by the Ray deployments.
 
 Failure contract: an action's exception fails its request only. A step's exception with a
-`request_ids` attribute fails those requests only (the stage has already dropped them); any other
+`request_ids` attribute fails those requests only (the stage has already dropped them), and the outputs it
+carries (`outputs`: what the step finished for others) are delivered as a step's would be; any other
 step exception fails every waiting request and calls `abort_all`, and the loop carries on.
 
 Lifetime: `stop()` ends the thread after the step under way and joins it; requests still waiting then
@@ -216,6 +217,8 @@ class StepLoop:
                 log.exception("%s: step failed; aborting every request", self.name)
                 named = list(self._channels)
                 self._abort_all()
+            for out in getattr(exc, "outputs", ()):
+                self._deliver(out.request_id, out)
             for request_id in named:
                 self._deliver(request_id, RequestFailed(request_id, exc))
             return

@@ -103,8 +103,7 @@ def test_capacity_errors_name_the_limit() -> None:
     m.validate_item(6)
     with pytest.raises(CapacityError, match="cache_capacity_tokens"):
         EncoderCacheManager(capacity_tokens=4, compute_budget_tokens=8).validate_item(5)
-    with pytest.raises(CapacityError, match="compute_budget_tokens"):
-        m.validate_item(7)
+    m.validate_item(7)  # over one step's budget: the stage runs it alone, never refused
     m.validate_request({"a": 5, "b": 5})
     with pytest.raises(CapacityError, match="distinct images need 11"):
         m.validate_request({"a": 5, "b": 6})

@@ -137,6 +137,20 @@ def test_an_early_encode_serves_its_request_and_counts_as_that_requests_miss(tog
     assert not stage.has_pending() and stage.manager.refcount("h") == 0
 
 
+def test_an_early_entry_evicted_in_the_step_that_misses_it_again_counts_as_a_plain_miss() -> None:
+    stage, store = _stage(cache_capacity_tokens=2 * MM_TOKENS), Store()
+    store.items.update(k=_item(1), j=_item(2), i=_item(3))
+    stage.add_request("r/early", [_spec("x", "k")], store.resolve, early=True)
+    stage.add_request("w", [_spec("w", "j")], store.resolve)
+    stage.step()  # both handed out: x (made early, its request not come) then w, unreferenced in that order
+    stage.add_request("a", [_spec("y", "i")], store.resolve)  # evicts x, the oldest
+    stage.add_request("r", [_spec("x", "k")], store.resolve)  # misses x in the same step: evicts w
+    done = {out.request_id: out for out in stage.step()}
+    stats = stage.stats()
+    assert store.calls.count("k") == 2 and stats.early_found == 0 and stats.hits == 0
+    assert [name for name, _ in done["r"].timings] == ["encoder.pixels", "encoder.forward", "encoder.stage"]
+
+
 def test_duplicates_within_a_step_and_a_request_encode_once() -> None:
     stage, store = _stage(), Store()
     store.items.update(k=_item(1), j=_item(2))
@@ -183,6 +197,18 @@ def test_a_step_holds_one_forward_of_crops_and_a_bigger_item_runs_alone_in_chunk
     assert stage.stats().batch_sizes == {2: 2, 1: 3}
 
 
+def test_an_item_over_the_compute_budget_is_its_steps_only_miss() -> None:
+    """Pan-and-scan with many crops needs more rows than one step's budget: it runs, alone, never refused."""
+    stage = _stage(compute_budget_tokens=2 * MM_TOKENS)
+    stage.add_request("small", [_spec("s", _item(1))])
+    stage.add_request("big", [_spec("m", _item(9, n_crops=3), 3 * MM_TOKENS)])
+    stage.add_request("after", [_spec("t", _item(2))])
+    assert [r.request_id for r in stage.step()] == ["small"]  # the big one does not fit beside it
+    assert [r.request_id for r in stage.step()] == ["big"]  # first in its step: alone, over the budget
+    assert [r.request_id for r in stage.step()] == ["after"]
+    assert stage.stats().batch_sizes == {1: 2, 3: 1}
+
+
 def test_references_last_until_handover_and_abort_drops_pending() -> None:
     stage = _stage(compute_budget_tokens=MM_TOKENS)
     stage.add_request("r1", [_spec("a", _item(1)), _spec("b", _item(2))])
@@ -227,8 +253,8 @@ def test_entries_a_waiting_request_holds_are_not_evicted_for_its_next_item() -> 
 
 def test_capacity_errors_at_add_request() -> None:
     stage = _stage(cache_capacity_tokens=3 * MM_TOKENS, compute_budget_tokens=2 * MM_TOKENS)
-    with pytest.raises(CapacityError, match="compute_budget_tokens"):
-        stage.add_request("r", [_spec("a", _item(1), 3 * MM_TOKENS)])
+    with pytest.raises(CapacityError, match="cache_capacity_tokens"):
+        stage.add_request("r", [_spec("a", _item(1), 4 * MM_TOKENS)])
     with pytest.raises(CapacityError, match="cache_capacity_tokens"):
         stage.add_request("r", [_spec(h, _item(1), 2 * MM_TOKENS) for h in "ab"])
     stage.add_request("r", [_spec("a", _item(1), 2 * MM_TOKENS)] * 3)  # one distinct item fits
@@ -276,7 +302,9 @@ def test_a_lost_pixel_reference_fails_its_request_only() -> None:
     with pytest.raises(EncoderStepError) as err:
         stage.step()
     assert err.value.request_ids == ["lost"] and "x" not in stage.manager
-    assert [r.request_id for r in stage.step()] == ["ok1", "ok2"]  # encoded in that same forward
+    # encoded in that same forward, they go on from the failed step (the next could fail the same way)
+    assert [r.request_id for r in err.value.outputs] == ["ok1", "ok2"]
+    assert not stage.has_pending() and stage.manager.referencing_requests() == []
     assert stage.stats().forward_passes == 1
 
 
@@ -315,8 +343,42 @@ def test_a_steps_misses_are_prefetched_together_and_one_that_arrives_late_fails_
     assert store.prefetched == [["k", "slow", "j"]]  # one call for the step's misses, before any read
     assert err.value.request_ids == ["late"] and isinstance(err.value.cause_of("late"), TimeoutError)
     assert store.calls == ["k", "j"] and "x" not in stage.manager  # the late item was not read (no second wait)
-    assert [r.request_id for r in stage.step()] == ["ok1", "ok2"]
+    assert [r.request_id for r in err.value.outputs] == ["ok1", "ok2"] and not stage.has_pending()
     assert stage.stats().forward_passes == 1
+
+
+def test_a_request_found_cached_goes_on_from_a_step_whose_every_try_fails() -> None:
+    """A stuck object store fails each step's misses after a read's timeout: a request whose items are cached
+    must not wait for a step that succeeds."""
+    stage, store = _stage(), PrefetchingStore(late={"slow"})
+    store.items.update(k=_item(1), slow=_item(3))
+    stage.add_request("first", [_spec("a", "k")], store)
+    stage.step()
+    stage.add_request("late", [_spec("x", "slow")], store)
+    stage.add_request("cached", [_spec("a", "k")], store)
+    with pytest.raises(EncoderStepError) as err:
+        stage.step()
+    assert err.value.request_ids == ["late"] and [r.request_id for r in err.value.outputs] == ["cached"]
+    assert not stage.has_pending()
+
+
+def test_a_step_failure_naming_no_request_leaves_no_entry_without_its_tensor() -> None:
+    """An error the stage cannot pin on one request (the caller then aborts every request): the entries the
+    step booked are forgotten, so a later request for the item encodes it instead of failing on a hit."""
+    class Miscounting(PrefetchingStore):
+        def prefetch(self, specs: list[MultiModalFeatureSpec]) -> list[bool]:
+            return [True] * (len(specs) + 1)  # one answer too many: pixel_reads' strict zip raises
+
+    stage, store = _stage(), Miscounting(late=set())
+    store.items["k"] = _item(1)
+    stage.add_request("r1", [_spec("a", "k")], store)
+    with pytest.raises(ValueError):
+        stage.step()
+    assert "a" not in stage.manager and len(stage.cache) == 0
+    stage.abort_all()
+    stage.add_request("r2", [_spec("a", "k")], store.resolve)
+    (r2,) = stage.step()
+    assert r2.request_id == "r2" and stage.stats().forward_passes == 1
 
 
 def test_a_late_copy_of_an_item_is_served_by_another_requests_copy_that_arrived() -> None:
@@ -394,7 +456,7 @@ def test_an_item_that_breaks_its_batch_fails_alone_and_the_others_match_alone() 
     with pytest.raises(EncoderStepError, match="rejects this image") as err:
         stage.step()
     assert err.value.request_ids == ["bad"]
-    out = {r.request_id: r.embeddings[0] for r in stage.step()}
+    out = {r.request_id: r.embeddings[0] for r in err.value.outputs}
     assert set(out) == {"r1", "r2"} and not stage.has_pending()
     assert_close_ulps(out["r1"], _alone(vision, a), FAKE_ULPS)
     assert_close_ulps(out["r2"], _alone(vision, b), FAKE_ULPS)

@@ -69,6 +69,41 @@ def test_a_failure_delivers_the_outputs_queued_before_it_then_raises(queued: lis
     assert [o.new_token_ids for o in got] == sent
 
 
+class NamedFailure(RuntimeError):
+    """A step error naming the requests it failed and carrying what the step finished for others."""
+
+    def __init__(self, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+        super().__init__("one item failed")
+        self.request_ids, self.outputs = request_ids, outputs
+
+
+def test_a_step_failure_naming_its_requests_still_delivers_what_it_finished_for_others() -> None:
+    pending = {"bad", "ok"}
+
+    def step() -> list:
+        pending.clear()
+        done = RequestOutput("ok", [7], "x", True, "stop", 5, 1)
+        raise NamedFailure(["bad"], [done])
+
+    async def run() -> tuple[list, BaseException | None]:
+        loop = StepLoop(step, lambda: bool(pending), lambda: None)
+        for rid in ("bad", "ok"):
+            loop.open(rid)
+        loop.submit(None, lambda: None)  # wakes the thread
+        got = [o async for o in loop.outputs("ok")]
+        try:
+            async for _ in loop.outputs("bad"):
+                pass
+        except NamedFailure as exc:
+            loop.stop()
+            return got, exc
+        loop.stop()
+        return got, None
+
+    got, error = asyncio.run(asyncio.wait_for(run(), 10))
+    assert [o.new_token_ids for o in got] == [[7]] and isinstance(error, NamedFailure)
+
+
 def test_stop_joins_the_thread_and_fails_what_still_waits() -> None:
     started = threading.Event()
 
