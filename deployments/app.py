@@ -9,6 +9,7 @@ Does not own argument names or defaults (args.py) nor any stage's logic.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, cast
 
 from ray.serve import Application, Deployment
@@ -23,6 +24,7 @@ from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.preprocess import Preprocess
 from mmserve.errors import OverloadedError
+from mmserve.models.registry import served_model_type
 
 
 def _deployment(decorated: Any) -> Deployment:
@@ -38,6 +40,9 @@ def _router(config: dict[str, Any]) -> dict[str, Any]:
 def build_app(args: dict[str, Any] | None = None) -> Application:
     cluster_env_started_here()
     app_args = parse_args(args or {})  # NOTE: model None: each replica finds or builds the tiny checkpoint
+    config_path = Path(app_args.engine.model or "") / "config.json"
+    if app_args.engine.model is not None and config_path.exists():  # NOTE: else only the replicas' nodes have it
+        served_model_type(config_path)  # a checkpoint no family serves is refused here, not by each replica
     hub = _deployment(MetricsHub).bind()
     store = _deployment(ProcessorCacheStore).bind(app_args.engine.processor_cache.capacity_bytes, hub,
                                                   app_args.metrics_push_interval_s)

@@ -138,11 +138,16 @@ class DecoderConfig(_Bounded):
     kept_gathers_bytes: int = at_least(0, 512 * MiB)
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.dtype's names
+
+
 @dataclass(frozen=True)
 class EngineConfig(_Bounded):
     model: str | None = None  # local Hugging Face checkpoint folder; None = the built-in tiny Gemma 3
     served_name: str | None = None  # name shown by the API; None = the folder's name
-    dtype: str = "float32"  # torch dtype name the weights are cast to
+    # the weights' and activations' dtype: "float32", "bfloat16", "float16", or "auto" (the checkpoint's own,
+    # float32 if it names none); a model may refuse one (Gemma 3: float16)
+    dtype: str = "float32"
     device: str = "cpu"  # torch device string, e.g. "cpu", "cuda", "cuda:1"
     max_model_len: int | None = at_least(1, None)  # tokens; None = the checkpoint's max_position_embeddings
     # a request's unset temperature, top_p, top_k, min_p and repetition_penalty take the checkpoint's
@@ -153,3 +158,8 @@ class EngineConfig(_Bounded):
     processor_cache: ProcessorCacheConfig = field(default_factory=ProcessorCacheConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")

@@ -36,7 +36,7 @@ class StageFactory:
         self.model_dir = checkpoint_dir(config.model)
         self.family: ModelFamily = load_family(self.model_dir, config)
         self.device = torch.device(config.device)
-        self.dtype: torch.dtype = getattr(torch, config.dtype)
+        self.dtype: torch.dtype = self.family.dtype
 
     @property
     def spec(self) -> ModelSpec:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -122,8 +123,20 @@ class ModelFamily(Protocol):
     @property
     def prompt_rule(self) -> PromptRule: ...
 
+    @property
+    def dtype(self) -> torch.dtype: ...  # the weights' and activations' (EngineConfig.dtype resolved)
+
     def load_vision(self) -> VisionEncoder: ...
 
     def load_text(self) -> TextDecoder: ...
 
     def release_unused(self) -> None: ...  # drop whatever loading kept that no part handed out uses
+
+
+def checkpoint_name(model_dir: Path) -> str:
+    """The name a checkpoint folder is served under by default: the repo id for a Hugging Face cache snapshot
+    (`.../models--google--gemma-3-4b-it/snapshots/<commit>` -> `google/gemma-3-4b-it`), else the folder's name."""
+    parent = model_dir.resolve().parent if model_dir.exists() else model_dir.parent
+    if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+        return parent.parent.name.removeprefix("models--").replace("--", "/")
+    return model_dir.name

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from mmserve.config import EngineConfig
-from mmserve.models.base import FULL, SLIDING, AttentionPattern, ModelSpec, VisionEncoder
+from mmserve.models.base import FULL, SLIDING, AttentionPattern, ModelSpec, VisionEncoder, checkpoint_name
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.gemma3_text import Gemma3PagedText
 from mmserve.models.generation_defaults import sampling_defaults
@@ -26,15 +26,23 @@ from mmserve.runtime.matmul_forms import pack_linears
 
 
 def _eos_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
+    """Every stop token the checkpoint names: generation_config.json's, config.json's own (google's Gemma 3
+    releases list `[1, 106]` there: `<eos>` and `<end_of_turn>`) and the text config's."""
     ids: list[int] = []
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-    text_eos = config.text_config.eos_token_id
-    ids += text_eos if isinstance(text_eos, list) else [text_eos] if text_eos is not None else []
+        ids += _as_list(json.loads(gen_path.read_text()).get("eos_token_id"))
+    ids += _as_list(json.loads((model_dir / "config.json").read_text()).get("eos_token_id"))
+    ids += _as_list(config.text_config.eos_token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
 
+
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return ids if isinstance(ids, list) else [ids] if ids is not None else []
+
+
+# dtypes Gemma 3 is not served in -> why (EngineConfig.dtype)
+REFUSED_DTYPES = {"float16": "Gemma 3's activations overflow float16 (use bfloat16)"}
 
 # Text-config values the paged model's arithmetic assumes (every Gemma 3 release has them): a checkpoint that
 # sets another is refused at load rather than served with arithmetic that is not its own.
@@ -55,7 +63,7 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
     assert set(kinds) <= {FULL, SLIDING}, f"unknown Gemma 3 layer types {set(kinds)}"
     return ModelSpec(
         family="gemma3",
-        model_id=engine.served_name or model_dir.name,
+        model_id=engine.served_name or checkpoint_name(model_dir),
         image_token_id=int(config.image_token_id),
         mm_tokens_per_image=int(config.mm_tokens_per_image),
         vocab_size=int(text.vocab_size),
@@ -78,6 +86,16 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
     )
 
 
+def served_dtype(name: str, config: Any) -> torch.dtype:
+    """EngineConfig.dtype's `name` as a torch dtype: "auto" is the checkpoint's own (float32 if none)."""
+    dtype = config.dtype if name == "auto" else getattr(torch, name)
+    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or "float32")
+    why = REFUSED_DTYPES.get(str(dtype).removeprefix("torch."))
+    if why:
+        raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not served: {why}")
+    return dtype
+
+
 class Gemma3Family:
     """A Gemma 3 checkpoint folder: its spec, prompt rule and loadable parts."""
 
@@ -87,11 +105,8 @@ class Gemma3Family:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.spec = gemma3_spec(self.model_dir, self.hf_config, config)
         self.prompt_rule = Gemma3PromptRule.from_checkpoint(self.model_dir, self.spec.mm_tokens_per_image)
+        self.dtype: torch.dtype = served_dtype(config.dtype, self.hf_config)
         self._hf_model: Any = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.engine_config.dtype)
 
     def _load(self) -> Any:
         # NOTE: the whole checkpoint is read once (transformers maps every checkpoint layout,

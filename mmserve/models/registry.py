@@ -18,6 +18,11 @@ from mmserve.models.gemma3 import Gemma3Family
 from mmserve.models.tiny_checkpoint import default_tiny_checkpoint
 
 FAMILIES: dict[str, Callable[[Path, EngineConfig], ModelFamily]] = {"gemma3": Gemma3Family}
+# model types of the same names that are not served -> why (a clearer refusal than "not supported")
+NOT_SERVED: dict[str, str] = {
+    "gemma3_text": "the text-only Gemma 3 checkpoints (gemma-3-1b, gemma-3-270m; Gemma3ForCausalLM) are not "
+                   "served: mmserve serves the vision-language ones (gemma-3-4b, -12b, -27b)",
+}
 
 
 def checkpoint_dir(model: str | None) -> str:
@@ -34,8 +39,16 @@ def load_family(model_dir: str, config: EngineConfig) -> ModelFamily:
     config_path = Path(model_dir) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint folder (no config.json)")
+    return FAMILIES[served_model_type(config_path)](Path(model_dir), config)
+
+
+def served_model_type(config_path: Path) -> str:
+    """The checkpoint's `model_type` (its config.json at `config_path`); ValueError if no family serves it."""
     model_type = json.loads(config_path.read_text()).get("model_type")
-    family = FAMILIES.get(model_type)
-    if family is None:
-        raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}")
-    return family(Path(model_dir), config)
+    if model_type in NOT_SERVED:
+        raise ValueError(f"{config_path.parent}: {NOT_SERVED[model_type]}")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{config_path.parent}: model_type {model_type!r} is not supported; "
+                         f"known: {sorted(FAMILIES)}")
+    return str(model_type)
+

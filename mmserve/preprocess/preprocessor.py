@@ -61,6 +61,13 @@ class Preprocessor:
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.tokenizer = self.processor.tokenizer  # the decoder's detokenizer uses this one too
+        if not self.processor.chat_template:
+            # NOTE: a re-export may keep its template in tokenizer_config.json only, which the processor's
+            # apply_chat_template does not read: every request would fail
+            self.processor.chat_template = getattr(self.tokenizer, "chat_template", None)
+            if not self.processor.chat_template:
+                raise ValueError(f"{model_dir} has no chat template (chat_template.jinja, chat_template.json "
+                                 "or tokenizer_config.json)")
         self.image_processor = self.processor.image_processor
         self.rule = rule
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.rule.image_token))

@@ -39,3 +39,18 @@ def test_a_cluster_started_after_the_build_gets_the_cluster_env_and_a_users_valu
     monkeypatch.setattr(cluster_env.ray, "is_initialized", lambda: True)  # too late: the cluster has its settings
     app.cluster_env_started_here()
     assert not set(CLUSTER_ENV) & set(os.environ)
+
+
+def test_a_text_only_gemma3_checkpoint_is_refused_by_the_builder_naming_why(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    import json
+    from pathlib import Path
+
+    folder = Path(str(tmp_path))
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    monkeypatch.setattr(app, "cluster_env_started_here", lambda: None)
+    with pytest.raises(ValueError, match="text-only Gemma 3"):
+        app.build_app({"model": str(folder)})
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="'llama' is not supported"):
+        app.build_app({"model": str(folder)})

@@ -43,3 +43,56 @@ def test_a_checkpoint_asking_for_other_arithmetic_is_refused_at_load(tiny_ckpt_2
     setattr(config.text_config, key, value)
     with pytest.raises(ValueError, match=f"text_config.{key}"):
         gemma3_spec(tiny_ckpt_224, config, engine)
+
+
+def test_the_stop_tokens_of_config_json_count_without_a_generation_config(tiny_ckpt_224: Path,
+                                                                         tmp_path: Path) -> None:
+    """google's releases list `<eos>` and `<end_of_turn>` in config.json too; a copy that lost its
+    generation_config.json must still stop at the end of the model's turn."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    for name in ("config.json", "tokenizer_config.json", "preprocessor_config.json"):
+        shutil.copy(tiny_ckpt_224 / name, tmp_path / name)
+    config = AutoConfig.from_pretrained(tmp_path)
+    top = json.loads((tmp_path / "config.json").read_text())["eos_token_id"]
+    assert isinstance(top, list) and len(top) > 1 and config.text_config.eos_token_id == top[0]
+    spec = gemma3_spec(tmp_path, config, EngineConfig(model=str(tmp_path)))
+    assert spec.eos_token_ids == tuple(top)
+
+
+def test_dtype_names_are_checked_auto_takes_the_checkpoints_and_float16_is_refused(tiny_ckpt_224: Path,
+                                                                                   tmp_path: Path) -> None:
+    import json
+
+    from transformers import AutoConfig
+
+    from mmserve.models.gemma3 import served_dtype
+
+    with pytest.raises(ValueError, match=r"EngineConfig\.dtype must be one of"):
+        EngineConfig(dtype="int8")
+    saved = json.loads((tiny_ckpt_224 / "config.json").read_text())
+    saved.pop("dtype", None)
+    for key, on_disk, served in [("torch_dtype", "bfloat16", torch.bfloat16), (None, None, torch.float32)]:
+        saved.pop("torch_dtype", None)
+        if key is not None:  # google's releases say `torch_dtype`; transformers 5 reads it as `dtype`
+            saved[key] = on_disk
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+        config = AutoConfig.from_pretrained(tmp_path)
+        assert served_dtype("auto", config) == served and served_dtype("float32", config) == torch.float32
+    with pytest.raises(ValueError, match="overflow float16"):
+        served_dtype("float16", config)
+    family = Gemma3Family(tiny_ckpt_224, EngineConfig(model=str(tiny_ckpt_224), dtype="auto"))
+    assert family.dtype == torch.float32  # the tiny checkpoint's own
+
+
+def test_a_hugging_face_cache_snapshot_is_served_under_its_repo_id(tmp_path: Path) -> None:
+    from mmserve.models.base import checkpoint_name
+
+    snapshot = tmp_path / "hub" / "models--google--gemma-3-4b-it" / "snapshots" / ("ab" * 20)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "gemma").symlink_to(snapshot)  # a link to the snapshot: the same checkpoint
+    assert checkpoint_name(snapshot) == checkpoint_name(tmp_path / "gemma") == "google/gemma-3-4b-it"
+    assert checkpoint_name(tmp_path / "my-gemma") == "my-gemma"  # any other folder: its name

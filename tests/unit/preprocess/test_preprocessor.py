@@ -515,3 +515,21 @@ def test_from_config(tiny_ckpt_224: Path) -> None:
     pp = StageFactory(EngineConfig(model=str(tiny_ckpt_224))).preprocessor(ProcessorCache(GiB))
     assert pp.model_id == tiny_ckpt_224.name and pp.max_model_len > 1000
     assert pp.process(request(user(txt("hi")))).prompt_token_ids[0] == pp.tokenizer.bos_token_id
+
+
+def test_a_chat_template_kept_only_by_the_tokenizer_is_used_and_none_at_all_is_refused_at_start(
+        tiny_ckpt_224: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt_224, copy)
+    (copy / "chat_template.json").unlink()  # a re-export that kept it in tokenizer_config.json only
+    messages = [{"role": "user", "content": [txt("hi"), img(Image.new("RGB", (32, 32)))]}]
+    chat = request(messages)
+    assert make(copy).process(chat).prompt_token_ids == make(tiny_ckpt_224).process(chat).prompt_token_ids
+    tokenizer_config = json.loads((copy / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (copy / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(ValueError, match="no chat template"):
+        make(copy)
