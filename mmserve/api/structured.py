@@ -140,34 +140,75 @@ def _closed(schema: Any) -> Any:
     """A copy of `schema` in which every object schema that does not say otherwise has `additionalProperties:
     false`: only the properties it lists (what OpenAI's strict mode asks for, vLLM's default backend assumes).
 
-    NOTE: only schema positions are walked (properties' and definitions' values, items, anyOf members), never
-    values (`const`, `enum`, `default`), and an object whose properties may come from elsewhere (`allOf`,
-    `oneOf`, `$ref`) is left open, as are their branches: closing each part of a conjunction would refuse what
-    the whole allows. A loop, not recursion: the schema may nest as deep as the body's JSON.
+    NOTE: only schema positions are walked (properties' and definitions' values, items, combinators' branches),
+    never values (`const`, `enum`, `default`). An object whose properties may come from elsewhere (a combinator
+    or `$ref` beside them) is left open, as are the parts that make it up (`allOf`'s branches, an object's
+    `anyOf` / `oneOf` branches, and the definitions such parts `$ref`): closing each part of a conjunction would
+    refuse what the whole allows. A union's branches (`anyOf` / `oneOf` of a schema that is no object itself)
+    are whole schemas, closed. A loop, not recursion: the schema may nest as deep as the body's JSON.
     """
     out = json.loads(json.dumps(schema))  # a copy
-    stack = [out]
+    parts = _partial_refs(out)
+    stack: list[tuple[Any, bool]] = [(out, True)]  # (schema, whether it is whole: not a part of an object)
     while stack:
-        node = stack.pop()
+        node, whole = stack.pop()
         if not isinstance(node, dict):
             continue
-        kind = node.get("type")
-        is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
-        if is_object and "additionalProperties" not in node and not _OPEN_ENDED & node.keys():
+        if whole and _is_object(node) and "additionalProperties" not in node and not _OPEN_ENDED & node.keys():
             node["additionalProperties"] = False
-        for key in ("properties", "patternProperties", "$defs", "definitions"):
+        for key in ("properties", "patternProperties"):
             if isinstance(node.get(key), dict):
-                stack.extend(node[key].values())
+                stack.extend((child, True) for child in node[key].values())
+        for key in ("$defs", "definitions"):
+            if isinstance(node.get(key), dict):
+                stack.extend((child, f"#/{key}/{name}" not in parts) for name, child in node[key].items())
         for key in ("items", "additionalProperties", "contains"):
             if isinstance(node.get(key), dict):
-                stack.append(node[key])
-        for key in ("items", "prefixItems", "anyOf"):
+                stack.append((node[key], True))
+        for key in ("items", "prefixItems"):
             if isinstance(node.get(key), list):
-                stack.extend(node[key])
+                stack.extend((child, True) for child in node[key])
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                stack.extend((branch, not _makes_up(node, key)) for branch in node[key])
     return out
 
 
-_OPEN_ENDED = frozenset({"allOf", "oneOf", "$ref"})  # an object's properties may also come from these
+_OPEN_ENDED = frozenset({"allOf", "anyOf", "oneOf", "$ref"})  # an object's properties may also come from these
+
+
+def _is_object(node: dict[str, Any]) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
+
+
+def _makes_up(node: dict[str, Any], key: str) -> bool:
+    """Whether the branches under `node[key]` are parts of one object rather than whole alternatives."""
+    return key == "allOf" or _is_object(node)
+
+
+def _partial_refs(schema: Any) -> set[str]:
+    """The `$ref`s that point at parts of an object: a combinator's branch that makes one up, or a `$ref`
+    beside an object's own properties (their definitions stay open)."""
+    refs: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("$ref"), str) and _is_object(node):
+            refs.add(node["$ref"])
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and _makes_up(node, key):
+                refs.update(b["$ref"] for b in node[key] if isinstance(b, dict) and isinstance(b.get("$ref"), str))
+        stack.extend(value for key, value in node.items() if key not in _VALUES)
+    return refs
+
+
+_VALUES = frozenset({"const", "enum", "default", "examples"})  # keys whose values are data, not schemas
 
 
 def _check_size(structured: StructuredOutput, name: str) -> None:

@@ -41,7 +41,10 @@ class InvalidGrammarError(InvalidRequestError):
 def grammar_of(structured: StructuredOutput) -> str:
     """The llguidance grammar (its JSON text) for a request's constraint."""
     if structured.kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(structured.spec, defaults=_JSON_OPTIONS)
+        schema = json.loads(structured.spec)
+        if isinstance(schema, dict):  # NOTE: llguidance reads its options from the schema too: the server's only
+            schema.pop("x-guidance", None)  # (a client's would turn `lenient` on: keywords dropped, not refused)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
     if structured.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(structured.spec)
     if structured.kind == "choice":

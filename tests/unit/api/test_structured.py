@@ -123,6 +123,17 @@ def test_a_strict_schemas_matcher_refuses_a_key_the_schema_does_not_list() -> No
     ({"type": "object", "properties": {"properties": {"type": "object"}}}, [[], ["properties", "properties"]]),
     ({"anyOf": [{"type": "object"}, {"type": "string"}]}, [["anyOf", 0]]),
     ({"type": ["object", "null"]}, [[]]),
+    # a definition that makes up an object through allOf stays open; one used whole is closed
+    ({"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}},
+                "Tag": {"type": "object", "properties": {"t": {"type": "string"}}}},
+      "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"id": {}, "tag": {"$ref": "#/$defs/Tag"}}},
+     [["$defs", "Tag"]]),
+    # an object's anyOf adds properties to it: neither it nor its branches are closed ...
+    ({"type": "object", "properties": {"name": {"type": "string"}},
+      "anyOf": [{"properties": {"email": {"type": "string"}}}, {"properties": {"phone": {"type": "string"}}}]}, []),
+    # ... while a union's branches are whole schemas, each closed
+    ({"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]},
+     [["anyOf", 0], ["anyOf", 1]]),
 ])
 def test_strict_closes_object_schemas_only_where_their_properties_are_all_listed(schema: dict[str, Any],
                                                                               closed_at: list[list[Any]]) -> None:
@@ -161,3 +172,22 @@ def test_a_deep_strict_schema_is_a_400_not_a_500() -> None:
         deep = {"type": "object", "properties": {"a": deep}}
     with pytest.raises(InvalidRequestError, match="nested too deeply"):
         structured(response_format={"type": "json_schema", "json_schema": {"schema": deep, "strict": True}})
+
+
+def test_a_strict_schema_built_of_parts_accepts_what_the_whole_allows() -> None:
+    import llguidance.hf
+
+    from mmserve.decoder.constraint import grammar_of
+    from mmserve.models.tiny_checkpoint import build_tokenizer
+
+    tokenizer = build_tokenizer(1024)
+    vocabulary = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    schema = {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+              "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"id": {}, "name": {"type": "string"}},
+              "required": ["id", "name"]}
+    got = structured(response_format={"type": "json_schema", "json_schema": {"schema": schema, "strict": True}})
+    assert got is not None
+    text = tokenizer.encode('{"id": 1, "name": "b"}', add_special_tokens=False)
+    matcher = llguidance.LLMatcher(vocabulary, grammar_of(got))
+    assert not matcher.is_error(), matcher.get_error()
+    assert matcher.try_consume_tokens(text) == len(text)

@@ -136,6 +136,9 @@ def test_a_grammar_row_never_gets_a_never_sampled_token_and_is_left_none_if_only
     (StructuredOutput("json", "[1, 2"), "invalid JSON schema"),
     (StructuredOutput("regex", "a{2,1}"), "invalid regex"),
     (StructuredOutput("lark", "start: ("), "invalid Lark grammar"),
+    # llguidance's options in the client's schema are not taken: `lenient` would drop the keyword, not refuse it
+    (StructuredOutput("json", '{"type": "array", "uniqueItems": true, "x-guidance": {"lenient": true}}'),
+     "uniqueItems"),
 ])
 def test_check_names_what_does_not_compile(structured: StructuredOutput, words: str) -> None:
     with pytest.raises(InvalidGrammarError, match=words):
