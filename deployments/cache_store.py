@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -117,9 +118,11 @@ class ProcessorCacheStore:
         """
         self.keeper.adopt(key, StoredItem(ref=boxed[0], num_tiles=num_tiles, nbytes=nbytes), source, maker)
 
-    async def keep(self, keys: list[str]) -> int:
-        """Copy the entries of `keys` that are still their maker's (a maker shutting down hands them over);
-        how many are kept now."""
+    async def keep(self, keys: list[str], maker: str | None = None) -> int:
+        """Copy the entries of `keys`, and every entry the worker `maker` made, that are still their maker's (a
+        maker shutting down hands them over: requests in flight may carry items its own cache let go); how many
+        are kept now."""
+        keys = list(dict.fromkeys([*keys, *(self.keeper.made_by(maker) if maker is not None else ())]))
         kept = await asyncio.gather(*(self.keeper.kept(key, self.cache.peek(key), counted=False, wait_s=None)
                                       for key in keys))
         return sum(item is not None and item.kept for item in kept)
@@ -147,6 +150,7 @@ class SharedProcessorCache:
         self._maker = ray.get_runtime_context().get_worker_id()  # the owner of those objects, for the store
         self._epoch: str | None = None  # of the store that answered the last lookup
         self._lock = threading.Lock()
+        self._down_until = 0.0  # lookups are misses at once until then (s, time.monotonic)
 
     def find_source(self, source: str) -> Future[tuple[str, CachedItem] | None]:
         """An item this replica made from these bytes (answered at once), else the store's (in flight)."""
@@ -172,7 +176,13 @@ class SharedProcessorCache:
 
     def _ask(self, method: str, *args: Any, pick: Callable[[StoreLookup], Any] = _key_and_item) -> Future[Any]:
         """The store's answer, through `pick`, as a future; a store that is down or slow answers None (a
-        miss: the item is processed again), never a failed request."""
+        miss: the item is processed again), never a failed request.
+
+        NOTE: a store that did not answer is taken as down for a lookup's timeout: while Serve replaces it,
+        calls to it queue, and each of a request's lookups (two per new image) would wait the whole timeout.
+        """
+        if time.monotonic() < self._down_until:
+            return done(None)
         answer: Future[Any] = Future()
 
         def settle(asked: Future[Any]) -> None:
@@ -182,7 +192,9 @@ class SharedProcessorCache:
                 if not (replica_lost(exc) or isinstance(exc, TimeoutError)):
                     answer.set_exception(exc)
                     return
-                log.warning("processor cache store unavailable (%s); a miss", type(exc).__name__)
+                log.warning("processor cache store unavailable (%s); misses for %.0f s", type(exc).__name__,
+                            LOOKUP_TIMEOUT_S)
+                self._down_until = time.monotonic() + LOOKUP_TIMEOUT_S
                 answer.set_result(None)
                 return
             answer.set_result(pick(found))
@@ -191,12 +203,10 @@ class SharedProcessorCache:
         self._store.submit(method, *args, timeout_s=LOOKUP_TIMEOUT_S).add_done_callback(settle)
         return answer
 
-    def hand_over(self, timeout_s: float) -> Future[int] | None:
-        """On this replica's graceful shutdown: have the store copy the items this replica made and still
-        holds (requests in flight may carry them), before they go with it; the number kept, or None if
-        there is nothing to hand over."""
-        keys = self.own.keys()
-        return self._store.submit("keep", keys, timeout_s=timeout_s) if keys else None
+    def hand_over(self, timeout_s: float) -> Future[int]:
+        """On this replica's graceful shutdown: have the store copy the items this replica made (requests in
+        flight may carry them, those its own cache let go too), before they go with it; the number kept."""
+        return self._store.submit("keep", self.own.keys(), self._maker, timeout_s=timeout_s)
 
     def own_stats(self) -> ProcessorCacheStats:
         return self.own.stats()

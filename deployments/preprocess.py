@@ -88,12 +88,11 @@ class Preprocess:
 
     async def __del__(self) -> None:
         """Serve calls this on a graceful shutdown (a downscale): the store copies the items this replica made
-        and still holds, so that requests in flight with them, and later repeats, do not lose them."""
+        that it still indexes, so that requests in flight with them, and later repeats, do not lose them."""
         cache = getattr(self, "cache", None)  # None: __init__ failed
         try:
-            handed = None if cache is None else cache.hand_over(HAND_OVER_TIMEOUT_S)
-            if handed is not None:
-                kept = await asyncio.wrap_future(handed)
+            if cache is not None:
+                kept = await asyncio.wrap_future(cache.hand_over(HAND_OVER_TIMEOUT_S))
                 log.info("the processor cache store kept %d items this replica made", kept)
         except Exception as exc:  # NOTE: the store may be shutting down too (the whole app is)
             log.info("processed items not handed over to the store: %r", exc)

@@ -47,6 +47,7 @@ Put = Callable[[ProcessedItem], Any]  # an object this process owns holding the 
 class _Copy:
     item: StoredItem  # the maker's entry being copied
     future: asyncio.Future[StoredItem | None]  # the kept entry, or None if the maker's object was gone
+    late: bool = False  # a lookup gave up waiting for it: the next ones answer a miss at once
 
 
 class Keeper:
@@ -81,21 +82,27 @@ class Keeper:
             return None
         if item.kept:
             return item
-        # NOTE: shielded: a caller that gives up leaves the copy to the next
-        future = asyncio.shield(self._copy_of(key, item))
-        try:
-            kept = await asyncio.wait_for(future, wait_s)
-        except TimeoutError:
-            kept = None
+        copy = self._copy_of(key, item)
+        if copy.late and wait_s is not None:
+            kept = None  # NOTE: its read is slow (a hung node): each lookup would wait again, then process anyway
+        else:
+            try:  # NOTE: shielded: a caller that gives up leaves the copy to the next
+                kept = await asyncio.wait_for(asyncio.shield(copy.future), wait_s)
+            except TimeoutError:
+                copy.late, kept = True, None
         if kept is None and counted:
             self.cache.unhit()
         return kept
 
-    def _copy_of(self, key: str, item: StoredItem) -> asyncio.Future[StoredItem | None]:
+    def made_by(self, maker: str) -> list[str]:
+        """The keys whose entries are still the objects of the worker `maker` (none copied yet)."""
+        return [key for key, m in self._makers.items() if m == maker and _borrowed(self.cache.peek(key))]
+
+    def _copy_of(self, key: str, item: StoredItem) -> _Copy:
         """The copy of `item` in the making (one per entry at a time)."""
         copy = self._copies.get(key)
         if copy is not None and copy.item == item:
-            return copy.future
+            return copy
         # NOTE: the maker read now: by the time its object is found lost, the key may be another maker's
         made = _Copy(item, asyncio.ensure_future(self._copy(key, item, self._makers.get(key))))
         self._copies[key] = made
@@ -106,7 +113,7 @@ class Keeper:
                 self._spares.pop(key, None)  # NOTE: not needed past the copy, whatever its outcome
 
         made.future.add_done_callback(done)
-        return made.future
+        return made
 
     async def _copy(self, key: str, item: StoredItem, maker: str | None) -> StoredItem | None:
         """Copy the maker's object into one this replica owns and swap it into the index (if still held)."""

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, GetTimeoutError, ObjectLostError, OwnerDiedError
 
+from deployments import cache_store
 from deployments.cache_store import LOOKUP_TIMEOUT_S, SharedProcessorCache, read_stored
 from mmserve.messages import StoredItem
 from mmserve.preprocess.processor_cache import ProcessorCache
@@ -36,16 +37,23 @@ def client(store: FailingStore) -> SharedProcessorCache:
     cache = SharedProcessorCache.__new__(SharedProcessorCache)
     cache._store = store  # type: ignore[assignment]
     cache.own, cache._epoch, cache._lock = ProcessorCache(1 << 20), None, threading.Lock()
+    cache._down_until = 0.0
     return cache
 
 
 @pytest.mark.parametrize("error", [TimeoutError("the store took past its timeout"), ActorDiedError()])
-def test_a_slow_or_lost_store_is_a_miss(error: BaseException) -> None:
+def test_a_slow_or_lost_store_is_a_miss_and_taken_as_down_for_a_lookups_timeout(
+        error: BaseException, monkeypatch: pytest.MonkeyPatch) -> None:
     store = FailingStore(error)
     cache = client(store)
+    now = [100.0]
+    monkeypatch.setattr(cache_store.time, "monotonic", lambda: now[0])
     assert cache.find_source("bytes-key").result(timeout=5) is None
+    assert cache.find("pixels-key", "bytes-key").result(timeout=5) is None  # at once: not asked
+    assert [(m, t) for m, _, t in store.calls] == [("lookup_source", LOOKUP_TIMEOUT_S)]
+    now[0] += LOOKUP_TIMEOUT_S + 0.1  # as long again: asked again
     assert cache.find("pixels-key", "bytes-key").result(timeout=5) is None
-    assert [(m, t) for m, _, t in store.calls] == [("lookup_source", LOOKUP_TIMEOUT_S), ("lookup", LOOKUP_TIMEOUT_S)]
+    assert [m for m, _, _ in store.calls] == ["lookup_source", "lookup"]
 
 
 def test_any_other_store_error_is_the_lookups() -> None:

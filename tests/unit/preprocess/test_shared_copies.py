@@ -153,6 +153,39 @@ def test_a_slow_copy_answers_a_miss_and_goes_on(puts: Puts):
     asyncio.run(run())
 
 
+def test_a_copy_a_lookup_gave_up_on_is_not_waited_for_again_until_it_ends(puts: Puts):
+    """A slow maker's node: the first lookup waits its while, the next ones answer a miss at once; a hand-over
+    (no time limit) still waits for it."""
+    async def run() -> None:
+        cache, keeper = fresh(puts)
+        item = adopted(keeper, "k", made(None))
+        assert await keeper.kept("k", cache.get("k"), counted=True, wait_s=0.05) is None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await keeper.kept("k", cache.get("k"), counted=True, wait_s=5.0) is None
+        assert loop.time() - started < 1.0 and cache.stats().hits == 0
+        handed = asyncio.ensure_future(keeper.kept("k", item, counted=False, wait_s=None))
+        await asyncio.sleep(0.01)
+        assert not handed.done()
+        item.ref.set_result(ITEM)
+        assert (await handed).kept  # type: ignore[union-attr]
+        assert (await keeper.kept("k", cache.get("k"), counted=True, wait_s=5.0)).kept  # type: ignore[union-attr]
+
+    asyncio.run(run())
+
+
+def test_the_entries_a_maker_made_and_the_store_has_not_copied_are_named_for_its_hand_over(puts: Puts):
+    async def run() -> None:
+        cache, keeper = fresh(puts)
+        adopted(keeper, "a", made(), maker="A")
+        adopted(keeper, "b", made(), maker="B")
+        adopted(keeper, "c", made(), maker="A")
+        assert await keeper.kept("c", cache.peek("c"), counted=False) is not None  # copied: the store's own now
+        assert keeper.made_by("A") == ["a"] and keeper.made_by("B") == ["b"] and keeper.made_by("C") == []
+
+    asyncio.run(run())
+
+
 def test_a_failed_copy_leaves_the_makers_object_serving():
     def full(_: Any) -> None:
         raise MemoryError("object store full")
