@@ -103,8 +103,10 @@ class Keeper:
         copy = self._copies.get(key)
         if copy is not None and copy.item == item:
             return copy
-        # NOTE: the maker read now: by the time its object is found lost, the key may be another maker's
-        made = _Copy(item, asyncio.ensure_future(self._copy(key, item, self._makers.get(key))))
+        # NOTE: the maker read now: by the time its object is found lost, the key may be another maker's; and
+        # only if `item` is still the entry (a caller may hold an entry a spare has replaced since)
+        maker = self._makers.get(key) if self.cache.peek(key) == item else None
+        made = _Copy(item, asyncio.ensure_future(self._copy(key, item, maker)))
         self._copies[key] = made
 
         def done(_: asyncio.Future[StoredItem | None]) -> None:

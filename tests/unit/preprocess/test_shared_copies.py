@@ -186,6 +186,22 @@ def test_the_entries_a_maker_made_and_the_store_has_not_copied_are_named_for_its
     asyncio.run(run())
 
 
+def test_a_copy_of_an_entry_replaced_since_does_not_blame_the_new_entrys_maker(puts: Puts):
+    """`keep` reads its entries before their copies start: one may have been replaced by another maker's by then;
+    its loss must not drop the other maker's entries."""
+    async def run() -> None:
+        cache, keeper = fresh(puts)
+        gone = adopted(keeper, "k", made(owner_died()), maker="A")
+        hand_over = keeper.kept("k", cache.peek("k"), counted=False, wait_s=None)  # read, not started
+        cache.discard("k")
+        adopted(keeper, "k", made(), maker="B")  # B's object of the same item takes the place
+        other = adopted(keeper, "o", made(), maker="B")
+        assert await hand_over is None  # A's object is lost
+        assert cache.peek("o") is other and cache.peek("k") is not gone  # B's entries stay
+
+    asyncio.run(run())
+
+
 def test_a_failed_copy_leaves_the_makers_object_serving():
     def full(_: Any) -> None:
         raise MemoryError("object store full")
