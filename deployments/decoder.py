@@ -38,6 +38,7 @@ class Decoder:
         self.engine = self.service.decoder
         self.encoder = hold(encoder)
         self.replica_loss_retries = app_args.replica_loss_retries
+        self.stuck_after_s = app_args.ingress.request_timeout_s  # NOTE: a step this long has served no request
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
         freeze_startup_heap()  # NOTE: last: everything built above is what it freezes
@@ -68,8 +69,9 @@ class Decoder:
         return replace(out, embeddings=from_wire(out.embeddings, out.dtype))  # tensors, with the encoder's phases
 
     def check_health(self) -> None:
-        """Serve's periodic probe: a replica whose step thread died is replaced."""
-        self.service.check_health()
+        """Serve's periodic probe: a replica whose step thread died, or whose step outlived any request's
+        deadline (a hung device), is replaced."""
+        self.service.check_health(self.stuck_after_s)
 
     def __del__(self) -> None:
         """Serve calls this on the replica's graceful shutdown: join the step thread (see StepLoop.stop)."""

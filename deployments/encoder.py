@@ -38,6 +38,7 @@ class Encoder:
         stages = StageFactory(app_args.engine_config(app_args.encoder))
         self.resolver = PixelResolver(cache_store)
         self.service = stages.encoder(resolve=self.resolver, alone=True)  # NOTE: no other torch stage here
+        self.stuck_after_s = app_args.ingress.request_timeout_s  # NOTE: a step this long has served no request
         stages.release_unused()
         self.stage = self.service.stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -82,8 +83,9 @@ class Encoder:
         return started
 
     def check_health(self) -> None:
-        """Serve's periodic probe: a replica whose step thread died is replaced."""
-        self.service.check_health()
+        """Serve's periodic probe: a replica whose step thread died, or whose step outlived any request's
+        deadline (a hung device), is replaced."""
+        self.service.check_health(self.stuck_after_s)
 
     def __del__(self) -> None:
         """Serve calls this on the replica's graceful shutdown: join the step thread (see StepLoop.stop)."""

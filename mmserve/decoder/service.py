@@ -286,8 +286,8 @@ class DecoderService:
         """The decoder's figures and this service's cache of embeddings."""
         return replace(self.decoder.stats(), embedding_cache=self.embeddings.stats())
 
-    def check_health(self) -> None:
-        self.loop.check_health()
+    def check_health(self, stuck_after_s: float | None = None) -> None:
+        self.loop.check_health(stuck_after_s)
 
     def stop(self) -> None:
         self.loop.stop()

@@ -76,8 +76,8 @@ class EncoderService:
     def busy(self) -> bool:
         return self.loop.busy()
 
-    def check_health(self) -> None:
-        self.loop.check_health()
+    def check_health(self, stuck_after_s: float | None = None) -> None:
+        self.loop.check_health(stuck_after_s)
 
     def stop(self) -> None:
         self.loop.stop()

@@ -59,6 +59,7 @@ class StepLoop:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._step_started: float | None = None  # when the step under way began (s, time.monotonic); None: none
         self._calls: dict[asyncio.Future, asyncio.AbstractEventLoop] = {}  # `call`s not answered yet
 
     # ---- called from any thread / event loop ---------------------------------------------------
@@ -156,13 +157,18 @@ class StepLoop:
         finally:
             self._channels.pop(request_id, None)
 
-    def check_health(self) -> None:
-        """Raise RuntimeError if the step thread started and died (only a BaseException ends it early):
-        the stage can serve nothing more, and its host (Serve's `check_health`) should replace it."""
+    def check_health(self, stuck_after_s: float | None = None) -> None:
+        """Raise RuntimeError if the step thread started and died (only a BaseException ends it early), or if
+        one step has run for over `stuck_after_s` (a hung device or collective): the stage can serve nothing
+        more, and its host (Serve's `check_health`) should replace it."""
         with self._lock:
             thread, stopped = self._thread, self._stopped
         if thread is not None and not thread.is_alive() and not stopped:
             raise RuntimeError(f"{self.name}: the step thread died")
+        started = self._step_started
+        if stuck_after_s is not None and started is not None and time.monotonic() - started > stuck_after_s:
+            raise RuntimeError(f"{self.name}: one step has run for {time.monotonic() - started:.0f} s "
+                               f"(over {stuck_after_s:.0f} s)")
 
     def stop(self, timeout_s: float | None = 30.0) -> None:
         """End the loop after the step under way, join its thread, fail what still waits. Idempotent."""
@@ -209,6 +215,7 @@ class StepLoop:
         if not self._has_work():
             return
         started = time.perf_counter()
+        self._step_started = time.monotonic()
         try:
             outputs = self._step()
         except Exception as exc:
@@ -222,6 +229,8 @@ class StepLoop:
             for request_id in named:
                 self._deliver(request_id, RequestFailed(request_id, exc))
             return
+        finally:
+            self._step_started = None
         for out in outputs:
             self._deliver(out.request_id, out)
         if not outputs and time.perf_counter() - started < 1e-3:
