@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from mmserve.config import EngineConfig
+from mmserve.runtime.metrics_board import STALE_AFTER_S
 
 
 class _Strict(BaseModel):
@@ -214,7 +215,9 @@ class AppArgs(_Strict):
     device: str | None = None  # every stage's torch device; None = by stage: "cuda" when it has GPUs
     # NOTE: each push is a Serve call; at 1 s the hub replica alone took a visible share of an idle small
     # node's CPU (docs/benchmarks.md).
-    metrics_push_interval_s: float = Field(5.0, gt=0)  # how often each replica reports to the MetricsHub
+    # how often each replica reports to the MetricsHub (s); NOTE: at most a third of the time after which the hub
+    # takes a silent replica's gauges for gone (mmserve/runtime/metrics_board.py), or live ones would blink out
+    metrics_push_interval_s: float = Field(5.0, gt=0, le=STALE_AFTER_S / 3)
     # times an idempotent call (a request's way to its first token, a non-streamed one's to its end, an encode) is
     # made again on a live replica when the one answering it dies (deployments/retry.py)
     replica_loss_retries: int = Field(2, ge=0)

@@ -134,6 +134,11 @@ class ProcessorCacheStore:
     def metrics(self) -> MetricsSnapshot:
         return processor_cache_snapshot(self.cache.stats())
 
+    async def __del__(self) -> None:
+        """Serve calls this on a graceful shutdown: the last metrics (see MetricsReporter.close)."""
+        if (reporter := getattr(self, "reporter", None)) is not None:  # None: __init__ failed
+            await reporter.close()
+
 
 def _key_and_item(found: StoreLookup) -> tuple[str, StoredItem] | None:
     return None if found.item is None or found.key is None else (found.key, found.item)

@@ -73,11 +73,14 @@ class Decoder:
         deadline (a hung device), is replaced."""
         self.service.check_health(self.stuck_after_s)
 
-    def __del__(self) -> None:
-        """Serve calls this on the replica's graceful shutdown: join the step thread (see StepLoop.stop)."""
-        for part in (getattr(self, "reporter", None), getattr(self, "service", None)):  # None: __init__ failed
-            if part is not None:
-                part.stop()
+    async def __del__(self) -> None:
+        """Serve calls this on the replica's graceful shutdown: the last metrics, then join the step thread (see
+        StepLoop.stop)."""
+        reporter, service = getattr(self, "reporter", None), getattr(self, "service", None)  # None: __init__ failed
+        if reporter is not None:
+            await reporter.close()
+        if service is not None:
+            service.stop()
 
     def metrics(self) -> MetricsSnapshot:
         return merge([decoder_snapshot(self.service.stats()), affinity.DECISIONS.snapshot()])  # and its router's

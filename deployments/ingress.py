@@ -19,15 +19,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
 from deployments import ingress_failures as failures
 from deployments.app_health import AppHealth
 from deployments.args import AppArgs
-from deployments.handles import cancel, hold
-from deployments.metrics_hub import MetricsReporter
+from deployments.handles import awaited, cancel, hold
+from deployments.metrics_hub import HUB_TIMEOUT_S, MetricsReporter
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api.admission import AdmissionMiddleware, bound
 from mmserve.api.body import check_declared_size, parse_json
@@ -85,6 +85,11 @@ class Ingress:
         self.chat_bound.limit = app_args.ingress.max_ongoing_requests
         self.chat_bound.on_refused = lambda: self._done("server_error", time.perf_counter())  # as other 503s are
 
+    async def __del__(self) -> None:
+        """Serve calls this on a graceful shutdown (a downscale): the last metrics (see MetricsReporter.close)."""
+        if (reporter := getattr(self, "reporter", None)) is not None:  # None: __init__ failed
+            await reporter.close()
+
     @api.get("/health")
     async def health(self) -> Response:
         """200 once every deployment of the app has a running replica; 503 naming those that have none.
@@ -136,8 +141,14 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        await self.reporter.push()
-        merged = await self.hub.collect.remote()
+        try:
+            await self.reporter.push()  # NOTE: this replica's latest counts in the answer
+        except Exception as exc:
+            log.warning("pushing this replica's metrics before a scrape failed: %r", exc)
+        try:
+            merged = await asyncio.wait_for(awaited(self.hub.collect.remote()), HUB_TIMEOUT_S)
+        except Exception as exc:
+            return PlainTextResponse(f"the metrics hub did not answer: {exc!r}", status_code=503)
         return Response(render_prometheus(merged), media_type=CONTENT_TYPE)
 
     @api.post(CHAT_ROUTE)

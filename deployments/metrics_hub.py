@@ -18,12 +18,15 @@ from typing import Any
 from ray import serve
 from ray.util import metrics as ray_metrics
 
-from deployments.handles import hold
+from deployments.handles import awaited, hold
 from mmserve.runtime.metrics import HistogramValue, Metric, MetricsSnapshot, merge
 from mmserve.runtime.metrics_board import MetricsBoard
 from mmserve.runtime.process_memory import resident_memory_snapshot
 
 log = logging.getLogger(__name__)
+# NOTE: a hub call answers in about a millisecond: this long means the hub is down or being replaced, and a push
+# (or a scrape) that waited on would hold the next ones behind it
+HUB_TIMEOUT_S = 2.0
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
@@ -32,8 +35,8 @@ class MetricsHub:
     def __init__(self) -> None:
         self.board = MetricsBoard()
 
-    def report(self, source: str, snapshot: MetricsSnapshot) -> None:
-        self.board.report(source, snapshot)
+    def report(self, source: str, snapshot: MetricsSnapshot, final: bool = False) -> None:
+        self.board.report(source, snapshot, final)
 
     def collect(self) -> MetricsSnapshot:
         return self.board.collect()
@@ -70,10 +73,20 @@ class MetricsReporter:
         if self._task is not None:
             self._task.cancel()
 
-    async def push(self) -> None:
+    async def close(self) -> None:
+        """On the replica's graceful shutdown (its requests have ended): stop, and push the last counts, which
+        the hub folds into its sum of gone replicas at once (its gauges no longer count)."""
+        self.stop()
+        try:
+            await self.push(final=True)
+        except Exception as exc:  # NOTE: the hub may be going too (the whole app is)
+            log.info("the last metrics of %s were not pushed: %r", self.source, exc)
+
+    async def push(self, final: bool = False) -> None:
+        """This replica's snapshot to the hub (TimeoutError past HUB_TIMEOUT_S), then into Ray's metrics."""
         async with self._pushing:
             snapshot = merge([self.snapshot(), resident_memory_snapshot(self.source)])
-            await self.hub.report.remote(self.source, snapshot)
+            await asyncio.wait_for(awaited(self.hub.report.remote(self.source, snapshot, final)), HUB_TIMEOUT_S)
             self.mirror.update(snapshot)
 
     async def _loop(self) -> None:

@@ -88,7 +88,8 @@ class Preprocess:
 
     async def __del__(self) -> None:
         """Serve calls this on a graceful shutdown (a downscale): the store copies the items this replica made
-        that it still indexes, so that requests in flight with them, and later repeats, do not lose them."""
+        that it still indexes, so that requests in flight with them, and later repeats, do not lose them; then
+        the last metrics."""
         cache = getattr(self, "cache", None)  # None: __init__ failed
         try:
             if cache is not None:
@@ -96,6 +97,9 @@ class Preprocess:
                 log.info("the processor cache store kept %d items this replica made", kept)
         except Exception as exc:  # NOTE: the store may be shutting down too (the whole app is)
             log.info("processed items not handed over to the store: %r", exc)
+        reporter = getattr(self, "reporter", None)
+        if reporter is not None:
+            await reporter.close()
 
     async def served_model(self) -> ServedModel:
         """The model's name and context length, for the ingress (which reads no checkpoint itself)."""

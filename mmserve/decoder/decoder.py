@@ -67,6 +67,7 @@ class DecoderStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (tokens)
     prefix_hits: int = 0  # of those, found cached (tokens)
     allocated_blocks: int = 0  # KV pages taken from the pool since start, a shared page once (pages)
+    preemptions: int = 0  # sequences sent back to the queue for KV room since start (their work is redone)
     embedding_cache: EmbeddingCacheStats | None = None  # the service's cache of embeddings; None = not read
 
 
@@ -99,6 +100,7 @@ class Decoder:
         self.grammar_step = GrammarStep(self.grammars, device)
         self._states: dict[str, _OutputState] = {}
         self.steps = 0
+        self.preemptions = 0  # sequences preempted since start (DecoderStats)
         if config.measure_matmul_forms and device.type == "cpu":  # NOTE: first: the threads are timed with them
             model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
                                    config.small_step_tokens, min(config.max_num_batched_tokens, TIMED_CHUNK))
@@ -163,6 +165,7 @@ class Decoder:
         if self.runner.layout is not None:  # NOTE: here, once the last step's outputs have gone
             self.runner.layout.relay_one()
         plan = self.scheduler.schedule()
+        self.preemptions += len(plan.preempted)
         self._ask_for_missing(plan.missing)
         if not plan.scheduled:
             return []
@@ -299,7 +302,7 @@ class Decoder:
             running=s.running, waiting=s.waiting, free_blocks=s.free_blocks,
             total_blocks=s.total_blocks, steps=self.steps, kv_cache_bytes=self.kv.nbytes,
             cached_blocks=s.cached_blocks, prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
-            allocated_blocks=self.pool.allocated,
+            allocated_blocks=self.pool.allocated, preemptions=self.preemptions,
         )
 
 

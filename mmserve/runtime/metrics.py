@@ -193,6 +193,8 @@ def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
         gauge("mmserve_decoder_kv_blocks_total", "KV cache pages overall (blocks x layers).", stats.total_blocks),
         gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
         counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
+        counter("mmserve_decoder_preemptions_total",
+                "Sequences sent back to the queue for KV room (their computed tokens are redone).", stats.preemptions),
         gauge("mmserve_decoder_kv_blocks_cached", "Prefix-cache entries (a layer kind's block each).",
               stats.cached_blocks),
         counter("mmserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",

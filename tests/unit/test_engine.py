@@ -455,3 +455,18 @@ def test_the_decoders_steps_see_its_encode_on_this_hosts_cpu_only_while_it_runs(
     finally:
         cores.answered(HOST)  # NOTE: the engine is the module's: leave it as it was
     assert seen[2:] == [False, False]
+
+
+def test_preemptions_are_counted_and_change_no_greedy_text(tiny_ckpt_224):
+    """A pool too small for three growing sequences sends some back to the queue (their work redone): counted
+    for the operator (mmserve_decoder_preemptions_total), and the texts are those of a roomy pool."""
+    requests = [ChatRequest(f"r{i}", [{"role": "user", "content": f"Tell me story {i}."}],
+                            SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    texts, preempted = [], []
+    for num_blocks in (12, 2048):
+        config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048, decoder=DecoderConfig(
+            num_blocks=num_blocks, enable_prefix_caching=False, measure_matmul_forms=False))
+        with Engine(config) as engine:
+            texts.append([out.text for out in engine.generate(requests)])
+            preempted.append(engine.stats().decoder.preemptions)
+    assert preempted[0] > 0 and preempted[1] == 0 and texts[0] == texts[1]

@@ -109,3 +109,12 @@ def test_a_bad_value_is_refused_with_its_path() -> None:
 def test_early_encodes_where_the_encoder_computes_apart_and_both_calls_meet_one_replica(
         args: dict[str, str], early: bool) -> None:
     assert parse_args(args).early_encode() is early
+
+
+def test_a_push_interval_past_a_third_of_the_hubs_patience_is_refused() -> None:
+    from deployments.args import parse_args
+    from mmserve.runtime.metrics_board import STALE_AFTER_S
+
+    assert parse_args({"metrics_push_interval_s": STALE_AFTER_S / 3}).metrics_push_interval_s == STALE_AFTER_S / 3
+    with pytest.raises(ValueError, match="metrics_push_interval_s"):
+        parse_args({"metrics_push_interval_s": STALE_AFTER_S})

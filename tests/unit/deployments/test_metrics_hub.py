@@ -43,7 +43,7 @@ def test_overlapping_pushes_mirror_each_increment_once(monkeypatch: pytest.Monke
         def __init__(self) -> None:
             self.delays = iter([0.05, 0.0, 0.0])
 
-        async def _report(self, source: str, snapshot: MetricsSnapshot) -> None:
+        async def _report(self, source: str, snapshot: MetricsSnapshot, final: bool = False) -> None:
             await asyncio.sleep(next(self.delays))
 
         @property
@@ -61,3 +61,51 @@ def test_overlapping_pushes_mirror_each_increment_once(monkeypatch: pytest.Monke
 
     asyncio.run(run())
     assert sum(increments) == 4.0, increments  # the counter's last value: each increment mirrored once
+
+
+class SilentHub:
+    """A hub that is down: its calls never answer (unless `answering`); the reports that did are recorded."""
+
+    def __init__(self) -> None:
+        self.answering, self.reports = False, list[tuple[str, bool]]()
+
+    async def _report(self, source: str, snapshot: MetricsSnapshot, final: bool = False) -> None:
+        if not self.answering:
+            await asyncio.Event().wait()
+        self.reports.append((source, final))
+
+    @property
+    def report(self) -> Any:
+        return typing.cast(Any, type("Method", (), {"remote": staticmethod(self._report)}))
+
+
+def _reporter(hub: Any) -> metrics_hub.MetricsReporter:
+    reporter = object.__new__(metrics_hub.MetricsReporter)
+    reporter.source, reporter.hub, reporter._task = "Ingress#1", hub, None
+    reporter.snapshot = lambda: _snap(1, 0)
+    reporter.mirror, reporter._pushing = metrics_hub._RayMirror("Ingress"), asyncio.Lock()
+    return reporter
+
+
+def test_a_push_to_a_hub_that_does_not_answer_ends_at_its_timeout_and_holds_no_later_push(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics_hub, "HUB_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(metrics_hub, "resident_memory_snapshot", lambda source: MetricsSnapshot())
+    hub = SilentHub()
+    reporter = _reporter(hub)
+
+    async def run() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reporter.push(), 5)
+        hub.answering = True
+        await asyncio.wait_for(reporter.push(), 5)  # the lock was let go
+        await asyncio.wait_for(reporter.close(), 5)
+
+    asyncio.run(run())
+    assert hub.reports == [("Ingress#1", False), ("Ingress#1", True)]  # the last push says it is the last
+
+
+def test_closing_with_the_hub_gone_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics_hub, "HUB_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(metrics_hub, "resident_memory_snapshot", lambda source: MetricsSnapshot())
+    asyncio.run(asyncio.wait_for(_reporter(SilentHub()).close(), 5))  # no error: the app may be going too

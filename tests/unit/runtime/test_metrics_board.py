@@ -27,3 +27,57 @@ def test_gone_sources_keep_their_counters_but_not_their_gauges_nor_an_entry() ->
     assert merged.value("mmserve_requests_total") == 14 and board.sources == ["Decoder#b"]
     board.report("Decoder#a", _snap(6, 1))  # a late report from a retired one is not counted twice
     assert board.collect().value("mmserve_requests_total") == 14
+
+
+def test_a_source_that_says_it_is_going_is_retired_at_once_with_its_last_counts() -> None:
+    board = MetricsBoard()
+    board.report("Ingress#a", _snap(5, 2))
+    board.report("Ingress#b", _snap(7, 1))
+    board.report("Ingress#a", _snap(6, 2), final=True)  # a replica shutting down: its last push
+    merged = board.collect()
+    assert merged.value("mmserve_requests_total") == 13 and merged.value("mmserve_decoder_running_requests") == 1
+    assert board.sources == ["Ingress#b"]
+    board.report("Ingress#a", _snap(9, 0))  # a push that raced its last: not counted again
+    assert board.collect().value("mmserve_requests_total") == 13
+
+
+def test_reports_and_collects_from_many_threads_at_once_neither_fail_nor_count_twice() -> None:
+    import sys
+    import threading
+
+    clock = [0.0]
+    board = MetricsBoard(clock=lambda: clock[0])
+    errors: list[BaseException] = []
+
+    def reporter(k: int) -> None:
+        try:
+            for i in range(200):
+                board.report(f"Preprocess#{k}-{i}", _snap(1, 0))  # a new source each time
+        except BaseException as exc:
+            errors.append(exc)
+
+    def collector() -> None:
+        try:
+            for _ in range(200):
+                board.collect()
+        except BaseException as exc:
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # NOTE: threads switch often: an unguarded board meets its races here
+    try:
+        threads = [threading.Thread(target=reporter, args=(k,)) for k in range(3)]
+        threads += [threading.Thread(target=collector) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        clock[0] += RETIRE_AFTER_S + 1  # every source retired, from several collects at once
+        threads = [threading.Thread(target=collector) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors and board.collect().value("mmserve_requests_total") == 600
