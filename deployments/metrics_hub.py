@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # NOTE: a hub call answers in about a millisecond: this long means the hub is down or being replaced, and a push
 # (or a scrape) that waited on would hold the next ones behind it
 HUB_TIMEOUT_S = 2.0
+MIRROR_REPLAY = 1000  # observations of one histogram bucket replayed into Ray's mirror per push
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
@@ -123,10 +124,14 @@ class _RayMirror:
             if delta > 0:
                 obj.inc(delta, tags=tags)
         else:  # histogram: replay the new observations bucket by bucket at the bucket's bound
+            # NOTE: at most MIRROR_REPLAY a bucket per push (each is a call on the replica's event loop); the rest
+            # go with the next pushes, so the mirror's counts catch up. Its sums are approximate (bounds).
             previous = last or replace(value, counts=(0,) * len(value.counts), sum=0.0)
-            for bound, new in zip((*value.bounds, value.bounds[-1] * 2), _diff(value, previous), strict=True):
-                for _ in range(min(new, 1000)):
+            replayed = [min(new, MIRROR_REPLAY) for new in _diff(value, previous)]
+            for bound, n in zip((*value.bounds, value.bounds[-1] * 2), replayed, strict=True):
+                for _ in range(n):
                     obj.observe(bound, tags=tags)
+            value = replace(value, counts=tuple(p + n for p, n in zip(previous.counts, replayed, strict=True)))
         self._last[key] = value
 
     def _object(self, metric: Metric) -> Any:

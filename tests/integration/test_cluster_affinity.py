@@ -37,6 +37,7 @@ from tests.integration.helpers import (
     replica_suffix,
     throttled,
 )
+from tests.waiting import wait_until
 
 APP, ROUTE = "mm_affinity", "/affinity"
 PUSH_S = 0.5  # metrics_push_interval_s of this app
@@ -153,11 +154,24 @@ def deploy_app(cluster: ClusterInfo, model: Path, routing: str) -> AppInfo:
 
 
 def counters(app: AppInfo) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    time.sleep(3 * PUSH_S)  # every replica has pushed since the last request
-    status, text = get_text(app.base_url, ROUTE + "/metrics")
-    assert status == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    """The app's counters once two reads three push intervals apart agree (every replica has pushed since the
+    last request: a push held up on a busy machine would have left out a replica's last counts)."""
+    def read() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        time.sleep(3 * PUSH_S)
+        status, text = get_text(app.base_url, ROUTE + "/metrics")
+        assert status == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name.endswith("_total")}  # NOTE: counters only (gauges such as memory always move)
+
+    reads = [read()]
+
+    def settled() -> bool:
+        reads.append(read())
+        return reads[-1] == reads[-2]
+
+    wait_until(settled, timeout=60, interval=0, what="the app's counters to settle")
+    return reads[-1]
 
 
 def run(app: AppInfo) -> dict[str, float]:

@@ -174,8 +174,11 @@ def test_preprocess_scales_up_under_load_within_bounds_and_back_down(auto_app: A
     # those of the items a stopped replica handed over as it went...
     assert first_hits == [0] * len(QUICK_SEEDS), first_hits
     store = auto_app.handle("ProcessorCacheStore")
-    kept = [k for k in keys if (entry := store.held.remote(k).result(timeout_s=60)) is not None and entry.kept]
-    assert kept, "no quick image was handed over by a stopped replica"
+
+    def kept() -> list[str]:  # NOTE: polled: a stopped replica's hand-over may still be copying
+        return [k for k in keys if (entry := store.held.remote(k).result(timeout_s=60)) is not None and entry.kept]
+
+    wait_until(kept, timeout=30, interval=0.5, what="a quick image handed over by a stopped replica")
     # ...and each is still a hit, the survivor's own or the store's copy, with no processor run.
     [(survivor, calls)] = processor_calls(handle, MIN_REPLICAS).items()
     assert process_quick_images(handle) == (keys, [1] * len(QUICK_SEEDS))

@@ -160,11 +160,18 @@ def slow_body(app: AppInfo) -> socket.socket:
 
 
 def test_a_client_that_leaves_while_its_body_is_read_is_counted_aborted_not_as_a_fault(tight_app: AppInfo):
-    before = settled_counts(tight_app)  # NOTE: the last test's held requests may still be ending
+    def holds(requests: int) -> bool:
+        return metric_lines(tight_app).get("mmserve_ingress_requests_in_flight") == requests
+
+    wait_until(functools.partial(holds, 0), timeout=30, interval=0.05, what="the last test's requests to end")
+    before = settled_counts(tight_app)  # NOTE: their counts may still be on their way to the hub
     for _ in range(3):
         sock = slow_body(tight_app)
-        time.sleep(1.0)  # NOTE: its handler now waits for the rest of the body
+        # NOTE: closed only once its handler waits for the rest of the body (closed before, Serve's proxy would
+        # drop it unseen by the ingress)
+        wait_until(functools.partial(holds, 1), timeout=30, interval=0.05, what="the ingress to read its body")
         sock.close()
+        wait_until(functools.partial(holds, 0), timeout=30, interval=0.05, what="the ingress to let it go")
     wait_until(lambda: request_counts(tight_app)["aborted"] >= before["aborted"] + 3, timeout=30,
                what="three aborted requests")
     after = request_counts(tight_app)

@@ -109,3 +109,31 @@ def test_closing_with_the_hub_gone_ends_quietly(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(metrics_hub, "HUB_TIMEOUT_S", 0.05)
     monkeypatch.setattr(metrics_hub, "resident_memory_snapshot", lambda source: MetricsSnapshot())
     asyncio.run(asyncio.wait_for(_reporter(SilentHub()).close(), 5))  # no error: the app may be going too
+
+
+def test_a_burst_of_observations_reaches_rays_mirror_over_the_next_pushes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmserve.runtime.metrics import HistogramValue
+
+    observed: list[float] = []
+
+    class Histogram:
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def observe(self, value: float, tags: dict[str, str]) -> None:
+            observed.append(value)
+
+    monkeypatch.setattr(metrics_hub.ray_metrics, "Histogram", Histogram)
+    monkeypatch.setattr(metrics_hub, "MIRROR_REPLAY", 10)
+    mirror = metrics_hub._RayMirror("Ingress")
+
+    def snap(counts: tuple[int, int, int]) -> MetricsSnapshot:
+        value = HistogramValue((1.0, 2.0), counts, 0.0)
+        return snapshot_of(Metric("mmserve_ttft_seconds", "histogram", "", (), {(): value}))
+
+    mirror.update(snap((25, 3, 0)))  # more in one bucket than a push replays
+    assert (observed.count(1.0), observed.count(2.0)) == (10, 3)
+    mirror.update(snap((25, 3, 1)))
+    mirror.update(snap((25, 3, 1)))
+    assert (observed.count(1.0), observed.count(2.0), observed.count(4.0)) == (25, 3, 1)  # caught up, none lost
+    mirror.update(snap((25, 3, 1)))
+    assert len(observed) == 29  # nothing replayed twice
