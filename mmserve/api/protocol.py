@@ -9,6 +9,7 @@ engine outputs (`stream.py`), nor the HTTP server.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -43,7 +44,7 @@ class _Lenient(BaseModel):
 
 class ImageURL(_Lenient):
     url: str
-    detail: Literal["auto", "low", "high"] | None = None  # accepted, ignored: Gemma 3 has one resolution
+    detail: Literal["auto", "low", "high", "original"] | None = None  # accepted, ignored: Gemma 3 has one resolution
 
 
 class TextPart(_Lenient):
@@ -87,6 +88,15 @@ Content = Annotated[
 class Message(_Lenient):
     role: Literal["system", "user", "assistant", "developer"]  # NOTE: "developer" is served as "system"
     content: Content
+    # NOTE: refused when set (tools are not served): dropped, the model would answer a history without the calls
+    tool_calls: list[Any] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[Any] | None) -> None:
+        if value:
+            raise ValueError("tool calls are not served: an assistant message may not carry tool_calls")
+        return None
 
 
 class StreamOptions(_Lenient):
@@ -203,7 +213,9 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
             params.validate()
         except InvalidSamplingError as exc:
             field = str(exc).split(" ", 1)[0]  # NOTE: SamplingParams' messages start with the field name
-            raise with_param(exc, max_param if field == "max_tokens" else field) from None
+            if field == "max_tokens":  # named as the request named it
+                field, exc = max_param, InvalidSamplingError(str(exc).replace("max_tokens", max_param, 1))
+            raise with_param(exc, field) from None
         return params
 
 
@@ -212,12 +224,16 @@ def _first(*values: _T | None) -> _T:
     return next(v for v in values if v is not None)
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")  # a logit_bias key: a token id, in a 64-bit integer
+
+
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's `{"token id": bias}` as (id, bias) pairs; a key that is no token id is a 400."""
     pairs = []
     for key, value in (bias or {}).items():
-        if not key.lstrip("-").isdigit():
-            raise with_param(InvalidSamplingError(f"logit_bias keys must be token ids, got {key!r}"), "logit_bias")
+        if not _TOKEN_ID.fullmatch(key):  # NOTE: ASCII digits only (str.isdigit takes "²", which int() refuses)
+            raise with_param(InvalidSamplingError(f"logit_bias keys must be token ids, got {key[:40]!r}"),
+                             "logit_bias")
         pairs.append((int(key), float(value)))
     return tuple(pairs)
 

@@ -68,6 +68,7 @@ class StructuredFields(_Lenient):
     guided_regex: str | None = None  # extension (vLLM's, older)
     guided_choice: list[str] | None = Field(None, min_length=1)  # extension (vLLM's, older)
     guided_grammar: str | None = None  # extension (vLLM's, older): a Lark grammar
+    guided_whitespace_pattern: str | None = None  # extension (vLLM's, older): not served, a 400 (as below)
 
     def structured(self) -> StructuredOutput | None:
         """The one constraint the request sets, checked to compile; raises InvalidRequestError naming the field."""
@@ -92,6 +93,9 @@ class StructuredFields(_Lenient):
             if getattr(so, unserved) is not None:
                 raise with_param(UnsupportedParameterError(f"structured_outputs.{unserved} is not served"),
                                  "structured_outputs")
+        if self.guided_whitespace_pattern is not None:
+            raise with_param(UnsupportedParameterError("guided_whitespace_pattern is not served (JSON is written "
+                                                       "without free whitespace)"), "guided_whitespace_pattern")
         return [
             ("response_format", _from_response_format(self.response_format)),
             ("structured_outputs", _first(_json(so.json_, closed=bool(so.disable_additional_properties)),
