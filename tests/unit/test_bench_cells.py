@@ -57,3 +57,25 @@ def test_a_target_over_a_cell_with_failed_requests_fails_and_issue_17s_lines_are
     peer = lines["unique c=8 throughput >= 1.3x transformers serve"]
     assert peer.status == "SKIP" and "transformers: 3 of 16" in peer.detail  # nothing to compare with
     assert any("1.1x in-process Engine" in name for name in lines)
+
+
+def test_the_grammar_cells_decoders_run_in_blocks_and_pair_each_step_with_its_place_in_the_next_block(
+        monkeypatch: Any) -> None:
+    """A constrained step's masks for its next step are made beside that step: each Decoder runs several
+    steps in a row (not one each in turn, which put that work beside the other Decoder's step)."""
+    from bench_lib import grammar_cost
+
+    ran: list[str] = []
+    clock = {"A": iter(range(1000, 2000)), "B": iter(range(2000, 3000))}
+
+    def timed_step(decoder: Any) -> float:
+        ran.append(decoder)
+        return float(next(clock[decoder]))
+
+    monkeypatch.setattr(grammar_cost, "timed_step", timed_step)
+    monkeypatch.setattr(grammar_cost, "start", lambda *args: [])
+    monkeypatch.setattr(grammar_cost, "stop", lambda *args: None)
+    pairs = grammar_cost.paired("A", "B", None, 32, 4, block=4)  # type: ignore[arg-type]
+    assert "".join(ran) == "AAAABBBBBBBBAAAA" * 4  # 32 steps each
+    # each block's first step dropped, then the first two pairs of blocks: a's 2nd-4th steps of its third block
+    assert pairs[0] == (1009.0, 2009.0) and len(pairs) == 3 * 8 - 6
