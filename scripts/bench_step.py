@@ -148,6 +148,11 @@ def grammar_of(ours: Decoder, ckpt: Path, ids: torch.Tensor) -> GrammarCost:
     return grammar_cost(ours, twin_decoder(ours, ckpt, max_num_seqs=ids.shape[0]), ids)
 
 
+def made_where(beside: bool) -> str:
+    return ("ahead after each advance, beside the forward" if beside else
+            "on the step thread, before the forward (its threads fill the cores)")
+
+
 def report(results: dict) -> None:
     cells = {(c["batch"], c["context"]): c for c in results["cells"]}
 
@@ -178,12 +183,13 @@ def report(results: dict) -> None:
         slowed = g["slowed"]
         print(f"  structured output, batch 8 at 300 tokens, {g['constrained']} rows under a JSON schema: whole steps "
               f"{g['mixed_ms']:.2f} ms against {g['free_ms']:.2f} ms for the same batch free on another Decoder, "
-              f"steps alternated, both ways round ({g['slowed_by_role'][0]:.3f}x, {g['slowed_by_role'][1]:.3f}x): "
+              f"in alternated blocks of steps, both ways round ({g['slowed_by_role'][0]:.3f}x, "
+              f"{g['slowed_by_role'][1]:.3f}x): "
               f"{slowed:.3f}x (<= 1.02) {verdict(slowed <= 1.02)} (placebo, both free: "
               f"{g['placebo']:.3f}x); of it the step waits {g['critical_us']:.0f} µs for grammar "
               f"work and the sampler takes {g['sample_masked_us']:.0f} µs against {g['sample_free_us']:.0f} "
               f"({g['share']:.1%} of the step); the masks take {g['masks_us']:.0f} µs of wall time, made "
-              f"ahead after each step's advance (else {'beside the forward' if g['beside'] else 'before it'})")
+              f"{made_where(g['beside'])}")
 
 if __name__ == "__main__":
     main()

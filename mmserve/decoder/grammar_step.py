@@ -1,11 +1,11 @@
 """Structured output inside a decoder step: masks computed ahead, matchers advanced after sampling.
 
-Owns: the grammar thread; the next step's masks, started on it as soon as a step has advanced its
-matchers (so they are computed while the step thread's Python finishes that step and prepares the next);
-starting the step's masks before the forward where none are ready (beside it, on that thread, where a
-core is free); collecting them for the rows the forward returned; and feeding each matcher its sampled
-token. Does not own the matchers (one per request, in the decoder's request state), compiling grammars or
-unpacking masks (grammar.py), nor sampling.
+Owns: the grammar thread; where the forward leaves the host a core, the next step's masks, started on it as
+soon as a step has advanced its matchers (so they are computed while the step thread's Python finishes that
+step and prepares the next); starting the step's masks before the forward where none are ready (beside it,
+on that thread, where a core is free; else on the step thread, before it); collecting them for the rows the
+forward returned; and feeding each matcher its sampled token. Does not own the matchers (one per request,
+in the decoder's request state), compiling grammars or unpacking masks (grammar.py), nor sampling.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class GrammarStep:
         self._thread: ThreadPoolExecutor | None = None  # started by the first constrained step
         # masks started after the last step's advance: the matchers they read, by request id, and the work
         self._ahead: tuple[dict[str, llguidance.LLMatcher], Pending] | None = None
+        self._spare_core = False  # whether the last step's forward left the host a core (`start`'s `beside`)
 
     def start(self, rows: list[tuple[str, llguidance.LLMatcher | None]], beside: bool) -> Pending | None:
         """Start computing what the matchers of the step's sampling rows (request id, matcher or None) forbid.
@@ -44,6 +45,7 @@ class GrammarStep:
         grammar rows (`_covers`); otherwise they are waited for first.
         """
         ahead, self._ahead = self._ahead, None
+        self._spare_core = beside
         if ahead is not None:
             if self._covers(ahead, rows):
                 return ahead[1]  # NOTE: `finish` maps its rows onto this step's
@@ -83,15 +85,17 @@ class GrammarStep:
         return self._thread
 
     def _start_ahead(self, rows: list[tuple[str, llguidance.LLMatcher]]) -> None:
-        """Start the masks of `rows`, whose matchers have just advanced, for the next step.
+        """Start the masks of `rows`, whose matchers have just advanced, for the next step, where the forward
+        leaves the host a core (else the next `start` makes them on the step thread).
 
         NOTE: off the step thread, on llguidance's pool, which lets go of the GIL: computed while the step
-        thread's Python emits this step's outputs and schedules the next, when the forward's threads are
-        idle; the next step takes them as they stand, so on full cores their tail may overlap its forward
-        (a net gain as measured: docs/benchmarks.md). No other code reads these matchers meanwhile: the
-        next `start` waits for this work unless it returns it, and `finish` waits for it before `advance`.
+        thread's Python emits this step's outputs and schedules the next. Where the forward's threads fill
+        the cores, the work's tail overlapped the next forward and slowed the whole batch ~3x more than making
+        the masks on the step thread before it (docs/benchmarks.md). No other code reads these matchers
+        meanwhile: the next `start` waits for this work unless it returns it, and `finish` waits for it
+        before `advance`.
         """
-        if not rows:
+        if not rows or not self._spare_core:
             return
         ids = [rid for rid, _ in rows]
         matchers: list[llguidance.LLMatcher | None] = [m for _, m in rows]

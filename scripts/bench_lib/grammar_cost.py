@@ -54,7 +54,7 @@ class GrammarCost:
     masks_us: float  # per mixed step, llguidance computing the masks, wall time: on the grammar thread after
     # the last step's advance (made ahead), else before the forward where its threads fill the cores or
     # beside it (µs)
-    beside: bool  # whether masks not made ahead are computed beside the forward
+    beside: bool  # whether the masks are made beside the forward (ahead, after each advance), or before it
     sample_free_us: float  # Sampler.sample over the batch's logits, no mask (µs)
     sample_masked_us: float  # the same with the constrained rows masked (µs)
 

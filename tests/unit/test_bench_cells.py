@@ -75,7 +75,7 @@ def test_the_grammar_cells_decoders_run_in_blocks_and_pair_each_step_with_its_pl
     monkeypatch.setattr(grammar_cost, "timed_step", timed_step)
     monkeypatch.setattr(grammar_cost, "start", lambda *args: [])
     monkeypatch.setattr(grammar_cost, "stop", lambda *args: None)
-    pairs = grammar_cost.paired("A", "B", None, 32, 4, block=4)  # type: ignore[arg-type]
+    pairs = grammar_cost.paired("A", "B", None, 32, 4, block=4)
     assert "".join(ran) == "AAAABBBBBBBBAAAA" * 4  # 32 steps each
     # each block's first step dropped, then the first two pairs of blocks: a's 2nd-4th steps of its third block
     assert pairs[0] == (1009.0, 2009.0) and len(pairs) == 3 * 8 - 6

@@ -172,11 +172,29 @@ def test_a_steps_masks_are_the_same_beside_the_forward_or_before_it(grammars, be
     assert step.start([("b", None)], beside=beside) is None  # no grammar: no work
 
 
+def spare_core(step: GrammarStep) -> GrammarStep:
+    """`step` after a step whose forward left the host a core (masks beside it; the next ones made ahead)."""
+    assert step.start([("free", None)], beside=True) is None
+    return step
+
+
+def test_on_full_cores_no_masks_are_made_ahead_and_the_next_step_makes_its_own_before_the_forward(grammars) -> None:
+    book, _ = grammars
+    a = book.matcher(StructuredOutput("regex", "[0-9]+"))
+    step = GrammarStep(book, torch.device("cpu"))
+    one = book._vocabulary().tokenize_str("1")[0]
+    assert step.start([("a", a)], beside=False) is not None and step._thread is None
+    assert step.advance(["a"], [one], [a]) == (set(), {}) and step._ahead is None  # nothing beside the next forward
+    made = GrammarStep.finish(step.start([("a", a)], beside=False), ["a"])
+    own = book.forbidden([a], torch.device("cpu"))
+    assert made is not None and own is not None and step._thread is None and torch.equal(made.forbid, own.forbid)
+
+
 def test_the_next_steps_masks_start_when_the_matchers_advance(grammars) -> None:
     book, _ = grammars
     digits = StructuredOutput("regex", "[0-9]+")
     a, c = book.matcher(digits), book.matcher(StructuredOutput("regex", "[0-9]+x"))
-    step = GrammarStep(book, torch.device("cpu"))
+    step = spare_core(GrammarStep(book, torch.device("cpu")))
     one = book._vocabulary().tokenize_str("1")[0]
     assert step.advance(["a", "b", "c"], [one, 5, one], [a, None, c]) == (set(), {})
     ahead = step._ahead
@@ -194,7 +212,7 @@ def test_the_next_steps_masks_start_when_the_matchers_advance(grammars) -> None:
 
     assert by_row(got) == by_row(expected)
     # a constrained row they do not cover (a request that just joined): the step's masks are made afresh
-    step.advance(["a"], [one], [a])
+    spare_core(step).advance(["a"], [one], [a])
     ahead = step._ahead
     fresh = step.start([("a", a), ("n", book.matcher(digits))], beside=False)
     assert ahead is not None and fresh is not ahead[1]
@@ -216,12 +234,12 @@ def test_masks_made_ahead_are_waited_for_or_made_again_when_they_cannot_serve(gr
 
     monkeypatch.setattr(book, "forbidden", slow)
     a = book.matcher(digits)
-    step.advance(["a"], [one], [a])
+    spare_core(step).advance(["a"], [one], [a])
     ahead = step._ahead
     assert ahead is not None and step.start([("x", None)], beside=False) is None  # no grammar row this step
     assert ahead[1].done()  # waited for: "a"'s matcher is free for the next step's own masks
     # the same request id, a new matcher (a request that ended and came again): not the masks made ahead
-    step.advance(["a"], [one], [a])
+    spare_core(step).advance(["a"], [one], [a])
     ahead = step._ahead
     again = book.matcher(digits)
     assert ahead is not None and step.start([("a", again)], beside=False) is not ahead[1]
@@ -232,7 +250,7 @@ def test_masks_made_ahead_are_waited_for_or_made_again_when_they_cannot_serve(gr
         return own(matchers, device)
 
     monkeypatch.setattr(book, "forbidden", failing)
-    step.advance(["a"], [one], [a])
+    spare_core(step).advance(["a"], [one], [a])
     ahead = step._ahead
     assert ahead is not None and isinstance(ahead[1].exception(), RuntimeError)
     made = GrammarStep.finish(step.start([("a", a)], beside=False), ["a"])  # made again on the step's path
