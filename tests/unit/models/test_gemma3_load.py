@@ -96,3 +96,33 @@ def test_a_hugging_face_cache_snapshot_is_served_under_its_repo_id(tmp_path: Pat
     (tmp_path / "gemma").symlink_to(snapshot)  # a link to the snapshot: the same checkpoint
     assert checkpoint_name(snapshot) == checkpoint_name(tmp_path / "gemma") == "google/gemma-3-4b-it"
     assert checkpoint_name(tmp_path / "my-gemma") == "my-gemma"  # any other folder: its name
+
+
+@pytest.mark.parametrize("layout", ["google", "transformers-4", "transformers-5"])
+def test_the_vision_parts_load_alone_from_every_layout_as_the_whole_model_has_them(tiny_ckpt_224: Path,
+                                                                                   tmp_path: Path, layout: str) -> None:
+    """An Encoder reads the vision tower and projector only (the text model's tensors are skipped as keys the
+    parts do not expect), under each layout a user's download may have: google's original key names, older
+    transformers' and the current ones."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3ForConditionalGeneration
+
+    renames = {"google": [(r"^vision_tower\.", "vision_tower.vision_model.")],
+               "transformers-4": [(r"^vision_tower\.", "model.vision_tower.vision_model."),
+                                  (r"^language_model\.model\.", "model.language_model."),
+                                  (r"^multi_modal_projector\.", "model.multi_modal_projector.")],
+               "transformers-5": []}[layout]
+    shutil.copytree(tiny_ckpt_224, tmp_path / "ckpt")
+    saved = load_file(str(tiny_ckpt_224 / "model.safetensors"))  # the current layout
+    for pattern, to in renames:
+        saved = {re.sub(pattern, to, key): value for key, value in saved.items()}
+    save_file(saved, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    family = Gemma3Family(tmp_path / "ckpt", EngineConfig(model=str(tmp_path / "ckpt")))
+    parts = family._load_vision()
+    assert {name.split(".")[1] for name, _ in parts.named_parameters()} == {"vision_tower", "multi_modal_projector"}
+    whole = Gemma3ForConditionalGeneration.from_pretrained(tiny_ckpt_224).state_dict()
+    assert all(torch.equal(whole[name], value) for name, value in parts.state_dict().items())
+    assert family._hf_model is None  # the whole model was never loaded for them
