@@ -210,6 +210,9 @@ class DecoderArgs(RoutedStageArgs):
     env: dict[str, str] = Field(default_factory=lambda: dict(DECODER_ENV))  # replica environment
 
 
+HUNG_STEP_MIN_S = 60.0  # the shortest step that counts as hung (AppArgs.hung_step_s)
+
+
 class AppArgs(_Strict):
     engine: EngineConfig  # every engine knob; `model` None = the built-in tiny checkpoint
     device: str | None = None  # every stage's torch device; None = by stage: "cuda" when it has GPUs
@@ -225,6 +228,12 @@ class AppArgs(_Strict):
     preprocess: PreprocessArgs = Field(default_factory=PreprocessArgs)
     encoder: EncoderArgs = Field(default_factory=EncoderArgs)
     decoder: DecoderArgs = Field(default_factory=DecoderArgs)
+
+    def hung_step_s(self) -> float:
+        """How long one Encoder or Decoder step may run before the replica counts as hung (Serve's check_health
+        fails and replaces it): longer than any request may live, so every request in it has had its deadline,
+        and at least HUNG_STEP_MIN_S (a slow first step on a CPU is no hang)."""
+        return max(self.ingress.request_timeout_s, HUNG_STEP_MIN_S)
 
     def early_encode(self) -> bool:
         """Whether Preprocess sends the Encoder a request's new images early (`preprocess.early_encode`)."""

@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 # queues calls to a deployment without replicas), and the item is cheaper to process again.
 LOOKUP_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0  # reading pixels from the object store (another node's: a transfer)
+# copies a hand-over makes at once (its maker's own recent items first): the store's worker threads stay free
+# for the cluster's lookups and first-hit copies meanwhile
+KEEP_AT_ONCE = 4
 
 
 async def read_stored(item: StoredItem) -> ProcessedItem:
@@ -123,8 +126,13 @@ class ProcessorCacheStore:
         maker shutting down hands them over: requests in flight may carry items its own cache let go); how many
         are kept now."""
         keys = list(dict.fromkeys([*keys, *(self.keeper.made_by(maker) if maker is not None else ())]))
-        kept = await asyncio.gather(*(self.keeper.kept(key, self.cache.peek(key), counted=False, wait_s=None)
-                                      for key in keys))
+        room = asyncio.Semaphore(KEEP_AT_ONCE)
+
+        async def one(key: str) -> StoredItem | None:
+            async with room:  # NOTE: the entry read when its turn comes (it may have been replaced meanwhile)
+                return await self.keeper.kept(key, self.cache.peek(key), counted=False, wait_s=None)
+
+        kept = await asyncio.gather(*(one(key) for key in keys))
         return sum(item is not None and item.kept for item in kept)
 
     async def held(self, key: str) -> CachedItem | None:

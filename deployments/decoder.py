@@ -38,7 +38,7 @@ class Decoder:
         self.engine = self.service.decoder
         self.encoder = hold(encoder)
         self.replica_loss_retries = app_args.replica_loss_retries
-        self.stuck_after_s = app_args.ingress.request_timeout_s  # NOTE: a step this long has served no request
+        self.stuck_after_s = app_args.hung_step_s()
         self.reporter = MetricsReporter(hub, "Decoder", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
         freeze_startup_heap()  # NOTE: last: everything built above is what it freezes

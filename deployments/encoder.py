@@ -38,7 +38,7 @@ class Encoder:
         stages = StageFactory(app_args.engine_config(app_args.encoder))
         self.resolver = PixelResolver(cache_store)
         self.service = stages.encoder(resolve=self.resolver, alone=True)  # NOTE: no other torch stage here
-        self.stuck_after_s = app_args.ingress.request_timeout_s  # NOTE: a step this long has served no request
+        self.stuck_after_s = app_args.hung_step_s()
         stages.release_unused()
         self.stage = self.service.stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -93,6 +93,7 @@ class Preprocess:
         cache = getattr(self, "cache", None)  # None: __init__ failed
         try:
             if cache is not None:
+                cache.bind()  # NOTE: a replica that served no request had not bound its store caller yet
                 kept = await asyncio.wrap_future(cache.hand_over(HAND_OVER_TIMEOUT_S))
                 log.info("the processor cache store kept %d items this replica made", kept)
         except Exception as exc:  # NOTE: the store may be shutting down too (the whole app is)

@@ -54,9 +54,10 @@ class StageFactory:
 
     def encoder(self, resolve: Resolver = inline_pixels, alone: bool = False) -> EncoderService:
         """`alone`: no other torch stage runs in this process (a Ray replica), so the vision forwards need not
-        leave their OpenMP pool behind (EncoderRunner's `passing_forwards`)."""
+        leave their OpenMP pool behind (EncoderRunner's `passing_forwards`), and no text model is loaded beside
+        the vision weights (read alone)."""
         stage = in_passing_thread(  # NOTE: loading and timing kernels leave no OpenMP pool behind (passing_thread.py)
-            lambda: EncoderStage.build(self.family.load_vision(), self.config.encoder, device=self.device,
+            lambda: EncoderStage.build(self.family.load_vision(alone=alone), self.config.encoder, device=self.device,
                                        passing_forwards=not alone))
         if self.device.type == "cuda" and self.spec.image_size:  # NOTE: its kernels loaded now, not on the first image
             stage.runner.warm_up(self.spec.image_size)

@@ -20,6 +20,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
 )
 
@@ -90,12 +91,13 @@ class Message(_Lenient):
     content: Content
     # NOTE: refused when set (tools are not served): dropped, the model would answer a history without the calls
     tool_calls: list[Any] | None = None
+    function_call: Any = None  # the same, in OpenAI's older spelling
 
-    @field_validator("tool_calls")
+    @field_validator("tool_calls", "function_call")
     @classmethod
-    def _no_tool_calls(cls, value: list[Any] | None) -> None:
+    def _no_tool_calls(cls, value: Any, info: ValidationInfo) -> None:
         if value:
-            raise ValueError("tool calls are not served: an assistant message may not carry tool_calls")
+            raise ValueError(f"tool calls are not served: an assistant message may not carry {info.field_name}")
         return None
 
 

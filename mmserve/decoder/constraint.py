@@ -100,6 +100,8 @@ def compiling(structured: StructuredOutput) -> Iterator[None]:
         raise
     except ValueError as exc:  # not JSON where JSON is due
         raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {exc}") from None
+    except RecursionError:  # NOTE: json's C code recurses per nesting level
+        raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: nested too deeply") from None
     except BaseException as exc:
         if isinstance(exc, Exception) or not contained(exc):
             raise

@@ -126,7 +126,7 @@ class ModelFamily(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...  # the weights' and activations' (EngineConfig.dtype resolved)
 
-    def load_vision(self) -> VisionEncoder: ...
+    def load_vision(self, *, alone: bool = False) -> VisionEncoder: ...  # alone: no text model loaded beside it
 
     def load_text(self) -> TextDecoder: ...
 

@@ -119,17 +119,17 @@ class Gemma3Family:
             ).eval()
         return self._hf_model
 
-    def _load_vision(self) -> Any:
-        """The vision tower and projector (under `.model`): of the whole model when it is loaded already (an
-        in-process Engine), else read alone (an Encoder replica reads no text weight)."""
-        if self._hf_model is not None:
-            return self._hf_model
+    def _load_vision(self, alone: bool) -> Any:
+        """The vision tower and projector (under `.model`): read alone when no text model is loaded beside them
+        (an Encoder replica reads no text weight), else the whole model's (an in-process Engine reads it once)."""
+        if not alone or self._hf_model is not None:
+            return self._load()
         from mmserve.models.gemma3_vision_parts import Gemma3VisionParts
 
         return Gemma3VisionParts.from_pretrained(self.model_dir, dtype=self.dtype).eval()
 
-    def load_vision(self) -> VisionEncoder:
-        inner = self._load_vision().model
+    def load_vision(self, *, alone: bool = False) -> VisionEncoder:
+        inner = self._load_vision(alone).model
         device = torch.device(self.engine_config.device)
         tower = inner.vision_tower.to(device)
         projector = inner.multi_modal_projector.to(device)

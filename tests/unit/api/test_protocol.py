@@ -346,6 +346,8 @@ def test_sampling_errors_name_the_field(fields: dict[str, Any], param: str) -> N
     # tools are not served: a history with calls is refused, not served without them
     ({"messages": [{"role": "assistant", "content": "Let me look.", "tool_calls": [{"id": "c1", "type": "function"}]},
                    *USER]}, "messages[0].tool_calls", "tool calls are not served"),
+    ({"messages": [{"role": "assistant", "content": "Let me look.", "function_call": {"name": "f", "arguments": "{}"}},
+                   *USER]}, "messages[0].function_call", "tool calls are not served"),
 ])
 def test_validation_errors_are_readable_400s(body: dict[str, Any], param: str, says: str) -> None:
     with pytest.raises(ValidationError) as info:

@@ -134,6 +134,17 @@ def test_a_strict_schemas_matcher_refuses_a_key_the_schema_does_not_list() -> No
     # ... while a union's branches are whole schemas, each closed
     ({"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]},
      [["anyOf", 0], ["anyOf", 1]]),
+    # an allOf of one $ref beside nothing (pydantic v1's wrapper) combines nothing: its definition is whole
+    ({"definitions": {"X": {"type": "object", "properties": {"a": {}}}},
+      "properties": {"x": {"allOf": [{"$ref": "#/definitions/X"}], "description": "an x"}}},
+     [[], ["definitions", "X"]]),
+    # a property named like a keyword is a property; its object's $ref makes the definition a part
+    ({"$defs": {"B": {"type": "object", "properties": {"b": {}}}},
+      "properties": {"default": {"$ref": "#/$defs/B", "properties": {"c": {}}}}}, [[]]),
+    # definitions inside definitions, and a chain of $refs from a part
+    ({"$defs": {"Outer": {"$defs": {"In": {"type": "object", "properties": {"i": {}}}}},
+                "A": {"$ref": "#/$defs/C"}, "C": {"type": "object", "properties": {"c": {}}}},
+      "allOf": [{"$ref": "#/$defs/Outer/$defs/In"}, {"$ref": "#/$defs/A"}]}, []),
 ])
 def test_strict_closes_object_schemas_only_where_their_properties_are_all_listed(schema: dict[str, Any],
                                                                               closed_at: list[list[Any]]) -> None:
@@ -188,6 +199,25 @@ def test_a_strict_schema_built_of_parts_accepts_what_the_whole_allows() -> None:
     got = structured(response_format={"type": "json_schema", "json_schema": {"schema": schema, "strict": True}})
     assert got is not None
     text = tokenizer.encode('{"id": 1, "name": "b"}', add_special_tokens=False)
+    matcher = llguidance.LLMatcher(vocabulary, grammar_of(got))
+    assert not matcher.is_error(), matcher.get_error()
+    assert matcher.try_consume_tokens(text) == len(text)
+
+
+def test_a_union_inside_a_part_of_a_strict_object_is_left_open() -> None:
+    import llguidance.hf
+
+    from mmserve.decoder.constraint import grammar_of
+    from mmserve.models.tiny_checkpoint import build_tokenizer
+
+    tokenizer = build_tokenizer(1024)
+    vocabulary = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    schema = {"allOf": [{"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]},
+                        {"anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                   {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}]}
+    got = structured(response_format={"type": "json_schema", "json_schema": {"schema": schema, "strict": True}})
+    assert got is not None and "additionalProperties" not in got.spec
+    text = tokenizer.encode('{"kind": "x", "a": 1}', add_special_tokens=False)
     matcher = llguidance.LLMatcher(vocabulary, grammar_of(got))
     assert not matcher.is_error(), matcher.get_error()
     assert matcher.try_consume_tokens(text) == len(text)

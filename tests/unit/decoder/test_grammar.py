@@ -139,6 +139,7 @@ def test_a_grammar_row_never_gets_a_never_sampled_token_and_is_left_none_if_only
     # llguidance's options in the client's schema are not taken: `lenient` would drop the keyword, not refuse it
     (StructuredOutput("json", '{"type": "array", "uniqueItems": true, "x-guidance": {"lenient": true}}'),
      "uniqueItems"),
+    (StructuredOutput("json", "[" * 100_000), "nested too deeply"),  # past what json's parser recurses into
 ])
 def test_check_names_what_does_not_compile(structured: StructuredOutput, words: str) -> None:
     with pytest.raises(InvalidGrammarError, match=words):

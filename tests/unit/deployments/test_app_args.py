@@ -118,3 +118,10 @@ def test_a_push_interval_past_a_third_of_the_hubs_patience_is_refused() -> None:
     assert parse_args({"metrics_push_interval_s": STALE_AFTER_S / 3}).metrics_push_interval_s == STALE_AFTER_S / 3
     with pytest.raises(ValueError, match="metrics_push_interval_s"):
         parse_args({"metrics_push_interval_s": STALE_AFTER_S})
+
+
+def test_a_step_counts_as_hung_past_every_requests_deadline_and_a_minute_at_least() -> None:
+    from deployments.args import HUNG_STEP_MIN_S, parse_args
+
+    assert parse_args({}).hung_step_s() == parse_args({}).ingress.request_timeout_s
+    assert parse_args({"ingress": {"request_timeout_s": 6}}).hung_step_s() == HUNG_STEP_MIN_S

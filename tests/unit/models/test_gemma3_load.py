@@ -121,7 +121,7 @@ def test_the_vision_parts_load_alone_from_every_layout_as_the_whole_model_has_th
         saved = {re.sub(pattern, to, key): value for key, value in saved.items()}
     save_file(saved, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
     family = Gemma3Family(tmp_path / "ckpt", EngineConfig(model=str(tmp_path / "ckpt")))
-    parts = family._load_vision()
+    parts = family._load_vision(alone=True)
     assert {name.split(".")[1] for name, _ in parts.named_parameters()} == {"vision_tower", "multi_modal_projector"}
     whole = Gemma3ForConditionalGeneration.from_pretrained(tiny_ckpt_224).state_dict()
     assert all(torch.equal(whole[name], value) for name, value in parts.state_dict().items())
