@@ -15,18 +15,20 @@ from __future__ import annotations
 import contextlib
 import http.client
 import ipaddress
+import logging
 import socket
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mmserve.config import MediaConfig
 from mmserve.errors import InvalidRequestError, MediaError, UnsupportedURLError
 
+log = logging.getLogger(__name__)
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP address strings
 Dialer = Callable[..., socket.socket]  # socket.create_connection's signature
 
@@ -101,16 +103,18 @@ class HttpFetcher:
         """
         host, port = address
         self.check_host(host)
+        # NOTE: one answer for a name that does not resolve and one that resolves inside: which one it was (and
+        # the address) would tell a client the internal names and their addresses (logged here instead)
+        refused = UnsupportedURLError(f"host {host!r} does not resolve to a public address")
         try:
             ips = self._resolver(host, port)
         except OSError as err:
-            raise MediaError(f"cannot resolve host {host!r}: {err}") from err
-        if not ips:
-            raise MediaError(f"host {host!r} has no address")
-        if not self.config.allow_private_addresses:
-            for ip in ips:
-                if not is_public_address(ip):
-                    raise UnsupportedURLError(f"host {host!r} resolves to non-public address {ip}")
+            log.info("image host %r does not resolve: %s", host, err)
+            raise refused from None
+        private = [ip for ip in ips if not is_public_address(ip)] if not self.config.allow_private_addresses else []
+        if not ips or private:
+            log.info("image host %r refused: it resolves to %s", host, private or "no address")
+            raise refused
         last: OSError | None = None
         for ip in ips[:MAX_DIALS]:  # NOTE: a name with many dead addresses must not multiply the deadline
             left = None if deadline is None else deadline - time.monotonic()
@@ -127,6 +131,9 @@ class HttpFetcher:
         self.check_url(url)
         timeout = self.config.fetch_timeout_s
         one = _OneFetch(self, time.monotonic() + timeout)
+        group = getattr(_GROUP, "current", None)
+        if group is not None:
+            group.add(one)
         request = urllib.request.Request(url, headers={"User-Agent": "mmserve", "Accept": "image/*"})
         timer = threading.Timer(timeout, one.expire)
         timer.daemon = True
@@ -153,6 +160,42 @@ class HttpFetcher:
         if one.expired:  # the deadline cut the body short: what we have is not the image
             raise one.timed_out(request.full_url)
         return data
+
+
+class FetchGroup:
+    """Fetches abandoned together: a prompt's other images once one is refused (or its reader left), so that a
+    cheap 400 leaves no reads running to their deadline. Fetches started on a thread inside `joined()` join it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fetches: list[_OneFetch] = []
+        self._abandoned = False
+
+    @contextlib.contextmanager
+    def joined(self) -> Iterator[None]:
+        _GROUP.current = self
+        try:
+            yield
+        finally:
+            _GROUP.current = None
+
+    def add(self, one: _OneFetch) -> None:
+        with self._lock:
+            self._fetches.append(one)
+            abandoned = self._abandoned
+        if abandoned:
+            one.expire()
+
+    def abandon(self) -> None:
+        """End every fetch of the group now (their sockets shut down; a later one ends at its first dial)."""
+        with self._lock:
+            self._abandoned = True
+            fetches = list(self._fetches)
+        for one in fetches:
+            one.expire()
+
+
+_GROUP = threading.local()  # the FetchGroup of the fetches this thread starts, if any
 
 
 class _OneFetch:

@@ -27,7 +27,7 @@ from PIL import Image
 
 from mmserve.config import MediaConfig
 from mmserve.errors import InvalidRequestError, MediaError, UnsupportedURLError
-from mmserve.preprocess.fetch import Dialer, HttpFetcher, Resolver, default_resolver, split_url
+from mmserve.preprocess.fetch import Dialer, FetchGroup, HttpFetcher, Resolver, default_resolver, split_url
 from mmserve.preprocess.image_decode import decode_image
 
 T = TypeVar("T")
@@ -48,17 +48,25 @@ class MediaLoader:
 
     def read_all(self, urls: list[str]) -> Iterator[bytes]:
         """A prompt's images' bytes in order, read in parallel: a prompt waits for its slowest image, not
-        for the sum. NOTE: after a refusal the other reads are not waited for (each has its own deadline)."""
+        for the sum. NOTE: after a refusal (or once the reader leaves) the other reads are not waited for, and
+        their fetches are ended at once: a cheap 400 must leave no reads running to their deadline."""
         if len(urls) <= 1:
             yield from (self._read(url, i) for i, url in enumerate(urls, start=1))
             return
         pool = ThreadPoolExecutor(max_workers=min(len(urls), MAX_PARALLEL_READS), thread_name_prefix="media")
+        group = FetchGroup()
+
+        def read(url: str, index: int) -> bytes:
+            with group.joined():
+                return self._read(url, index)
+
         try:
-            reads = [pool.submit(self._read, url, i) for i, url in enumerate(urls, start=1)]
-            for read in reads:
-                yield read.result()
+            reads = [pool.submit(read, url, i) for i, url in enumerate(urls, start=1)]
+            for one in reads:
+                yield one.result()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+            group.abandon()  # NOTE: after a full read this ends nothing: every fetch is done
 
     def decode(self, data: bytes, index: int = 1) -> Image.Image:
         """The bytes of item `index` as an RGB image (the caller decodes each when it needs the pixels)."""

@@ -16,7 +16,8 @@ from PIL import Image, ImageFile
 
 from mmserve.config import MediaConfig
 from mmserve.errors import MediaError
-from mmserve.preprocess.image_decode import decode_image, jpeg_scans
+from mmserve.preprocess.image_decode import decode_image
+from mmserve.preprocess.image_structure import jpeg_markers
 
 BOMB_FORMATS = ["PNG", "GIF", "WEBP", "TIFF", "BMP"]
 CAP = MediaConfig().max_image_pixels
@@ -99,16 +100,73 @@ def test_a_jpeg_of_many_scans_is_refused_before_its_scans_are_decoded(no_pixel_d
     assert time.monotonic() - start < 1.0
 
 
+def test_a_stray_byte_between_segments_does_not_end_the_count(no_pixel_decoding: None) -> None:
+    """libjpeg skips bytes between segments that are no marker, and decodes every scan after them."""
+    base = encode(Image.new("L", (4096, 4096), 128), "JPEG", progressive=True)
+    app0_end = 4 + int.from_bytes(base[4:6], "big")  # after SOI and the APP0 segment
+    bomb = base[:app0_end] + b"\x00" + base[app0_end:-2] + REFINEMENT_SCAN * 1000 + b"\xff\xd9"
+    with pytest.raises(MediaError, match="more than 100 scans"):
+        decode_image(bomb, max_pixels=CAP)
+
+
+def _png_chunk(kind: bytes, body: bytes = b"") -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _tiff_of_strips(strips: int) -> bytes:
+    """A 1-pixel-wide grey TIFF with one row per strip (little-endian, uncompressed)."""
+    offsets_at = 8 + 2 + 12 * 5 + 4  # after the header and a 5-entry IFD
+    counts_at = offsets_at + 2 * strips
+    pixels_at = counts_at + 2 * strips
+    entries = [(256, 3, 1, 1), (257, 3, 1, strips), (273, 3, strips, offsets_at),  # width, height, StripOffsets
+               (278, 3, 1, 1), (279, 3, strips, counts_at)]  # RowsPerStrip, StripByteCounts
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + b"\0" * 4
+    offsets = struct.pack(f"<{strips}H", *[(pixels_at + k) & 0xFFFF for k in range(strips)])
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + offsets + struct.pack(f"<{strips}H", *[1] * strips) + \
+        b"\x80" * strips
+
+
+@pytest.mark.parametrize("bomb", [
+    # empty APP1 segments: Pillow keeps each in a list as it opens the file
+    pytest.param(lambda: (lambda base: base[:2] + b"\xff\xe1\x00\x02" * 5000 + base[2:])(
+        encode(noise(8, 8), "JPEG")), id="jpeg-segments"),
+    # empty private chunks before the pixels: Pillow reads each as it opens the file
+    pytest.param(lambda: (lambda base: base[:33] + _png_chunk(b"prVt") * 20_000 + base[33:])(
+        encode(noise(8, 8), "PNG")), id="png-chunks"),
+    # a strip per row of a 1-pixel-wide image: Pillow builds a tile per strip as it opens the file
+    pytest.param(lambda: _tiff_of_strips(70_000), id="tiff-strips"),
+])
+def test_a_container_of_many_empty_parts_is_refused_before_it_is_opened(bomb: Any, no_pixel_decoding: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Pillow opened it")
+
+    data = bomb()
+    monkeypatch.setattr(Image, "open", never)
+    with pytest.raises(MediaError, match="a cost to open, not a picture"):
+        decode_image(data, max_pixels=CAP)
+
+
+def test_pictures_are_far_from_the_structure_caps() -> None:
+    """What encoders write passes: a PNG whose pixels are split in many small chunks, a TIFF of a strip per row."""
+    raw = zlib.compress(b"".join(b"\x00" + bytes(3 * 64) for _ in range(64)))
+    head = struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", head) + b"".join(
+        _png_chunk(b"IDAT", raw[k:k + 16]) for k in range(0, len(raw), 16)) + _png_chunk(b"IEND")
+    assert decode_image(png, max_pixels=CAP).size == (64, 64)
+    assert decode_image(_tiff_of_strips(4096), max_pixels=CAP).size == (1, 4096)
+
+
 def test_a_progressive_jpeg_as_encoders_write_it_is_decoded() -> None:
     data = encode(noise(64, 48), "JPEG", progressive=True)
-    assert jpeg_scans(data, 1000) >= 2  # progressive: several scans
+    assert jpeg_markers(data, 1000, 1000)[0] >= 2  # progressive: several scans
     assert decode_image(data, max_pixels=CAP).size == (64, 48)
 
 
 def test_a_jpeg_with_a_video_appended_counts_its_own_scans_only() -> None:
     """A phone's motion photo appends an MP4 after the image's end: random bytes hold 0xFF 0xDA once per 64 KiB."""
     data = encode(noise(64, 48), "JPEG") + np.random.default_rng(1).bytes(8 << 20)
-    assert data.count(b"\xff\xda") > 100 and jpeg_scans(data, 1000) == 1
+    assert data.count(b"\xff\xda") > 100 and jpeg_markers(data, 1000, 1000)[0] == 1
     assert decode_image(data, max_pixels=CAP).size == (64, 48)
 
 
