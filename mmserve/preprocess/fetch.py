@@ -12,7 +12,9 @@ did not give us an image in time).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import http.client
 import ipaddress
 import logging
@@ -34,6 +36,7 @@ Dialer = Callable[..., socket.socket]  # socket.create_connection's signature
 
 MAX_REDIRECTS = 5
 MAX_DIALS = 3  # addresses of one host tried in turn
+RESOLVE_THREADS = 8  # name resolutions at once in a process (a fetch waits for its turn within its deadline)
 _CHUNK = 64 * 1024  # bytes per read
 # NAT64 prefixes (RFC 6052, RFC 8215): the low 32 bits are an IPv4 address a gateway dials for us
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
@@ -107,7 +110,9 @@ class HttpFetcher:
         # the address) would tell a client the internal names and their addresses (logged here instead)
         refused = UnsupportedURLError(f"host {host!r} does not resolve to a public address")
         try:
-            ips = self._resolver(host, port)
+            ips = self._resolve(host, port, deadline)
+        except TimeoutError:
+            raise
         except OSError as err:
             log.info("image host %r does not resolve: %s", host, err)
             raise refused from None
@@ -126,6 +131,19 @@ class HttpFetcher:
             except OSError as err:
                 last = err
         raise last or OSError(f"cannot connect to {host!r}")
+
+    def _resolve(self, host: str, port: int, deadline: float | None) -> list[str]:
+        """The resolver's answer, waited for until `deadline` at most (TimeoutError).
+
+        NOTE: `getaddrinfo` cannot be interrupted and runs under the system resolver's own timeouts (a
+        nameserver that never answers holds it for tens of seconds): it runs on a small pool of its own, and
+        the fetch stops waiting at its deadline.
+        """
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return _resolves().submit(self._resolver, host, port).result(timeout=left)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError("fetch deadline passed while resolving the host") from None
 
     def fetch(self, url: str) -> bytes:
         self.check_url(url)
@@ -196,6 +214,12 @@ class FetchGroup:
 
 
 _GROUP = threading.local()  # the FetchGroup of the fetches this thread starts, if any
+
+
+@functools.cache
+def _resolves() -> concurrent.futures.ThreadPoolExecutor:
+    """The pool name resolutions run on (made on first use)."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=RESOLVE_THREADS, thread_name_prefix="resolve")
 
 
 class _OneFetch:

@@ -110,6 +110,22 @@ def test_loopback_is_refused_without_the_test_flag(port: int) -> None:
             MediaLoader(MediaConfig()).load(f"http://{host}:{port}/img.png")
 
 
+def test_a_resolver_that_never_answers_ends_at_the_fetch_deadline() -> None:
+    released = threading.Event()
+
+    def stuck(host: str, port: int) -> list[str]:  # an attacker's nameserver that never answers
+        released.wait(10)
+        return ["8.8.8.8"]
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(MediaError, match="no complete answer within 0.3 s"):
+            MediaLoader(MediaConfig(fetch_timeout_s=0.3), resolver=stuck).load("http://slow-dns.test/img.png")
+        assert time.monotonic() - start < 1.5
+    finally:
+        released.set()
+
+
 def test_a_name_that_does_not_resolve_is_answered_as_an_internal_one_is() -> None:
     """Which of the two it was (and the address) would map a network's internal names for a client."""
     table = {"internal.test": ["10.1.2.3"]}
