@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mmserve.api import strict_schema
 from mmserve.api.errors import UnsupportedParameterError, with_param
 from mmserve.decoder.constraint import InvalidGrammarError, check
 from mmserve.errors import InvalidRequestError
@@ -132,96 +133,13 @@ def _json(schema: str | dict[str, Any] | None, *, closed: bool = False) -> Struc
     if schema is None:
         return None
     try:
-        if closed:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        if closed and len(text) <= MAX_SPEC_CHARS:  # NOTE: a bigger one is refused for its size, never walked
             with contextlib.suppress(ValueError):  # not JSON: left as it came, for `check` to refuse with its reason
-                schema = _closed(json.loads(schema) if isinstance(schema, str) else schema)
-        return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
+                text = json.dumps(strict_schema.closed(json.loads(text)))
+        return StructuredOutput("json", text)
     except RecursionError:  # NOTE: json's C code recurses per nesting level
         raise InvalidRequestError("the JSON schema is nested too deeply") from None
-
-
-def _closed(schema: Any) -> Any:
-    """A copy of `schema` in which every object schema that does not say otherwise has `additionalProperties:
-    false`: only the properties it lists (what OpenAI's strict mode asks for, vLLM's default backend assumes).
-
-    NOTE: only schema positions are walked (properties' and definitions' values, items, combinators' branches),
-    never values (`const`, `enum`, `default`). An object whose properties may come from elsewhere (a combinator
-    or `$ref` beside them) is left open, as are the parts that make it up, all the way down: `allOf`'s branches
-    (of two or more), an object's `anyOf` / `oneOf` branches, any combinator's branches inside a part, and the
-    definitions a part `$ref`s (through chains of `$ref`s). Closing a part of a conjunction would refuse what
-    the whole allows. A union's branches (`anyOf` / `oneOf` of a whole schema that is no object itself) are
-    whole schemas, closed. Loops, not recursion: the schema may nest as deep as the body's JSON.
-    """
-    out = json.loads(json.dumps(schema))  # a copy
-    parts = _partial_refs(out)
-    stack: list[tuple[Any, bool, str]] = [(out, True, "#")]  # (schema, whether it is whole, its JSON pointer)
-    while stack:
-        node, whole, at = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        if whole and _is_object(node) and "additionalProperties" not in node and not _OPEN_ENDED & node.keys():
-            node["additionalProperties"] = False
-        stack.extend(_children(node, whole, at, parts))
-    return out
-
-
-_OPEN_ENDED = frozenset({"allOf", "anyOf", "oneOf", "$ref"})  # an object's properties may also come from these
-
-
-def _is_object(node: dict[str, Any]) -> bool:
-    kind = node.get("type")
-    return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
-
-
-def _children(node: dict[str, Any], whole: bool, at: str, parts: set[str]) -> list[tuple[Any, bool, str]]:
-    """The schemas right inside `node` (at JSON pointer `at`; `whole`: not a part of an object): (schema,
-    whether it is whole, its pointer). `parts`: the pointers `$ref`ed as parts."""
-    out: list[tuple[Any, bool, str]] = []
-    for key in ("properties", "patternProperties"):
-        if isinstance(node.get(key), dict):
-            out += [(child, True, f"{at}/{key}/{name}") for name, child in node[key].items()]
-    for key in ("$defs", "definitions"):
-        if isinstance(node.get(key), dict):
-            out += [(child, f"{at}/{key}/{name}" not in parts, f"{at}/{key}/{name}")
-                    for name, child in node[key].items()]
-    for key in ("items", "additionalProperties", "contains"):
-        if isinstance(node.get(key), dict):
-            out.append((node[key], True, f"{at}/{key}"))
-    for key in ("items", "prefixItems"):
-        if isinstance(node.get(key), list):
-            out += [(child, True, f"{at}/{key}/{i}") for i, child in enumerate(node[key])]
-    for key in ("allOf", "anyOf", "oneOf"):
-        if isinstance(node.get(key), list):
-            part = not whole or _makes_up(node, key)
-            out += [(branch, not part, f"{at}/{key}/{i}") for i, branch in enumerate(node[key])]
-    return out
-
-
-def _makes_up(node: dict[str, Any], key: str) -> bool:
-    """Whether the branches under `node[key]` are parts of one object rather than whole alternatives (an `allOf`
-    of one branch beside no properties of its own combines nothing: that branch is the whole)."""
-    if key == "allOf":
-        return len(node[key]) > 1 or _is_object(node)
-    return _is_object(node)
-
-
-def _partial_refs(schema: Any) -> set[str]:
-    """The `$ref`s that point at parts of an object: `$ref`s that are parts themselves (a branch that makes one
-    up, or inside a definition that is a part: a chain of `$ref`s) or beside an object's own properties."""
-    refs: set[str] = set()
-    while True:  # NOTE: to a fixed point: a definition found to be a part makes its own `$ref`s parts
-        found: set[str] = set()
-        stack: list[tuple[Any, bool, str]] = [(schema, True, "#")]
-        while stack:
-            node, whole, at = stack.pop()
-            if not isinstance(node, dict):
-                continue
-            if isinstance(node.get("$ref"), str) and (not whole or _is_object(node)):
-                found.add(node["$ref"])
-            stack.extend(_children(node, whole, at, refs))
-        if found <= refs:
-            return refs
-        refs |= found
 
 
 def _check_size(structured: StructuredOutput, name: str) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
+from mmserve.decoder.schema_walk import depth
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
 
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 _JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
 }
+# NOTE: llguidance follows $refs as it compiles, recursively: a schema nesting ~1,000 deep through them (a
+# 60 KB chain of definitions) overflowed its thread's stack and killed the process (thirty-fifth session, 8 MiB
+# stacks); schemas written by people or generated from types nest a few dozen deep.
+MAX_SCHEMA_DEPTH = 128
 NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "lark": "Lark grammar"}
 
 
@@ -44,6 +49,9 @@ def grammar_of(structured: StructuredOutput) -> str:
         schema = json.loads(structured.spec)
         if isinstance(schema, dict):  # NOTE: llguidance reads its options from the schema too: the server's only
             schema.pop("x-guidance", None)  # (a client's would turn `lenient` on: keywords dropped, not refused)
+        if (deep := depth(schema)) > MAX_SCHEMA_DEPTH:
+            raise InvalidGrammarError(f"invalid JSON schema: it nests {deep} schemas deep through its $refs; "
+                                      f"the limit is {MAX_SCHEMA_DEPTH}")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
     if structured.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(structured.spec)

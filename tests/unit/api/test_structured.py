@@ -145,6 +145,12 @@ def test_a_strict_schemas_matcher_refuses_a_key_the_schema_does_not_list() -> No
     ({"$defs": {"Outer": {"$defs": {"In": {"type": "object", "properties": {"i": {}}}}},
                 "A": {"$ref": "#/$defs/C"}, "C": {"type": "object", "properties": {"c": {}}}},
       "allOf": [{"$ref": "#/$defs/Outer/$defs/In"}, {"$ref": "#/$defs/A"}]}, []),
+    # one allOf branch beside a $ref: both make the object up
+    ({"$defs": {"A": {"type": "object", "properties": {"a": {}}}},
+      "$ref": "#/$defs/A", "allOf": [{"type": "object", "properties": {"b": {}}}]}, []),
+    # a part's $ref, RFC 6901 escaped
+    ({"$defs": {"a/b": {"type": "object", "properties": {"x": {}}}},
+      "properties": {"p": {"allOf": [{"$ref": "#/$defs/a~1b"}, {"properties": {"y": {}}}]}}}, [[]]),
 ])
 def test_strict_closes_object_schemas_only_where_their_properties_are_all_listed(schema: dict[str, Any],
                                                                               closed_at: list[list[Any]]) -> None:
@@ -221,3 +227,40 @@ def test_a_union_inside_a_part_of_a_strict_object_is_left_open() -> None:
     matcher = llguidance.LLMatcher(vocabulary, grammar_of(got))
     assert not matcher.is_error(), matcher.get_error()
     assert matcher.try_consume_tokens(text) == len(text)
+
+
+def test_closing_a_strict_schema_is_linear_in_its_size() -> None:
+    """A chain of definitions each a part through the next took a walk per link (quadratic: ~1 s for 1,000, on
+    the ingress's event loop)."""
+    import time
+
+    from mmserve.api.strict_schema import closed
+
+    defs: dict[str, Any] = {f"d{k}": {"$ref": f"#/$defs/d{k + 1}"} for k in range(20_000)}
+    defs["d20000"] = {"type": "object", "properties": {"z": {}}}
+    schema = {"type": "object", "allOf": [{"$ref": "#/$defs/d0"}, {"properties": {"b": {}}}], "$defs": defs}
+    start = time.monotonic()
+    out = closed(schema)
+    assert time.monotonic() - start < 5.0  # ~0.1 s linear; the quadratic walk took minutes at this length
+    assert "additionalProperties" not in out["$defs"]["d20000"]
+
+
+@pytest.mark.parametrize("shape", ["alias", "nested", "items"])
+def test_a_schema_nesting_past_the_limit_through_its_refs_is_a_400_not_a_crash(shape: str) -> None:
+    """llguidance follows $refs recursively as it compiles: ~1,000 levels killed the process (a segfault)."""
+    n = 5_000
+    link = {"alias": lambda k: {"$ref": f"#/$defs/d{k + 1}"},
+            "nested": lambda k: {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{k + 1}"}}},
+            "items": lambda k: {"type": "array", "items": {"$ref": f"#/$defs/d{k + 1}"}}}[shape]
+    defs: dict[str, Any] = {f"d{k}": link(k) for k in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    with pytest.raises(InvalidRequestError, match=r"nests \d+ schemas deep through its \$refs") as info:
+        structured(guided_json={"$ref": "#/$defs/d0", "$defs": defs})
+    assert error_body(info.value)[0] == 400
+
+
+def test_a_recursive_schema_is_no_deeper_than_its_cycle() -> None:
+    kids = {"type": "array", "items": {"$ref": "#/$defs/T"}}
+    tree = {"$defs": {"T": {"type": "object", "properties": {"name": {"type": "string"}, "kids": kids}}},
+            "$ref": "#/$defs/T"}
+    assert structured(guided_json=tree) is not None
