@@ -87,6 +87,7 @@ class ProcessorCacheStore:
         self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())
         self.epoch = uuid.uuid4().hex  # NOTE: a replacement replica starts empty: its clients must know
         self.keeper = Keeper(self.cache, read_stored, ray.put)
+        self._handing: set[asyncio.Future] = set()  # hand-overs' copies under way (held: the loop keeps weak refs)
         self.reporter = MetricsReporter(hub, "ProcessorCacheStore", self.metrics, metrics_push_interval_s)
         self.reporter.ensure_started()
 
@@ -132,7 +133,12 @@ class ProcessorCacheStore:
             async with room:  # NOTE: the entry read when its turn comes (it may have been replaced meanwhile)
                 return await self.keeper.kept(key, self.cache.peek(key), counted=False, wait_s=None)
 
-        kept = await asyncio.gather(*(one(key) for key in keys))
+        # NOTE: shielded: the maker stops waiting after its hand-over's timeout, and the copies not yet made
+        # go on while its objects may still be read (it is shutting down, not gone)
+        copies = asyncio.ensure_future(asyncio.gather(*(one(key) for key in keys)))
+        self._handing.add(copies)
+        copies.add_done_callback(self._handing.discard)
+        kept = await asyncio.shield(copies)
         return sum(item is not None and item.kept for item in kept)
 
     async def held(self, key: str) -> CachedItem | None:

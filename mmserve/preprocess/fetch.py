@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import http.client
 import ipaddress
 import logging
@@ -36,7 +35,6 @@ Dialer = Callable[..., socket.socket]  # socket.create_connection's signature
 
 MAX_REDIRECTS = 5
 MAX_DIALS = 3  # addresses of one host tried in turn
-RESOLVE_THREADS = 8  # name resolutions at once in a process (a fetch waits for its turn within its deadline)
 _CHUNK = 64 * 1024  # bytes per read
 # NAT64 prefixes (RFC 6052, RFC 8215): the low 32 bits are an IPv4 address a gateway dials for us
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
@@ -97,7 +95,8 @@ class HttpFetcher:
             raise UnsupportedURLError(f"host {host!r} is not in the allowed domains")
 
     def connect(self, address: tuple[str, int], timeout: float | None = None,
-                source_address: tuple[str, int] | None = None, *, deadline: float | None = None) -> socket.socket:
+                source_address: tuple[str, int] | None = None, *, deadline: float | None = None,
+                ended: threading.Event | None = None) -> socket.socket:
         """Check the host actually dialled, resolve, refuse non-public addresses, dial the checked address
         (at most `MAX_DIALS` of them, each with what is left of `deadline`, a monotonic time).
 
@@ -110,7 +109,7 @@ class HttpFetcher:
         # the address) would tell a client the internal names and their addresses (logged here instead)
         refused = UnsupportedURLError(f"host {host!r} does not resolve to a public address")
         try:
-            ips = self._resolve(host, port, deadline)
+            ips = self._resolve(host, port, deadline, ended)
         except TimeoutError:
             raise
         except OSError as err:
@@ -132,18 +131,35 @@ class HttpFetcher:
                 last = err
         raise last or OSError(f"cannot connect to {host!r}")
 
-    def _resolve(self, host: str, port: int, deadline: float | None) -> list[str]:
-        """The resolver's answer, waited for until `deadline` at most (TimeoutError).
+    def _resolve(self, host: str, port: int, deadline: float | None, ended: threading.Event | None) -> list[str]:
+        """The resolver's answer, waited for until `deadline` at most, or until `ended` is set (TimeoutError).
 
         NOTE: `getaddrinfo` cannot be interrupted and runs under the system resolver's own timeouts (a
-        nameserver that never answers holds it for tens of seconds): it runs on a small pool of its own, and
-        the fetch stops waiting at its deadline.
+        nameserver that never answers holds it for tens of seconds): it runs on a thread of its own, which the
+        fetch stops waiting for at its deadline. A thread each, not a shared pool: a few names that never
+        resolve would hold a pool's every thread, and every other fetch of the process would wait behind them.
         """
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            return _resolves().submit(self._resolver, host, port).result(timeout=left)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError("fetch deadline passed while resolving the host") from None
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError("fetch deadline passed before resolving the host")
+        future: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
+
+        def resolve() -> None:
+            try:
+                future.set_result(self._resolver(host, port))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=resolve, name="mmserve-resolve", daemon=True).start()
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # NOTE: in slices when the fetch may be ended early (its prompt's other image refused)
+            wait = left if ended is None else (0.05 if left is None else min(left, 0.05))
+            try:
+                return future.result(timeout=wait)
+            except concurrent.futures.TimeoutError:
+                over = deadline is not None and time.monotonic() >= deadline
+                if over or (ended is not None and ended.is_set()):
+                    raise TimeoutError("fetch ended while resolving the host") from None
 
     def fetch(self, url: str) -> bytes:
         self.check_url(url)
@@ -216,11 +232,6 @@ class FetchGroup:
 _GROUP = threading.local()  # the FetchGroup of the fetches this thread starts, if any
 
 
-@functools.cache
-def _resolves() -> concurrent.futures.ThreadPoolExecutor:
-    """The pool name resolutions run on (made on first use)."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=RESOLVE_THREADS, thread_name_prefix="resolve")
-
 
 class _OneFetch:
     """One fetch's deadline: every socket it opens is shut down when the deadline passes, so no slow
@@ -228,14 +239,15 @@ class _OneFetch:
 
     def __init__(self, fetcher: HttpFetcher, deadline: float) -> None:
         self.fetcher, self.deadline, self.expired = fetcher, deadline, False
+        self.ended = threading.Event()  # set with `expired`: a resolution under way stops waiting
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []  # duplicates: TLS wrapping detaches the original object
 
     def connect(self, address: tuple[str, int], timeout: float | None = None,
                 source_address: tuple[str, int] | None = None) -> socket.socket:
-        if time.monotonic() >= self.deadline:  # (a redirect hop after it: no new resolve)
+        if self.expired or time.monotonic() >= self.deadline:  # (a redirect hop after it: no new resolve)
             raise TimeoutError("fetch deadline passed")
-        sock = self.fetcher.connect(address, timeout, source_address, deadline=self.deadline)
+        sock = self.fetcher.connect(address, timeout, source_address, deadline=self.deadline, ended=self.ended)
         with self._lock:
             try:
                 if self.expired:
@@ -247,6 +259,7 @@ class _OneFetch:
         return sock
 
     def expire(self) -> None:
+        self.ended.set()
         with self._lock:
             self.expired = True
             for sock in self._socks:

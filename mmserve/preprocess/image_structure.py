@@ -21,11 +21,18 @@ from mmserve.errors import MediaError
 # NOTE: encoders write about 10 scans; libjpeg-turbo's djpeg has -maxscans for this.
 MAX_JPEG_SCANS = 100
 MAX_JPEG_SEGMENTS = 1000  # markers of the first image: a photo's EXIF, ICC and tables are a few dozen
-MAX_PNG_CHUNKS = 10_000  # other than IDAT (pixels, however finely an encoder splits them): a few are usual
+MAX_PNG_CHUNKS = 10_000  # other than pixels and frames (IDAT, fdAT, fcTL: however finely split): a few are usual
+MAX_PNG_ALL_CHUNKS = 200_000  # all of them: an 8 KiB IDAT each is 1.6 GB; empty ones cost Pillow to read too
+MAX_JPEG_PADDING = 1 << 20  # bytes between a JPEG's segments (fill bytes, junk): Pillow reads them one by one
 MAX_TIFF_STRIPS = 65_536  # strips or tiles of the first image: a strip per row of a 4096-row image is 4,096
 # The next marker after entropy-coded data: 0xFF then neither a stuffed 0x00 nor a restart marker (RST0-7)
 _NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
-_TIFF_COUNTS = (273, 324)  # StripOffsets, TileOffsets
+_MARKER_START = re.compile(rb"\xff[^\xff]")  # the next marker among bytes that are none: its last 0xFF
+_TIFF_COUNTS = (273, 324)  # StripOffsets, TileOffsets: Pillow takes the strips where both are given
+_PNG_PIXELS = (b"IDAT", b"fdAT", b"fcTL")  # an image's and an animation's pixels, and its frames' headers
+# Every header Pillow opens as TIFF (its PREFIXES), with (byte order, BigTIFF)
+_TIFF_HEADERS = {b"II*\x00": ("<", False), b"MM\x00*": (">", False), b"II\x00*": ("<", False),
+                 b"MM*\x00": (">", False), b"II+\x00": ("<", True), b"MM\x00+": (">", True)}
 
 
 def check_structure(data: bytes) -> None:
@@ -36,10 +43,15 @@ def check_structure(data: bytes) -> None:
             raise MediaError(f"the JPEG has more than {MAX_JPEG_SCANS} scans: a cost to decode, not a picture")
         if segments > MAX_JPEG_SEGMENTS:
             raise MediaError(f"the JPEG has more than {MAX_JPEG_SEGMENTS} segments: a cost to open, not a picture")
-    elif data.startswith(b"\x89PNG\r\n\x1a\n") and png_chunks(data, MAX_PNG_CHUNKS + 1) > MAX_PNG_CHUNKS:
-        raise MediaError(f"the PNG has more than {MAX_PNG_CHUNKS} chunks besides its pixels: a cost to open, "
-                         "not a picture")
-    elif data[:4] in (b"II*\x00", b"MM\x00*") and tiff_strips(data) > MAX_TIFF_STRIPS:
+        if jpeg_padding(data) > MAX_JPEG_PADDING:
+            raise MediaError(f"the JPEG has more than {MAX_JPEG_PADDING} bytes between its segments: a cost to "
+                             "open, not a picture")
+    elif data.startswith(b"\x89PNG\r\n\x1a\n"):
+        other, every = png_chunks(data, MAX_PNG_CHUNKS + 1, MAX_PNG_ALL_CHUNKS + 1)
+        if other > MAX_PNG_CHUNKS or every > MAX_PNG_ALL_CHUNKS:
+            raise MediaError(f"the PNG has more than {MAX_PNG_CHUNKS} chunks besides its pixels and frames, or "
+                             f"{MAX_PNG_ALL_CHUNKS} in all: a cost to open, not a picture")
+    elif data[:4] in _TIFF_HEADERS and tiff_strips(data) > MAX_TIFF_STRIPS:
         raise MediaError(f"the TIFF has more than {MAX_TIFF_STRIPS} strips or tiles: a cost to open, not a picture")
 
 
@@ -54,15 +66,13 @@ def jpeg_markers(data: bytes, most_scans: int, most_segments: int) -> tuple[int,
     scans = segments = 0
     i = 2  # after the start-of-image marker
     while scans < most_scans and segments < most_segments and i + 4 <= len(data):
-        if data[i] != 0xFF:  # junk between segments: libjpeg skips to the next 0xFF
-            i = data.find(b"\xff", i)
-            if i < 0:
+        if data[i] != 0xFF or data[i + 1] == 0xFF:  # junk or fill bytes between segments: libjpeg skips them
+            found = _MARKER_START.search(data, i)
+            if found is None:
                 break
+            i = found.start()
             continue
         marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
         if marker == 0xD9:  # end of image
             break
         segments += 1
@@ -74,28 +84,50 @@ def jpeg_markers(data: bytes, most_scans: int, most_segments: int) -> tuple[int,
     return scans, segments
 
 
-def png_chunks(data: bytes, most: int) -> int:
-    """The chunks of PNG `data` other than IDAT, counted up to `most` (each skipped by its length field)."""
-    chunks, i = 0, 8  # after the signature
-    while chunks < most and i + 8 <= len(data):
+def jpeg_padding(data: bytes) -> int:
+    """Bytes of JPEG `data` between its segments (fill bytes and junk), up to its first scan's data."""
+    padding, i = 0, 2
+    while i + 4 <= len(data) and padding <= MAX_JPEG_PADDING:
+        if data[i] != 0xFF or data[i + 1] == 0xFF:  # junk, or fill bytes
+            found = _MARKER_START.search(data, i)
+            end = found.start() if found is not None else len(data)
+            padding += end - i
+            i = end
+            continue
+        if data[i + 1] in (0xD9, 0xDA):  # the end, or a scan: Pillow's opening stops at the first
+            break
+        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return padding
+
+
+def png_chunks(data: bytes, most: int, most_all: int) -> tuple[int, int]:
+    """(chunks other than pixels and frames, all chunks) of PNG `data`, counted up to `most` and `most_all`."""
+    other = every = 0
+    i = 8  # after the signature
+    while other < most and every < most_all and i + 8 <= len(data):
         kind = data[i + 4:i + 8]
-        chunks += kind != b"IDAT"
+        every += 1
+        other += kind not in _PNG_PIXELS
         if kind == b"IEND":
             break
         i += 12 + int.from_bytes(data[i:i + 4], "big")  # length, type, data, CRC
-    return chunks
+    return other, every
 
 
 def tiff_strips(data: bytes) -> int:
-    """The strips (or tiles) of the first image of TIFF `data`: the count of its offsets field; 0 if unread."""
-    order = "<" if data[:2] == b"II" else ">"
+    """The strips (or tiles) of the first image of TIFF `data` (classic or BigTIFF): the count of its
+    StripOffsets field, else of its TileOffsets; 0 if unread."""
+    order, big = _TIFF_HEADERS[data[:4]]
+    ifd_at, count_of, entry, size = ("Q", "Q", "HHQ", 20) if big else ("I", "H", "HHI", 12)
+    counts: dict[int, int] = {}
     try:
-        (ifd,) = struct.unpack_from(f"{order}I", data, 4)
-        (entries,) = struct.unpack_from(f"{order}H", data, ifd)
-        for k in range(entries):
-            tag, _, count = struct.unpack_from(f"{order}HHI", data, ifd + 2 + 12 * k)
+        (ifd,) = struct.unpack_from(f"{order}{ifd_at}", data, 8 if big else 4)
+        (entries,) = struct.unpack_from(f"{order}{count_of}", data, ifd)
+        first = ifd + struct.calcsize(count_of)
+        for k in range(min(entries, (len(data) - first) // size)):  # NOTE: never more entries than bytes
+            tag, _, count = struct.unpack_from(f"{order}{entry}", data, first + size * k)
             if tag in _TIFF_COUNTS:
-                return int(count)
+                counts[tag] = int(count)
     except struct.error:  # a header cut short: Pillow refuses it
         return 0
-    return 0
+    return next((counts[tag] for tag in _TIFF_COUNTS if tag in counts), 0)

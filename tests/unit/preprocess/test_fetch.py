@@ -126,6 +126,37 @@ def test_a_resolver_that_never_answers_ends_at_the_fetch_deadline() -> None:
         released.set()
 
 
+def test_names_that_never_resolve_hold_up_no_other_fetch_and_end_with_their_prompt(port: int) -> None:
+    released = threading.Event()
+
+    def resolve(host: str, port: int) -> list[str]:
+        if host == "stuck.test":  # an attacker's nameserver that never answers
+            released.wait(30)
+        return ["8.8.8.8"]
+
+    def dial(address: tuple[str, int], *args: object) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", address[1]), *args)  # type: ignore[arg-type]
+
+    loader = MediaLoader(MediaConfig(fetch_timeout_s=0.2), resolver=resolve, dial=dial)
+    try:
+        for _ in range(16):
+            with pytest.raises(MediaError, match="no complete answer"):
+                loader.load(f"http://stuck.test:{port}/img.png")
+        start = time.monotonic()
+        assert loader.load(f"http://public.test:{port}/img.png").size == (12, 8)  # not behind the stuck ones
+        assert time.monotonic() - start < 0.15
+        # a prompt whose first image is refused: its other image, still resolving, is let go at once
+        slow = MediaLoader(MediaConfig(fetch_timeout_s=10), resolver=resolve, dial=dial)
+        start = time.monotonic()
+        with pytest.raises(MediaError, match="image 1"):
+            list(slow.read_all(["data:text/plain,x", f"http://stuck.test:{port}/img.png"]))
+        while any(t.name.startswith("media") for t in threading.enumerate()) and time.monotonic() - start < 5:
+            time.sleep(0.02)
+        assert time.monotonic() - start < 1.0, "the resolving fetch waited on to its deadline"
+    finally:
+        released.set()
+
+
 def test_a_name_that_does_not_resolve_is_answered_as_an_internal_one_is() -> None:
     """Which of the two it was (and the address) would map a network's internal names for a client."""
     table = {"internal.test": ["10.1.2.3"]}

@@ -113,13 +113,17 @@ def _png_chunk(kind: bytes, body: bytes = b"") -> bytes:
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
 
-def _tiff_of_strips(strips: int) -> bytes:
-    """A 1-pixel-wide grey TIFF with one row per strip (little-endian, uncompressed)."""
-    offsets_at = 8 + 2 + 12 * 5 + 4  # after the header and a 5-entry IFD
+def _tiff_of_strips(strips: int, tile_first: bool = False) -> bytes:
+    """A 1-pixel-wide grey TIFF with one row per strip (little-endian, uncompressed); `tile_first`: a
+    TileOffsets entry of one tile listed before the strips' (Pillow reads the strips)."""
+    n = 6 if tile_first else 5
+    offsets_at = 8 + 2 + 12 * n + 4  # after the header and the IFD
     counts_at = offsets_at + 2 * strips
     pixels_at = counts_at + 2 * strips
     entries = [(256, 3, 1, 1), (257, 3, 1, strips), (273, 3, strips, offsets_at),  # width, height, StripOffsets
                (278, 3, 1, 1), (279, 3, strips, counts_at)]  # RowsPerStrip, StripByteCounts
+    if tile_first:
+        entries.insert(0, (324, 4, 1, pixels_at))
     ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + b"\0" * 4
     offsets = struct.pack(f"<{strips}H", *[(pixels_at + k) & 0xFFFF for k in range(strips)])
     return b"II*\x00" + struct.pack("<I", 8) + ifd + offsets + struct.pack(f"<{strips}H", *[1] * strips) + \
@@ -135,6 +139,13 @@ def _tiff_of_strips(strips: int) -> bytes:
         encode(noise(8, 8), "PNG")), id="png-chunks"),
     # a strip per row of a 1-pixel-wide image: Pillow builds a tile per strip as it opens the file
     pytest.param(lambda: _tiff_of_strips(70_000), id="tiff-strips"),
+    pytest.param(lambda: _tiff_of_strips(70_000, tile_first=True), id="tiff-strips-behind-one-tile"),
+    # megabytes of fill bytes between segments: Pillow reads them one by one
+    pytest.param(lambda: (lambda base: base[:20] + b"\xff" * (2 << 20) + base[20:])(encode(noise(8, 8), "JPEG")),
+                 id="jpeg-fill"),
+    # empty pixel chunks: read one by one too
+    pytest.param(lambda: (lambda base: base[:33] + _png_chunk(b"IDAT") * 250_000 + base[33:])(
+        encode(noise(8, 8), "PNG")), id="png-empty-pixel-chunks"),
 ])
 def test_a_container_of_many_empty_parts_is_refused_before_it_is_opened(bomb: Any, no_pixel_decoding: None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,6 +156,27 @@ def test_a_container_of_many_empty_parts_is_refused_before_it_is_opened(bomb: An
     monkeypatch.setattr(Image, "open", never)
     with pytest.raises(MediaError, match="a cost to open, not a picture"):
         decode_image(data, max_pixels=CAP)
+
+
+def test_a_bigtiff_is_read_for_its_strips_too() -> None:
+    from mmserve.preprocess.image_structure import tiff_strips
+
+    entries = [(256, 3, 1, 1), (257, 4, 1, 70_000), (273, 16, 70_000, 4096)]  # BigTIFF: 8-byte counts, values
+    ifd = struct.pack("<Q", len(entries)) + b"".join(struct.pack("<HHQQ", *e) for e in entries)
+    data = b"II+\x00" + struct.pack("<HHQ", 8, 0, 16) + ifd
+    assert tiff_strips(data) == 70_000
+    with pytest.raises(MediaError, match="strips or tiles"):
+        decode_image(data, max_pixels=CAP)
+
+
+def test_an_animation_of_many_frames_counts_its_frames_as_pixels() -> None:
+    """An APNG's frames are an fcTL and fdAT chunks each: past the cap on other chunks, not refused for it."""
+    from mmserve.preprocess.image_structure import MAX_PNG_CHUNKS, png_chunks
+
+    frames = b"".join(_png_chunk(b"fcTL", bytes(26)) + _png_chunk(b"fdAT", bytes(8)) for _ in range(MAX_PNG_CHUNKS))
+    data = b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", bytes(13)) + _png_chunk(b"acTL", bytes(8)) + frames
+    other, every = png_chunks(data + _png_chunk(b"IEND"), 10**6, 10**6)
+    assert other == 3 and every == 2 * MAX_PNG_CHUNKS + 3
 
 
 def test_pictures_are_far_from_the_structure_caps() -> None:
