@@ -137,9 +137,15 @@ class ProcessorCacheStore:
         # go on while its objects may still be read (it is shutting down, not gone)
         copies = asyncio.ensure_future(asyncio.gather(*(one(key) for key in keys)))
         self._handing.add(copies)
-        copies.add_done_callback(self._handing.discard)
+        copies.add_done_callback(self._handed)
         kept = await asyncio.shield(copies)
         return sum(item is not None and item.kept for item in kept)
+
+    def _handed(self, copies: asyncio.Future) -> None:
+        """A hand-over's copies ended: forget them; a failure is logged (its caller may have stopped waiting)."""
+        self._handing.discard(copies)
+        if not copies.cancelled() and copies.exception() is not None:
+            log.warning("a hand-over's copies failed: %r", copies.exception())
 
     async def held(self, key: str) -> CachedItem | None:
         """Read-only introspection (tests, debugging): the entry for `key` as it is, neither kept nor counted."""

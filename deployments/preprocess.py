@@ -18,7 +18,7 @@ from deployments.cache_store import SharedProcessorCache
 from deployments.handles import hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import freeze_startup_heap
-from mmserve.errors import InvalidRequestError
+from mmserve.errors import InvalidRequestError, OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
@@ -59,7 +59,7 @@ class Preprocess:
             timeline.add(pre.timings)
             timeline.since_start("preprocess.replica")  # the whole call here: its round trip less this is the hop
             return replace(pre, timings=timeline.phases)
-        except InvalidRequestError as exc:
+        except (InvalidRequestError, OverloadedError) as exc:  # NOTE: a 4xx, or a 503 to retry later
             return RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
         except asyncio.CancelledError:  # the caller left (a client gone, a deadline): its thread stops soon too
             left.set()

@@ -64,7 +64,7 @@ def _makes_up(node: dict[str, Any], key: str) -> bool:
     of one branch beside nothing else combines nothing: that branch is the whole)."""
     if key == "allOf":
         return len(node[key]) > 1 or _is_object(node) or bool((OPEN_ENDED - {"allOf"}) & node.keys())
-    return _is_object(node)
+    return _is_object(node) or bool((OPEN_ENDED - {key}) & node.keys())  # beside a $ref or another combinator
 
 
 def _parts(root: Any, nodes: list[dict[str, Any]]) -> set[int]:

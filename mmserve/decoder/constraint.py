@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
-from mmserve.decoder.schema_walk import depth
+from mmserve.decoder.schema_walk import depth, unresolved_ref
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
 
@@ -49,6 +49,9 @@ def grammar_of(structured: StructuredOutput) -> str:
         schema = json.loads(structured.spec)
         if isinstance(schema, dict):  # NOTE: llguidance reads its options from the schema too: the server's only
             schema.pop("x-guidance", None)  # (a client's would turn `lenient` on: keywords dropped, not refused)
+        if (ref := unresolved_ref(schema)) is not None:
+            raise InvalidGrammarError(f"invalid JSON schema: {ref} does not point into the schema (a local JSON "
+                                      "pointer, #/..., is served; anchors, $id and other documents are not)")
         if (deep := depth(schema)) > MAX_SCHEMA_DEPTH:
             raise InvalidGrammarError(f"invalid JSON schema: it nests {deep} schemas deep through its $refs; "
                                       f"the limit is {MAX_SCHEMA_DEPTH}")

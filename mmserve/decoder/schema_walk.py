@@ -12,32 +12,55 @@ import urllib.parse
 from typing import Any
 
 COMBINATORS = ("allOf", "anyOf", "oneOf")
+# JSON Schema's applicators: the keys whose values are schemas (one, a map of them, a list of them)
+_ONE = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LIST = ("items", "prefixItems", *COMBINATORS)
+REFS = ("$ref", "$dynamicRef", "$recursiveRef")  # the keys that point at another schema
 
 
 def children(node: dict[str, Any]) -> list[Any]:
-    """The schemas right inside `node` (schema positions only)."""
+    """The schemas right inside `node` (schema positions only: never values such as `const`)."""
     out: list[Any] = []
-    for key in ("properties", "patternProperties", "$defs", "definitions"):
+    for key in _MAP:
         if isinstance(node.get(key), dict):
             out += node[key].values()
-    for key in ("items", "additionalProperties", "contains"):
-        if isinstance(node.get(key), dict):
-            out.append(node[key])
-    for key in ("items", "prefixItems", *COMBINATORS):
+    out += [node[key] for key in _ONE if isinstance(node.get(key), dict)]
+    for key in _LIST:
         if isinstance(node.get(key), list):
             out += node[key]
     return out
 
 
+def unresolved_ref(root: Any) -> str | None:
+    """The first reference of `root` that is no local JSON pointer into it (an anchor, an `$id`, another
+    document, a dynamic reference), or None: a compiler that follows those could not be bounded beforehand."""
+    known: dict[str, Any] = {}
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for key in REFS:
+            if key in node and (key != "$ref" or not isinstance(node[key], str)
+                                or target(root, node[key], known) is None):
+                return f"{key}: {node[key]!r}"[:200]
+        stack.extend(children(node))
+    return None
+
+
 def target(root: Any, ref: str, known: dict[str, Any]) -> Any:
-    """The node a local `$ref` ("#" or "#/a/b", RFC 6901 escapes) points at; None for any other (`known`: the
-    refs resolved so far, reused)."""
+    """The node a local `$ref` ("#" or "#/a/b": a URI fragment, percent-decoded first, then an RFC 6901 pointer)
+    points at; None for any other (`known`: the refs resolved so far, reused)."""
     if ref not in known:
         node: Any = None
-        if ref == "#" or ref.startswith("#/"):
+        pointer = urllib.parse.unquote(ref)
+        if pointer == "#" or pointer.startswith("#/"):
             node = root
-            for token in ref[2:].split("/") if ref != "#" else ():
-                token = urllib.parse.unquote(token).replace("~1", "/").replace("~0", "~")
+            for token in pointer[2:].split("/") if pointer != "#" else ():
+                token = token.replace("~1", "/").replace("~0", "~")
                 if isinstance(node, dict):
                     node = node.get(token)
                 elif isinstance(node, list) and token.isdigit() and int(token) < len(node):

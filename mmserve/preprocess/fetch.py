@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mmserve.config import MediaConfig
-from mmserve.errors import InvalidRequestError, MediaError, UnsupportedURLError
+from mmserve.errors import InvalidRequestError, MediaError, OverloadedError, UnsupportedURLError
 
 log = logging.getLogger(__name__)
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP address strings
@@ -35,6 +35,8 @@ Dialer = Callable[..., socket.socket]  # socket.create_connection's signature
 
 MAX_REDIRECTS = 5
 MAX_DIALS = 3  # addresses of one host tried in turn
+MAX_RESOLVING = 256  # name resolutions under way in a process (a thread each); past it a fetch is a 503
+_RESOLVING = threading.BoundedSemaphore(MAX_RESOLVING)
 _CHUNK = 64 * 1024  # bytes per read
 # NAT64 prefixes (RFC 6052, RFC 8215): the low 32 bits are an IPv4 address a gateway dials for us
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
@@ -141,6 +143,8 @@ class HttpFetcher:
         """
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError("fetch deadline passed before resolving the host")
+        if not _RESOLVING.acquire(blocking=False):  # NOTE: each is a thread until the system resolver gives up
+            raise OverloadedError(f"more than {MAX_RESOLVING} host names are being resolved at once; retry later")
         future: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
 
         def resolve() -> None:
@@ -148,6 +152,8 @@ class HttpFetcher:
                 future.set_result(self._resolver(host, port))
             except BaseException as exc:
                 future.set_exception(exc)
+            finally:
+                _RESOLVING.release()
 
         threading.Thread(target=resolve, name="mmserve-resolve", daemon=True).start()
         while True:

@@ -27,12 +27,13 @@ MAX_JPEG_PADDING = 1 << 20  # bytes between a JPEG's segments (fill bytes, junk)
 MAX_TIFF_STRIPS = 65_536  # strips or tiles of the first image: a strip per row of a 4096-row image is 4,096
 # The next marker after entropy-coded data: 0xFF then neither a stuffed 0x00 nor a restart marker (RST0-7)
 _NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
-_MARKER_START = re.compile(rb"\xff[^\xff]")  # the next marker among bytes that are none: its last 0xFF
+_MARKER_START = re.compile(rb"\xff[^\xff\x00]")  # the next marker among bytes that are none: its last 0xFF
 _TIFF_COUNTS = (273, 324)  # StripOffsets, TileOffsets: Pillow takes the strips where both are given
 _PNG_PIXELS = (b"IDAT", b"fdAT", b"fcTL")  # an image's and an animation's pixels, and its frames' headers
-# Every header Pillow opens as TIFF (its PREFIXES), with (byte order, BigTIFF)
-_TIFF_HEADERS = {b"II*\x00": ("<", False), b"MM\x00*": (">", False), b"II\x00*": ("<", False),
-                 b"MM*\x00": (">", False), b"II+\x00": ("<", True), b"MM\x00+": (">", True)}
+# Every header Pillow opens as TIFF (its PREFIXES); it reads the byte order from the first two bytes and takes
+# the file for a BigTIFF when the third is 43 ("+"), whatever the order
+_TIFF_HEADERS = (b"II*\x00", b"MM\x00*", b"II\x00*", b"MM*\x00", b"II+\x00", b"MM\x00+")
+_STANDALONE = frozenset({0x01, *range(0xD0, 0xD9)})  # markers without a length: TEM, RST0-7, SOI
 
 
 def check_structure(data: bytes) -> None:
@@ -66,8 +67,8 @@ def jpeg_markers(data: bytes, most_scans: int, most_segments: int) -> tuple[int,
     scans = segments = 0
     i = 2  # after the start-of-image marker
     while scans < most_scans and segments < most_segments and i + 4 <= len(data):
-        if data[i] != 0xFF or data[i + 1] == 0xFF:  # junk or fill bytes between segments: libjpeg skips them
-            found = _MARKER_START.search(data, i)
+        if data[i] != 0xFF or data[i + 1] in (0xFF, 0x00):  # junk or fill bytes between segments: skipped, as
+            found = _MARKER_START.search(data, i + 1)  # libjpeg does (0xFF 0x00 is no marker either)
             if found is None:
                 break
             i = found.start()
@@ -76,6 +77,9 @@ def jpeg_markers(data: bytes, most_scans: int, most_segments: int) -> tuple[int,
         if marker == 0xD9:  # end of image
             break
         segments += 1
+        if marker in _STANDALONE:  # no length follows
+            i += 2
+            continue
         i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
         if marker == 0xDA:  # a scan: its header, then entropy-coded data up to the next marker
             scans += 1
@@ -88,15 +92,15 @@ def jpeg_padding(data: bytes) -> int:
     """Bytes of JPEG `data` between its segments (fill bytes and junk), up to its first scan's data."""
     padding, i = 0, 2
     while i + 4 <= len(data) and padding <= MAX_JPEG_PADDING:
-        if data[i] != 0xFF or data[i + 1] == 0xFF:  # junk, or fill bytes
-            found = _MARKER_START.search(data, i)
+        if data[i] != 0xFF or data[i + 1] in (0xFF, 0x00):  # junk, or fill bytes
+            found = _MARKER_START.search(data, i + 1)
             end = found.start() if found is not None else len(data)
             padding += end - i
             i = end
             continue
         if data[i + 1] in (0xD9, 0xDA):  # the end, or a scan: Pillow's opening stops at the first
             break
-        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        i += 2 if data[i + 1] in _STANDALONE else 2 + int.from_bytes(data[i + 2:i + 4], "big")
     return padding
 
 
@@ -117,7 +121,7 @@ def png_chunks(data: bytes, most: int, most_all: int) -> tuple[int, int]:
 def tiff_strips(data: bytes) -> int:
     """The strips (or tiles) of the first image of TIFF `data` (classic or BigTIFF): the count of its
     StripOffsets field, else of its TileOffsets; 0 if unread."""
-    order, big = _TIFF_HEADERS[data[:4]]
+    order, big = "<" if data[:2] == b"II" else ">", data[2] == 43
     ifd_at, count_of, entry, size = ("Q", "Q", "HHQ", 20) if big else ("I", "H", "HHI", 12)
     counts: dict[int, int] = {}
     try:
@@ -128,6 +132,6 @@ def tiff_strips(data: bytes) -> int:
             tag, _, count = struct.unpack_from(f"{order}{entry}", data, first + size * k)
             if tag in _TIFF_COUNTS:
                 counts[tag] = int(count)
-    except struct.error:  # a header cut short: Pillow refuses it
+    except (struct.error, OverflowError):  # a header cut short, or an offset past any file: Pillow refuses it
         return 0
     return next((counts[tag] for tag in _TIFF_COUNTS if tag in counts), 0)

@@ -259,6 +259,31 @@ def test_a_schema_nesting_past_the_limit_through_its_refs_is_a_400_not_a_crash(s
     assert error_body(info.value)[0] == 400
 
 
+@pytest.mark.parametrize("shape", ["anchor", "id", "percent-encoded", "dynamic"])
+def test_references_the_depth_guard_cannot_follow_are_refused_and_encoded_pointers_are_followed(shape: str) -> None:
+    """llguidance follows anchors, $id and percent-encoded pointers too: a chain of them, depth unseen, crashed the
+    process. 300 links: deep enough to count, shallow enough not to crash llguidance if the guard failed."""
+    n = 300
+    if shape == "anchor":
+        defs: dict[str, Any] = {f"d{k}": {"$anchor": f"a{k}", "type": "object",
+                                          "properties": {"x": {"$ref": f"#a{k + 1}"}}} for k in range(n)}
+        schema: dict[str, Any] = {"$defs": defs, "$ref": "#a0"}
+    elif shape == "id":
+        defs = {f"d{k}": {"$id": f"http://x.test/d{k}", "type": "object",
+                          "properties": {"x": {"$ref": f"http://x.test/d{k + 1}"}}} for k in range(n)}
+        schema = {"$id": "http://x.test/root", "$defs": defs, "$ref": "http://x.test/d0"}
+    elif shape == "percent-encoded":
+        inner = {f"b{k}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a%2Fb{k + 1}"}}}
+                 for k in range(n)}
+        schema = {"$defs": {"a": inner}, "$ref": "#/$defs/a%2Fb0"}
+    else:
+        schema = {"$dynamicAnchor": "node", "type": "object", "properties": {"x": {"$dynamicRef": "#node"}}}
+    words = "nests" if shape == "percent-encoded" else "does not point into the schema"
+    with pytest.raises(InvalidRequestError, match=words) as info:
+        structured(guided_json=schema)
+    assert error_body(info.value)[0] == 400
+
+
 def test_a_recursive_schema_is_no_deeper_than_its_cycle() -> None:
     kids = {"type": "array", "items": {"$ref": "#/$defs/T"}}
     tree = {"$defs": {"T": {"type": "object", "properties": {"name": {"type": "string"}, "kids": kids}}},

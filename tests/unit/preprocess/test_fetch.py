@@ -157,6 +157,17 @@ def test_names_that_never_resolve_hold_up_no_other_fetch_and_end_with_their_prom
         released.set()
 
 
+def test_past_the_resolutions_under_way_a_fetch_is_told_to_come_back_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each resolution is a thread until the system resolver gives up: their number is bounded (a 503)."""
+    from mmserve.errors import OverloadedError
+    from mmserve.preprocess import fetch
+
+    monkeypatch.setattr(fetch, "_RESOLVING", threading.BoundedSemaphore(1))
+    fetch._RESOLVING.acquire()  # the one slot is held (a name that never resolves)
+    with pytest.raises(OverloadedError, match="being resolved at once"):
+        MediaLoader(MediaConfig(), resolver=lambda host, port: ["8.8.8.8"]).load("http://any.test/img.png")
+
+
 def test_a_name_that_does_not_resolve_is_answered_as_an_internal_one_is() -> None:
     """Which of the two it was (and the address) would map a network's internal names for a client."""
     table = {"internal.test": ["10.1.2.3"]}

@@ -158,6 +158,34 @@ def test_a_container_of_many_empty_parts_is_refused_before_it_is_opened(bomb: An
         decode_image(data, max_pixels=CAP)
 
 
+def test_a_byte_pair_that_is_no_marker_does_not_hide_the_scans_after_it(no_pixel_decoding: None) -> None:
+    """0xFF 0x00 between segments is skipped as two bytes by libjpeg: read as a marker with a length, it had
+    hidden every scan behind it from the count."""
+    base = encode(Image.new("L", (1024, 1024), 128), "JPEG", progressive=True)
+    body = base[2:-2] + REFINEMENT_SCAN * 150 + b"\xff\xd9"
+    assert len(body) < 65_000  # one "length" jumps over it all
+    bomb = b"\xff\xd8\xff\x00" + (len(body) + 2).to_bytes(2, "big") + body
+    with pytest.raises(MediaError, match="more than 100 scans"):
+        decode_image(bomb, max_pixels=CAP)
+
+
+@pytest.mark.parametrize("header", [b"MM\x00+", b"II\x00*"])
+def test_headers_pillow_reads_as_classic_tiff_are_read_so(header: bytes) -> None:
+    """Pillow takes a file for a BigTIFF by its third byte only: "MM\\x00+" is a classic TIFF to it."""
+    from mmserve.preprocess.image_structure import tiff_strips
+
+    order = ">" if header[:2] == b"MM" else "<"
+    entries = [(256, 3, 1, 1), (257, 4, 1, 70_000), (273, 4, 70_000, 4096)]
+    ifd = struct.pack(f"{order}H", len(entries)) + b"".join(struct.pack(f"{order}HHII", *e) for e in entries)
+    data = header + struct.pack(f"{order}I", 16) + struct.pack(f"{order}Q", 1 << 40) + ifd
+    assert tiff_strips(data) == 70_000
+
+
+def test_a_bigtiff_offset_past_any_file_is_a_4xx() -> None:
+    with pytest.raises(MediaError):
+        decode_image(b"II+\x00" + struct.pack("<HHQ", 8, 0, 1 << 63) + bytes(64), max_pixels=CAP)
+
+
 def test_a_bigtiff_is_read_for_its_strips_too() -> None:
     from mmserve.preprocess.image_structure import tiff_strips
 
