@@ -2,9 +2,9 @@
 
 Owns: the URL rules (scheme, no user info, no backslash or control characters, the domain allowlist),
 the address check on every connection (also each redirect hop's), dialling the checked address, at most
-`MAX_REDIRECTS` redirects, the byte cap, and one deadline over the whole fetch (connect, redirects,
-headers and body together). Does not own: `data:` and `file:` URLs or decoding (`media.py`,
-`image_decode.py`).
+`MAX_REDIRECTS` redirects, the byte cap, name resolution bounded by the fetch's deadline, and the reading. Does
+not own: a fetch's deadline over its sockets and its group (`fetch_lifetime.py`), `data:` and `file:` URLs or
+decoding (`media.py`, `image_decode.py`).
 
 Every refusal is an `UnsupportedURLError` (a source we refuse to read) or a `MediaError` (a source that
 did not give us an image in time).
@@ -13,7 +13,6 @@ did not give us an image in time).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import http.client
 import ipaddress
 import logging
@@ -23,11 +22,12 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from mmserve.config import MediaConfig
 from mmserve.errors import InvalidRequestError, MediaError, OverloadedError, UnsupportedURLError
+from mmserve.preprocess.fetch_lifetime import OneFetch, current_group
 
 log = logging.getLogger(__name__)
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP address strings
@@ -170,8 +170,8 @@ class HttpFetcher:
     def fetch(self, url: str) -> bytes:
         self.check_url(url)
         timeout = self.config.fetch_timeout_s
-        one = _OneFetch(self, time.monotonic() + timeout)
-        group = getattr(_GROUP, "current", None)
+        one = OneFetch(self, time.monotonic() + timeout)
+        group = current_group()
         if group is not None:
             group.add(one)
         request = urllib.request.Request(url, headers={"User-Agent": "mmserve", "Accept": "image/*"})
@@ -190,7 +190,7 @@ class HttpFetcher:
             timer.cancel()
             one.close()
 
-    def _read(self, one: _OneFetch, request: urllib.request.Request) -> bytes:
+    def _read(self, one: OneFetch, request: urllib.request.Request) -> bytes:
         cap = self.config.max_image_bytes
         with _build_opener(one).open(request, timeout=self.config.fetch_timeout_s) as response:
             length = response.headers.get("Content-Length")
@@ -200,87 +200,6 @@ class HttpFetcher:
         if one.expired:  # the deadline cut the body short: what we have is not the image
             raise one.timed_out(request.full_url)
         return data
-
-
-class FetchGroup:
-    """Fetches abandoned together: a prompt's other images once one is refused (or its reader left), so that a
-    cheap 400 leaves no reads running to their deadline. Fetches started on a thread inside `joined()` join it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._fetches: list[_OneFetch] = []
-        self._abandoned = False
-
-    @contextlib.contextmanager
-    def joined(self) -> Iterator[None]:
-        _GROUP.current = self
-        try:
-            yield
-        finally:
-            _GROUP.current = None
-
-    def add(self, one: _OneFetch) -> None:
-        with self._lock:
-            self._fetches.append(one)
-            abandoned = self._abandoned
-        if abandoned:
-            one.expire()
-
-    def abandon(self) -> None:
-        """End every fetch of the group now (their sockets shut down; a later one ends at its first dial)."""
-        with self._lock:
-            self._abandoned = True
-            fetches = list(self._fetches)
-        for one in fetches:
-            one.expire()
-
-
-_GROUP = threading.local()  # the FetchGroup of the fetches this thread starts, if any
-
-
-
-class _OneFetch:
-    """One fetch's deadline: every socket it opens is shut down when the deadline passes, so no slow
-    drip, slow header or redirect chain outlives it (a socket timeout alone restarts at every byte)."""
-
-    def __init__(self, fetcher: HttpFetcher, deadline: float) -> None:
-        self.fetcher, self.deadline, self.expired = fetcher, deadline, False
-        self.ended = threading.Event()  # set with `expired`: a resolution under way stops waiting
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []  # duplicates: TLS wrapping detaches the original object
-
-    def connect(self, address: tuple[str, int], timeout: float | None = None,
-                source_address: tuple[str, int] | None = None) -> socket.socket:
-        if self.expired or time.monotonic() >= self.deadline:  # (a redirect hop after it: no new resolve)
-            raise TimeoutError("fetch deadline passed")
-        sock = self.fetcher.connect(address, timeout, source_address, deadline=self.deadline, ended=self.ended)
-        with self._lock:
-            try:
-                if self.expired:
-                    raise TimeoutError("fetch deadline passed")
-                self._socks.append(sock.dup())  # NOTE: shutdown acts on the socket behind every descriptor
-            except BaseException:
-                sock.close()
-                raise
-        return sock
-
-    def expire(self) -> None:
-        self.ended.set()
-        with self._lock:
-            self.expired = True
-            for sock in self._socks:
-                with contextlib.suppress(OSError):  # already closed by the other side
-                    sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        with self._lock:
-            for sock in self._socks:
-                sock.close()
-            self._socks.clear()
-
-    def timed_out(self, url: str) -> MediaError:
-        return MediaError(f"fetching {url} failed: no complete answer within {self.fetcher.config.fetch_timeout_s} s "
-                          "(connect, redirects, headers and body together)")
 
 
 def _failure(url: str, err: BaseException) -> MediaError:
@@ -339,7 +258,7 @@ class _GuardedRedirects(urllib.request.HTTPRedirectHandler):
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
-def _guarded(base: type[http.client.HTTPConnection], one: _OneFetch) -> Any:
+def _guarded(base: type[http.client.HTTPConnection], one: OneFetch) -> Any:
     """A connection factory whose sockets come from `one.connect` (deadline, check, resolve, dial)."""
     def make(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
         conn = base(*args, **kwargs)
@@ -349,7 +268,7 @@ def _guarded(base: type[http.client.HTTPConnection], one: _OneFetch) -> Any:
 
 
 class _GuardedHTTP(urllib.request.HTTPHandler):
-    def __init__(self, one: _OneFetch) -> None:
+    def __init__(self, one: OneFetch) -> None:
         super().__init__()
         self._make = _guarded(http.client.HTTPConnection, one)
 
@@ -358,7 +277,7 @@ class _GuardedHTTP(urllib.request.HTTPHandler):
 
 
 class _GuardedHTTPS(urllib.request.HTTPSHandler):
-    def __init__(self, one: _OneFetch) -> None:
+    def __init__(self, one: OneFetch) -> None:
         super().__init__()
         self._make = _guarded(http.client.HTTPSConnection, one)
 
@@ -366,7 +285,7 @@ class _GuardedHTTPS(urllib.request.HTTPSHandler):
         return self.do_open(self._make, req)
 
 
-def _build_opener(one: _OneFetch) -> urllib.request.OpenerDirector:
+def _build_opener(one: OneFetch) -> urllib.request.OpenerDirector:
     """Only the handlers we need. NOTE: no ProxyHandler, so environment proxies are ignored."""
     opener = urllib.request.OpenerDirector()
     for handler in (_GuardedHTTP(one), _GuardedHTTPS(one), _GuardedRedirects(one.fetcher),

@@ -27,7 +27,8 @@ from PIL import Image
 
 from mmserve.config import MediaConfig
 from mmserve.errors import InvalidRequestError, MediaError, UnsupportedURLError
-from mmserve.preprocess.fetch import Dialer, FetchGroup, HttpFetcher, Resolver, default_resolver, split_url
+from mmserve.preprocess.fetch import Dialer, HttpFetcher, Resolver, default_resolver, split_url
+from mmserve.preprocess.fetch_lifetime import FetchGroup
 from mmserve.preprocess.image_decode import decode_image
 
 T = TypeVar("T")
