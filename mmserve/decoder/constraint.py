@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
-from mmserve.decoder.schema_walk import depth, unresolved_ref
+from mmserve.decoder.big_stack import on_big_stack
+from mmserve.decoder.schema_walk import depth
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
 
@@ -33,8 +34,10 @@ _JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
 }
 # NOTE: llguidance follows $refs as it compiles, recursively: a schema nesting ~1,000 deep through them (a
-# 60 KB chain of definitions) overflowed its thread's stack and killed the process (thirty-fifth session, 8 MiB
-# stacks); schemas written by people or generated from types nest a few dozen deep.
+# 60 KB chain of definitions) overflowed an 8 MiB thread stack and killed the process (thirty-fifth session).
+# Compiles run on deep stacks (big_stack.py), which is the protection; this limit refuses the plain chains with a
+# clear reason first (references it cannot follow, anchors or $id bases, it does not count). Schemas written by
+# people or generated from types nest a few dozen deep.
 MAX_SCHEMA_DEPTH = 128
 NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "lark": "Lark grammar"}
 
@@ -49,9 +52,6 @@ def grammar_of(structured: StructuredOutput) -> str:
         schema = json.loads(structured.spec)
         if isinstance(schema, dict):  # NOTE: llguidance reads its options from the schema too: the server's only
             schema.pop("x-guidance", None)  # (a client's would turn `lenient` on: keywords dropped, not refused)
-        if (ref := unresolved_ref(schema)) is not None:
-            raise InvalidGrammarError(f"invalid JSON schema: {ref} does not point into the schema (a local JSON "
-                                      "pointer, #/..., is served; anchors, $id and other documents are not)")
         if (deep := depth(schema)) > MAX_SCHEMA_DEPTH:
             raise InvalidGrammarError(f"invalid JSON schema: it nests {deep} schemas deep through its $refs; "
                                       f"the limit is {MAX_SCHEMA_DEPTH}")
@@ -74,8 +74,9 @@ def check(structured: StructuredOutput) -> None:
         if key in _CHECKED:
             _CHECKED.move_to_end(key)
             return
-    with compiling(structured):
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(structured))
+    with compiling(structured):  # NOTE: on a deep stack: llguidance's compile recurses as deep as a schema nests
+        failed, messages = on_big_stack(
+            lambda: llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(structured)))
     if failed:
         reason = messages[0] if messages else "no reason given"
         raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {reason}")

@@ -19,6 +19,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from mmserve.decoder.big_stack import on_big_stack
 from mmserve.decoder.constraint import NAMES, InvalidGrammarError, compiling, contained, digest, grammar_of
 from mmserve.decoder.sampler import RowMasks
 from mmserve.errors import InvalidRequestError
@@ -71,8 +72,8 @@ class Grammars:
                 self._compiled.move_to_end(key)
                 return pristine.deep_copy()
             tokenizer = self._vocabulary()
-        with compiling(structured):  # NOTE: outside the lock: compiling is slow
-            pristine = llguidance.LLMatcher(tokenizer, grammar_of(structured))
+        with compiling(structured):  # NOTE: outside the lock: compiling is slow; on a deep stack (big_stack.py)
+            pristine = on_big_stack(lambda: llguidance.LLMatcher(tokenizer, grammar_of(structured)))
         if pristine.is_error():
             raise InvalidGrammarError(f"invalid {NAMES[structured.kind]}: {pristine.get_error()}")
         with self._lock:

@@ -17,7 +17,6 @@ _ONE = ("items", "additionalProperties", "contains", "not", "if", "then", "else"
         "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LIST = ("items", "prefixItems", *COMBINATORS)
-REFS = ("$ref", "$dynamicRef", "$recursiveRef")  # the keys that point at another schema
 
 
 def children(node: dict[str, Any]) -> list[Any]:
@@ -31,24 +30,6 @@ def children(node: dict[str, Any]) -> list[Any]:
         if isinstance(node.get(key), list):
             out += node[key]
     return out
-
-
-def unresolved_ref(root: Any) -> str | None:
-    """The first reference of `root` that is no local JSON pointer into it (an anchor, an `$id`, another
-    document, a dynamic reference), or None: a compiler that follows those could not be bounded beforehand."""
-    known: dict[str, Any] = {}
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict) or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for key in REFS:
-            if key in node and (key != "$ref" or not isinstance(node[key], str)
-                                or target(root, node[key], known) is None):
-                return f"{key}: {node[key]!r}"[:200]
-        stack.extend(children(node))
-    return None
 
 
 def target(root: Any, ref: str, known: dict[str, Any]) -> Any:

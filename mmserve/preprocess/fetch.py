@@ -155,7 +155,11 @@ class HttpFetcher:
             finally:
                 _RESOLVING.release()
 
-        threading.Thread(target=resolve, name="mmserve-resolve", daemon=True).start()
+        try:
+            threading.Thread(target=resolve, name="mmserve-resolve", daemon=True).start()
+        except RuntimeError as exc:  # "can't start new thread": the process is out of threads
+            _RESOLVING.release()
+            raise OverloadedError(f"cannot resolve a host name now ({exc}); retry later") from None
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             # NOTE: in slices when the fetch may be ended early (its prompt's other image refused)

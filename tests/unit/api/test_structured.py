@@ -259,29 +259,56 @@ def test_a_schema_nesting_past_the_limit_through_its_refs_is_a_400_not_a_crash(s
     assert error_body(info.value)[0] == 400
 
 
-@pytest.mark.parametrize("shape", ["anchor", "id", "percent-encoded", "dynamic"])
-def test_references_the_depth_guard_cannot_follow_are_refused_and_encoded_pointers_are_followed(shape: str) -> None:
-    """llguidance follows anchors, $id and percent-encoded pointers too: a chain of them, depth unseen, crashed the
-    process. 300 links: deep enough to count, shallow enough not to crash llguidance if the guard failed."""
-    n = 300
+@pytest.mark.parametrize("shape", ["anchor", "id", "tree"])
+def test_schemas_the_depth_guard_cannot_measure_compile_on_a_deep_stack_without_a_crash(shape: str) -> None:
+    """llguidance follows anchors and $id bases, in its own order: chains of them (and a tree whose refs it walks
+    in key order) nest ~1,500-2,000 deep for it while the guard counts a few levels; on an 8 MiB stack they
+    killed the process (a segfault). Compiled on a deep stack they are served or refused, never a crash."""
+    n = 1_500
     if shape == "anchor":
         defs: dict[str, Any] = {f"d{k}": {"$anchor": f"a{k}", "type": "object",
                                           "properties": {"x": {"$ref": f"#a{k + 1}"}}} for k in range(n)}
+        defs[f"d{n}"] = {"$anchor": f"a{n}", "type": "integer"}
         schema: dict[str, Any] = {"$defs": defs, "$ref": "#a0"}
     elif shape == "id":
         defs = {f"d{k}": {"$id": f"http://x.test/d{k}", "type": "object",
                           "properties": {"x": {"$ref": f"http://x.test/d{k + 1}"}}} for k in range(n)}
+        defs[f"d{n}"] = {"$id": f"http://x.test/d{n}", "type": "integer"}
         schema = {"$id": "http://x.test/root", "$defs": defs, "$ref": "http://x.test/d0"}
-    elif shape == "percent-encoded":
-        inner = {f"b{k}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a%2Fb{k + 1}"}}}
-                 for k in range(n)}
-        schema = {"$defs": {"a": inner}, "$ref": "#/$defs/a%2Fb0"}
+    else:  # each def's first property refers to the next def in post-order, its others to its children
+        m = 2 ** 11 - 1
+        order = _post_order(m)
+        nxt = {order[k]: order[k + 1] for k in range(m - 1)}
+        defs = {f"t{k}": {"type": "object", "properties": {
+            **({"p": {"$ref": f"#/$defs/t{nxt[k]}"}} if k in nxt else {}),
+            **({"l": {"$ref": f"#/$defs/t{2 * k + 1}"}, "r": {"$ref": f"#/$defs/t{2 * k + 2}"}}
+               if 2 * k + 2 < m else {})}} for k in range(m)}
+        schema = {"$defs": defs, "$ref": "#/$defs/t0"}
+    try:
+        got = structured(guided_json=schema)
+    except InvalidRequestError as exc:
+        assert error_body(exc)[0] == 400
     else:
-        schema = {"$dynamicAnchor": "node", "type": "object", "properties": {"x": {"$dynamicRef": "#node"}}}
-    words = "nests" if shape == "percent-encoded" else "does not point into the schema"
-    with pytest.raises(InvalidRequestError, match=words) as info:
-        structured(guided_json=schema)
-    assert error_body(info.value)[0] == 400
+        assert got is not None
+
+
+def _post_order(m: int) -> list[int]:
+    out, stack = [], [(0, False)]
+    while stack:
+        k, seen = stack.pop()
+        if k >= m:
+            continue
+        if seen:
+            out.append(k)
+        else:
+            stack += [(k, True), (2 * k + 2, False), (2 * k + 1, False)]
+    return out
+
+
+def test_a_percent_encoded_pointer_is_followed_as_llguidance_follows_it() -> None:
+    inner = {f"b{k}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a%2Fb{k + 1}"}}} for k in range(300)}
+    with pytest.raises(InvalidRequestError, match=r"nests \d+ schemas deep"):
+        structured(guided_json={"$defs": {"a": inner}, "$ref": "#/$defs/a%2Fb0"})
 
 
 def test_a_recursive_schema_is_no_deeper_than_its_cycle() -> None:
