@@ -10,6 +10,7 @@ chunks (mmserve/api/), its failures' handling (ingress_failures.py) nor the retr
 # NOTE: no `from __future__ import annotations` here: FastAPI reads handler annotations at runtime.
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -163,8 +164,10 @@ class Ingress:
             body = ChatCompletionRequest.model_validate(parse_json(raw))
             served = await deadline.wait(self._served_model())
             check_model(body.model, served.model_id)
-            chat = body.to_chat_request(f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len,
-                                        served.sampling_defaults)
+            make = functools.partial(body.to_chat_request, f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len,
+                                     served.sampling_defaults)
+            # NOTE: a constraint is compiled here (seconds, for some): off the loop that serves every other request
+            chat = await deadline.wait(asyncio.to_thread(make)) if body.constrained else make()
             timing.mark("parse")
             if body.stream:
                 kept: Kept[PreprocessedRequest] = Kept()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mmserve.decoder.schema_walk import COMBINATORS, children, target
+from mmserve.decoder.schema_walk import COMBINATORS, nodes, target
 
 OPEN_ENDED = frozenset({"allOf", "anyOf", "oneOf", "$ref"})  # an object's properties may also come from these
 
@@ -33,9 +33,9 @@ def closed(schema: Any) -> Any:
     object itself) are whole schemas, closed. Loops, not recursion: the schema may nest as deep as the JSON.
     """
     out = json.loads(json.dumps(schema))  # a copy
-    nodes = _schemas(out)
-    parts = _parts(out, nodes)
-    for node in nodes:
+    every = nodes(out)
+    parts = _parts(out, every)
+    for node in every:
         if id(node) not in parts and _is_object(node) and "additionalProperties" not in node \
                 and not OPEN_ENDED & node.keys():
             node["additionalProperties"] = False
@@ -47,18 +47,6 @@ def _is_object(node: dict[str, Any]) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
 
 
-def _schemas(root: Any) -> list[dict[str, Any]]:
-    """Every object-valued schema node of `root`, each once."""
-    nodes, stack, seen = [], [root], set()
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict) and id(node) not in seen:
-            seen.add(id(node))
-            nodes.append(node)
-            stack.extend(children(node))
-    return nodes
-
-
 def _makes_up(node: dict[str, Any], key: str) -> bool:
     """Whether the branches under `node[key]` are parts of one object rather than whole alternatives (an `allOf`
     of one branch beside nothing else combines nothing: that branch is the whole)."""
@@ -67,7 +55,7 @@ def _makes_up(node: dict[str, Any], key: str) -> bool:
     return _is_object(node) or bool((OPEN_ENDED - {key}) & node.keys())  # beside a $ref or another combinator
 
 
-def _parts(root: Any, nodes: list[dict[str, Any]]) -> set[int]:
+def _parts(root: Any, every: list[dict[str, Any]]) -> set[int]:
     """The ids of the nodes that are parts of an object: branches that make one up, what a part's `$ref` points
     at (or one beside an object's own properties or a combinator), and, from each part, its combinators'
     branches and its `$ref`'s target."""
@@ -80,7 +68,7 @@ def _parts(root: Any, nodes: list[dict[str, Any]]) -> set[int]:
             work.append(node)
 
     targets: dict[str, Any] = {}
-    for node in nodes:  # parts by their own structure
+    for node in every:  # parts by their own structure
         for key in COMBINATORS:
             if isinstance(node.get(key), list) and _makes_up(node, key):
                 for branch in node[key]:

@@ -26,7 +26,9 @@ _ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object, as OpenAI de
 # NOTE: a constraint is compiled at the edge, on its event loop, and its cost grows faster than its text:
 # these bound it (the figures: docs/reliability.md)
 MAX_SPEC_CHARS = 1 << 20  # characters of one schema, regex, grammar or choice list's JSON
-MAX_CHOICES = 10_000  # strings of one choice list
+# NOTE: llguidance's parser holds at most 2,000 items in a row: a list of more compiled, then failed at its first
+# token in the decoder
+MAX_CHOICES = 1_900  # strings of one choice list
 
 
 class _Lenient(BaseModel):
@@ -70,6 +72,13 @@ class StructuredFields(_Lenient):
     guided_choice: list[str] | None = Field(None, min_length=1)  # extension (vLLM's, older)
     guided_grammar: str | None = None  # extension (vLLM's, older): a Lark grammar
     guided_whitespace_pattern: str | None = None  # extension (vLLM's, older): not served, a 400 (as below)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the request sets a constraint (compiled at the edge: up to seconds of CPU)."""
+        free = self.response_format is None or self.response_format.type == "text"
+        return not free or any(v is not None for v in (self.structured_outputs, self.guided_json, self.guided_regex,
+                                                        self.guided_choice, self.guided_grammar))
 
     def structured(self) -> StructuredOutput | None:
         """The one constraint the request sets, checked to compile; raises InvalidRequestError naming the field."""

@@ -32,6 +32,18 @@ def children(node: dict[str, Any]) -> list[Any]:
     return out
 
 
+def nodes(root: Any) -> list[dict[str, Any]]:
+    """Every object-valued schema node of `root` (schema positions only), each once."""
+    out, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict) and id(node) not in seen:
+            seen.add(id(node))
+            out.append(node)
+            stack.extend(children(node))
+    return out
+
+
 def target(root: Any, ref: str, known: dict[str, Any]) -> Any:
     """The node a local `$ref` ("#" or "#/a/b": a URI fragment, percent-decoded first, then an RFC 6901 pointer)
     points at; None for any other (`known`: the refs resolved so far, reused)."""

@@ -61,7 +61,10 @@ def test_each_spelling_reads_into_one_constraint(fields: dict[str, Any], expecte
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag is not served"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "not served"),
     # compiled at the edge, at a cost growing faster than the text: bounded
-    ({"guided_choice": [f"c{i}" for i in range(10_001)]}, "guided_choice", "10001 choices; the limit is 10000"),
+    # llguidance's parser holds 2,000 items in a row: more compiled, then failed at their first token
+    ({"guided_choice": [f"c{i}" for i in range(2_011)]}, "guided_choice", "2011 choices; the limit is 1900"),
+    ({"guided_json": {"type": "object", "patternProperties": {f"^p{i}$": {} for i in range(101)}}},
+     "guided_json", "101 patternProperties; the limit is 100"),
     ({"guided_regex": "a" * (1 << 20) + "b"}, "guided_regex", "characters; the limit is 1048576"),
 ])
 def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(fields: dict[str, Any], param: str,
@@ -316,3 +319,13 @@ def test_a_recursive_schema_is_no_deeper_than_its_cycle() -> None:
     tree = {"$defs": {"T": {"type": "object", "properties": {"name": {"type": "string"}, "kids": kids}}},
             "$ref": "#/$defs/T"}
     assert structured(guided_json=tree) is not None
+
+
+@pytest.mark.parametrize(("fields", "constrained"), [
+    ({}, False), ({"response_format": {"type": "text"}}, False), ({"response_format": {"type": "json_object"}}, True),
+    ({"guided_regex": "a+"}, True), ({"guided_choice": ["a"]}, True), ({"structured_outputs": {"regex": "a"}}, True),
+])
+def test_a_request_says_whether_it_sets_a_constraint(fields: dict[str, Any], constrained: bool) -> None:
+    """The ingress checks a constrained request off its event loop (a compile may take seconds)."""
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert body.constrained is constrained
