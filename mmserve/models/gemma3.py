@@ -109,8 +109,9 @@ class Gemma3Family:
         self._hf_model: Any = None
 
     def _load(self) -> Any:
-        # NOTE: the whole checkpoint is read once (transformers maps every checkpoint layout,
-        # e.g. the original google/gemma-3-* key names); each stage then keeps only its parts.
+        # NOTE: the whole checkpoint, read once (transformers maps every checkpoint layout, e.g. the original
+        # google/gemma-3-* key names) for the text model and, beside it, the vision parts; an Encoder alone reads
+        # the vision parts only (`_load_vision`).
         if self._hf_model is None:
             from transformers import Gemma3ForConditionalGeneration
 

@@ -173,6 +173,8 @@ def encoder_snapshot(stats: EncoderStats) -> MetricsSnapshot:
         counter("mmserve_encoder_forward_passes_total", "Vision encoder forward passes.", stats.forward_passes),
         counter("mmserve_encoder_items_encoded_total", "Multimodal items (images) encoded.", stats.items_encoded),
         counter("mmserve_encoder_crops_encoded_total", "Image crops encoded.", stats.images_encoded),
+        counter("mmserve_encoder_early_found_total",
+                "Encoder lookups that found their item encoded early for them (a miss run ahead).", stats.early_found),
         gauge("mmserve_encoder_cache_tokens", "Embedding rows booked in the encoder cache.", stats.cached_tokens),
         gauge("mmserve_encoder_cache_peak_tokens", "The most embedding rows the encoder cache ever booked.",
               stats.peak_cached_tokens),

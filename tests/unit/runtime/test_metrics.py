@@ -50,12 +50,13 @@ def encoder_stats(queries: int, hits: int, batch_sizes: dict[int, int]) -> Encod
     return EncoderStats(queries=queries, hits=hits, forward_passes=sum(batch_sizes.values()), items_encoded=3,
                         images_encoded=sum(k * v for k, v in batch_sizes.items()), cached_tokens=512,
                         peak_cached_tokens=600, capacity_tokens=4096, num_cached=2, num_pending=1,
-                        batch_sizes=batch_sizes)
+                        batch_sizes=batch_sizes, early_found=1)
 
 
 def decoder_stats(running: int, waiting: int) -> DecoderStats:
     return DecoderStats(running=running, waiting=waiting, free_blocks=10, total_blocks=64, steps=100,
-                        kv_cache_bytes=1 << 20, cached_blocks=5, prefix_queries=300, prefix_hits=256)
+                        kv_cache_bytes=1 << 20, cached_blocks=5, prefix_queries=300, prefix_hits=256,
+                        preemptions=running)
 
 
 def replica(i: int) -> list[MetricsSnapshot]:
@@ -102,6 +103,8 @@ def test_two_replicas_merge_and_render() -> None:
     assert scalar(fams, "mmserve_encoder_cache_queries_total") == 16
     assert scalar(fams, "mmserve_encoder_cache_hits_total") == 2 + 3
     assert scalar(fams, "mmserve_encoder_forward_passes_total") == 3 + 4
+    assert scalar(fams, "mmserve_encoder_early_found_total") == 1 + 1
+    assert scalar(fams, "mmserve_decoder_preemptions_total") == 3 + 4
     assert scalar(fams, "mmserve_encoder_cache_tokens") == 1024
     assert scalar(fams, "mmserve_encoder_cache_peak_tokens") == 1200  # per-replica peaks, summed
     assert scalar(fams, "mmserve_processor_cache_peak_bytes") == 100 + 200
