@@ -20,6 +20,7 @@ from deployments.handles import awaited, hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process, freeze_startup_heap
 from deployments.retry import ACTOR_LOST, attempt_id, retrying
+from deployments.step_replica import StepReplica
 from mmserve.errors import InvalidRequestError, OverloadedError, ReplicaLostError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
 from mmserve.runtime import affinity
@@ -29,7 +30,7 @@ from mmserve.stages import StageFactory
 
 
 @serve.deployment
-class Decoder:
+class Decoder(StepReplica):
     def __init__(self, app_args: AppArgs, encoder: Any, hub: Any):
         configure_step_process(app_args.decoder)
         stages = StageFactory(app_args.engine_config(app_args.decoder))
@@ -67,20 +68,6 @@ class Decoder:
         if isinstance(out, RequestFailed):
             raise out.error
         return replace(out, embeddings=from_wire(out.embeddings, out.dtype))  # tensors, with the encoder's phases
-
-    def check_health(self) -> None:
-        """Serve's periodic probe: a replica whose step thread died, or whose step outlived any request's
-        deadline (a hung device), is replaced."""
-        self.service.check_health(self.stuck_after_s)
-
-    async def __del__(self) -> None:
-        """Serve calls this on the replica's graceful shutdown: the last metrics, then join the step thread (see
-        StepLoop.stop)."""
-        reporter, service = getattr(self, "reporter", None), getattr(self, "service", None)  # None: __init__ failed
-        if reporter is not None:
-            await reporter.close()
-        if service is not None:
-            service.stop()
 
     def metrics(self) -> MetricsSnapshot:
         return merge([decoder_snapshot(self.service.stats()), affinity.DECISIONS.snapshot()])  # and its router's

@@ -22,6 +22,7 @@ from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process, freeze_startup_heap
 from deployments.retry import replica_lost
+from deployments.step_replica import StepReplica
 from mmserve.encoder.outputs import EncoderStepError
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, RequestFailed
@@ -32,7 +33,7 @@ from mmserve.stages import StageFactory
 
 
 @serve.deployment
-class Encoder:
+class Encoder(StepReplica):
     def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any):
         configure_step_process(app_args.encoder)
         stages = StageFactory(app_args.engine_config(app_args.encoder))
@@ -81,20 +82,6 @@ class Encoder:
         self.early_encode_calls += 1
         self.early_encodes += started
         return started
-
-    def check_health(self) -> None:
-        """Serve's periodic probe: a replica whose step thread died, or whose step outlived any request's
-        deadline (a hung device), is replaced."""
-        self.service.check_health(self.stuck_after_s)
-
-    async def __del__(self) -> None:
-        """Serve calls this on the replica's graceful shutdown: the last metrics, then join the step thread (see
-        StepLoop.stop)."""
-        reporter, service = getattr(self, "reporter", None), getattr(self, "service", None)  # None: __init__ failed
-        if reporter is not None:
-            await reporter.close()
-        if service is not None:
-            service.stop()
 
     def metrics(self) -> MetricsSnapshot:
         return encoder_snapshot(self.stage.stats())

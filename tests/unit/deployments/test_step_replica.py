@@ -1,0 +1,46 @@
+"""deployments/step_replica.py: an Encoder or Decoder replica's health probe and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.step_replica import StepReplica
+
+
+class Service:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def check_health(self, stuck_after_s: float | None = None) -> None:
+        self.log.append(f"health {stuck_after_s}")
+        if stuck_after_s is not None and stuck_after_s < 1:
+            raise RuntimeError("one step has run too long")
+
+    def stop(self) -> None:
+        self.log.append("stop")
+
+
+class Reporter:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def close(self) -> None:
+        self.log.append("last metrics")
+
+
+# NOTE: Python's collector calls __del__ too, making a coroutine nobody awaits (Serve awaits it on shutdown)
+@pytest.mark.filterwarnings("ignore:coroutine 'StepReplica.__del__' was never awaited")
+def test_the_probe_passes_the_hung_step_bound_and_shutdown_pushes_the_last_metrics_before_the_thread_stops() -> None:
+    log: list[str] = []
+    replica = StepReplica()
+    replica.service, replica.stuck_after_s = Service(log), 60.0
+    replica.reporter = Reporter(log)  # type: ignore[attr-defined]
+    replica.check_health()
+    replica.stuck_after_s = 0.5
+    with pytest.raises(RuntimeError, match="too long"):
+        replica.check_health()
+    asyncio.run(replica.__del__())
+    assert log == ["health 60.0", "health 0.5", "last metrics", "stop"]
+    asyncio.run(StepReplica().__del__())  # a replica whose __init__ failed: nothing to close
