@@ -139,7 +139,7 @@ class DecoderService:
         if request_id in self._live:  # NOTE: before any state changes: the live one keeps its stream
             raise ValueError(f"request {request_id} is already being served here")
         live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop(), encoding or asyncio.Lock())
-        finished = False
+        finished = submitted = False
         self._arriving += 1
         try:
             try:
@@ -152,6 +152,7 @@ class DecoderService:
                 matcher = await self._matcher(pre)
                 self.loop.open(request_id)
                 self.loop.submit(request_id, lambda: self.decoder.add(request, matcher))
+                submitted = True
                 live.timeline.mark("decoder.admit")  # the request handed to the step thread
             finally:
                 self._arriving -= 1
@@ -175,7 +176,7 @@ class DecoderService:
             live.ended = True
             for fetch in list(live.fetching):  # NOTE: its encoder call ends too, and lets go of what it holds there
                 fetch.cancel()
-            if not finished:
+            if submitted and not finished:  # NOTE: one refused before it reached the step thread holds nothing there
                 self.loop.submit(None, lambda: self.decoder.abort(request_id))
 
     def _admit_or_refuse(self, n: int = 1) -> None:
