@@ -24,7 +24,6 @@ from mmserve.decoder.constraint import NAMES, InvalidGrammarError, compiling, co
 from mmserve.decoder.sampler import RowMasks
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import StructuredOutput
-from mmserve.runtime.host_copy import to_device
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class Grammars:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cached: int = 64,
                  never: tuple[int, ...] = ()) -> None:
         self._hf, self._vocab, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
-        self._never = torch.tensor(never, dtype=torch.int64)  # (k,): tokens the model may never sample
+        self._keep = _without_bits(never, (vocab_size + 31) // 32)  # (words,) int32: never-sampled bits clear
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._background: llguidance.LLExecutor | None = None  # one worker, for masks made off the step thread
@@ -93,12 +92,12 @@ class Grammars:
         one spinning thread is the price, paid while the forward's threads are idle or near their end.
         """
         mask = torch.empty((len(matchers), self.words), dtype=torch.int32)
-        row_bytes = self.words * 4
+        row_bytes, base = self.words * 4, mask.data_ptr()  # NOTE: rows by address: a view per row is a torch call
         if background or len(matchers) >= PARALLEL_ROWS:
             executor = self._pool(one_worker=len(matchers) < PARALLEL_ROWS)
             try:
-                executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
-                                                 row_bytes, len(matchers))
+                executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], base, row_bytes,
+                                                 len(matchers))
             except BaseException as exc:
                 if not contained(exc):
                     raise
@@ -107,7 +106,7 @@ class Grammars:
                 return self._without_errors(matchers, mask)
         for i, matcher in enumerate(matchers):
             try:
-                matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
+                matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
             except BaseException as exc:
                 if not contained(exc):
                     raise
@@ -139,12 +138,10 @@ class Grammars:
         present = [(i, m) for i, m in enumerate(matchers) if m is not None]
         if not present:
             return None
-        bitmask = self.bitmask([m for _, m in present], background=background)
-        forbid = forbidden(bitmask, self._vocab, device)  # (g, vocab) bool
-        if len(self._never):
-            self._never = to_device(self._never, forbid.device)  # NOTE: moved once, then kept on the device
-            forbid.index_fill_(1, self._never, True)
-        return RowMasks(tuple(i for i, _ in present), forbid)
+        bitmask = self.bitmask([m for _, m in present], background=background)  # (g, words)
+        words = bitmask.numpy()  # NOTE: the never-sampled cleared in the words, not in the (g, vocab) mask: 32x less
+        np.bitwise_and(words, self._keep, out=words)
+        return RowMasks(tuple(i for i, _ in present), forbidden(bitmask, self._vocab, device))  # (g, vocab) bool
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
@@ -153,6 +150,14 @@ class Grammars:
             log.info("structured output: vocabulary of %d tokens built in %.2f s", self._vocab,
                      time.perf_counter() - start)
         return self._tokenizer
+
+
+def _without_bits(tokens: tuple[int, ...], words: int) -> np.ndarray:
+    """(words,) int32 mask words with every bit set but those of `tokens`."""
+    keep = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+    for token in tokens:
+        keep[token >> 5] &= ~np.uint32(1 << (token & 31))
+    return keep.view(np.int32)
 
 
 def forbidden(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ in the decoder's request state), compiling grammars or unpacking masks (grammar.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -22,7 +23,35 @@ from mmserve.runtime.host_copy import ints_to_device
 
 log = logging.getLogger(__name__)
 
-Pending = Future[tuple[list[str], RowMasks | None]]  # (request ids in plan order, what their grammars forbid)
+Masks = tuple[list[str], RowMasks | None]  # (request ids in plan order, what their grammars forbid)
+
+
+class Made:
+    """Masks made on the step thread: a finished future's reads, without the lock and condition that a
+    `Future` makes (NOTE: after a forward each distinct call costs tens of µs of cold code, docs/benchmarks.md)."""
+
+    def __init__(self, make: Callable[[], Masks]) -> None:
+        self._masks: Masks | None = None
+        self._error: Exception | None = None
+        try:
+            self._masks = make()
+        except Exception as exc:  # NOTE: raised by finish(), as from the thread
+            self._error = exc
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self) -> Exception | None:
+        return self._error
+
+    def result(self) -> Masks:
+        if self._error is not None:
+            raise self._error
+        assert self._masks is not None
+        return self._masks
+
+
+Pending = Future[Masks] | Made
 
 
 class GrammarStep:
@@ -59,12 +88,7 @@ class GrammarStep:
             background = self.device.type != "cpu"
             return self._worker().submit(
                 lambda: (ids, self.grammars.forbidden(matchers, self.device, background=background)))
-        done: Pending = Future()
-        try:
-            done.set_result((ids, self.grammars.forbidden(matchers, self.device)))
-        except Exception as exc:  # NOTE: raised by finish(), as from the thread
-            done.set_exception(exc)
-        return done
+        return Made(lambda: (ids, self.grammars.forbidden(matchers, self.device)))
 
     @staticmethod
     def _covers(ahead: tuple[dict[str, llguidance.LLMatcher], Pending],

@@ -43,8 +43,7 @@ class RowMasks:
 
     def __post_init__(self) -> None:
         if self.forbid.device.type == "cpu":
-            object.__setattr__(self, "on_host", _HostForms(np.asarray(self.rows, dtype=np.int64),
-                                                           np.arange(len(self.rows)), self.forbid.numpy()))
+            object.__setattr__(self, "on_host", _HostForms(np.asarray(self.rows, dtype=np.int64), self.forbid.numpy()))
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,6 @@ class _HostForms:
     """A CPU's `RowMasks` as numpy reads them."""
 
     rows: np.ndarray  # (g,) int64: RowMasks.rows
-    order: np.ndarray  # (g,) int64: 0 .. g - 1
     forbid: np.ndarray  # (g, vocab) bool: RowMasks.forbid's own memory
 
 
@@ -172,29 +170,38 @@ def masked_on_cpu(logits: torch.Tensor, tokens: torch.Tensor, masks: RowMasks,
     forms = masks.on_host
     if forms is None:
         raise ValueError("masked_on_cpu needs masks on the CPU")
-    rows, order, forbid = forms.rows, forms.order, forms.forbid  # (g,), (g,), (g, V) bool
+    rows, forbid = forms.rows, forms.forbid  # (g,), (g, V) bool
     values = logits.detach().numpy()  # (n, V) float32, the logits' own memory
     picked = tokens.numpy()  # (n,)
-    if greedy:
-        picks = picked[rows]  # (g,) each row's first maximum
-        if not forbid[order, picks].any() and (values[rows, picks] > -np.inf).all():
-            # NOTE: each row's first maximum is allowed (and finite), so it is also the first maximum of its allowed
-            # tokens: the usual case for a trained model following its grammar, and no (g, V) pass is needed
-            return logits, None  # no row left without a token
+    if greedy and _picks_allowed(values, tokens.tolist(), masks.rows, forbid):
+        # NOTE: each row's first maximum is allowed (and finite), so it is also the first maximum of its allowed
+        # tokens: the usual case for a trained model following its grammar, and no (g, V) pass is needed
+        return logits, None  # no row left without a token
     sub = np.where(forbid, np.float32(-np.inf), values[rows])  # (g, V) float32
     picks = sub.argmax(axis=-1)  # (g,): the first of tied maxima, as torch's
     picked[rows] = picks
-    left_none = sub[order, picks] == -np.inf  # (g,)
+    left_none = [j for j, pick in enumerate(picks.tolist()) if sub[j, pick] == -np.inf]  # NOTE: scalar reads
     dead = None  # NOTE: the usual case: no (n,) mask, and the caller then makes no call to apply one
-    if left_none.any():
+    if left_none:
         dead = torch.zeros(len(values), dtype=torch.bool)  # (n,)
         dead.numpy()[rows[left_none]] = True
     if greedy:
         return logits, dead
-    sub[left_none] = 0.0  # NOTE: so that the draws stay defined
+    sub[left_none] = 0.0  # NOTE: so that the draws stay defined (no row: nothing)
     drawn = logits.detach().clone()  # (n, V): the caller's logits stay as they were
     drawn.numpy()[rows] = sub
     return drawn, dead
+
+
+def _picks_allowed(values: np.ndarray, picks: list[int], rows: tuple[int, ...], forbid: np.ndarray) -> bool:
+    """Whether every masked row's pick (`picks`, one per row of the (n, V) `values`) is allowed by its
+    (g, V) `forbid` row and finite. NOTE: element by element in Python: after a forward each distinct numpy
+    call costs µs of cold code, and g scalar reads are cheaper than the vector ops' gather (docs/benchmarks.md)."""
+    for j, row in enumerate(rows):
+        token = picks[row]
+        if forbid[j, token] or not values[row, token] > -np.inf:  # NOTE: a NaN is not finite either
+            return False
+    return True
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

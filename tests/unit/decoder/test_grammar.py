@@ -106,11 +106,12 @@ def test_the_masks_forbid_the_tokens_the_model_never_samples_even_where_the_gram
     matcher = book.matcher(StructuredOutput("regex", "[0-9]+"))
     allowed = ~book.forbidden([matcher], torch.device("cpu")).forbid[0]  # (vocab,)
     digit = int(allowed.nonzero()[0, 0])
-    never = Grammars(tokenizer, vocab_size=len(tokenizer) + 50, eos_token_ids=(tokenizer.eos_token_id,),
-                     never=(digit,))
+    vocab = len(tokenizer) + 50
+    banned = (digit, 31, 32, vocab - 1)  # NOTE: a word's sign bit and its neighbour, and the last token
+    never = Grammars(tokenizer, vocab_size=vocab, eos_token_ids=(tokenizer.eos_token_id,), never=banned)
     masks = never.forbidden([None, never.matcher(StructuredOutput("regex", "[0-9]+"))], torch.device("cpu"))
     expected = ~allowed
-    expected[digit] = True
+    expected[list(banned)] = True
     assert masks is not None and masks.rows == (1,) and torch.equal(masks.forbid[0], expected)
 
 
