@@ -54,7 +54,8 @@ class Grammars:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cached: int = 64,
                  never: tuple[int, ...] = ()) -> None:
         self._hf, self._vocab, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
-        self._keep = _without_bits(never, (vocab_size + 31) // 32)  # (words,) int32: never-sampled bits clear
+        # (words,) int32 with the never-sampled tokens' bits clear; None: no such token
+        self._keep = _without_bits(never, vocab_size) if never else None
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._background: llguidance.LLExecutor | None = None  # one worker, for masks made off the step thread
@@ -139,8 +140,8 @@ class Grammars:
         if not present:
             return None
         bitmask = self.bitmask([m for _, m in present], background=background)  # (g, words)
-        words = bitmask.numpy()  # NOTE: the never-sampled cleared in the words, not in the (g, vocab) mask: 32x less
-        np.bitwise_and(words, self._keep, out=words)
+        if self._keep is not None:  # NOTE: the never-sampled cleared in the words, not in the (g, vocab) mask
+            np.bitwise_and(bitmask.numpy(), self._keep, out=bitmask.numpy())
         return RowMasks(tuple(i for i, _ in present), forbidden(bitmask, self._vocab, device))  # (g, vocab) bool
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
@@ -152,9 +153,11 @@ class Grammars:
         return self._tokenizer
 
 
-def _without_bits(tokens: tuple[int, ...], words: int) -> np.ndarray:
-    """(words,) int32 mask words with every bit set but those of `tokens`."""
-    keep = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+def _without_bits(tokens: tuple[int, ...], vocab: int) -> np.ndarray:
+    """(words,) int32 mask words of a `vocab`-token vocabulary with every bit set but those of `tokens`."""
+    if bad := [t for t in tokens if not 0 <= t < vocab]:
+        raise ValueError(f"never-sampled token ids {bad} are outside the vocabulary of {vocab}")
+    keep = np.full((vocab + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
     for token in tokens:
         keep[token >> 5] &= ~np.uint32(1 << (token & 31))
     return keep.view(np.int32)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from mmserve.decoder.constraint import InvalidGrammarError, check
-from mmserve.decoder.grammar import Grammars, _forbidden_on, forbidden
+from mmserve.decoder.grammar import Grammars, _forbidden_on, _without_bits, forbidden
 from mmserve.decoder.grammar_step import GrammarStep
 from mmserve.decoder.sampler import RowMasks, Sampler
 from mmserve.messages import SamplingParams, StructuredOutput
@@ -106,13 +107,25 @@ def test_the_masks_forbid_the_tokens_the_model_never_samples_even_where_the_gram
     matcher = book.matcher(StructuredOutput("regex", "[0-9]+"))
     allowed = ~book.forbidden([matcher], torch.device("cpu")).forbid[0]  # (vocab,)
     digit = int(allowed.nonzero()[0, 0])
-    vocab = len(tokenizer) + 50
-    banned = (digit, 31, 32, vocab - 1)  # NOTE: a word's sign bit and its neighbour, and the last token
-    never = Grammars(tokenizer, vocab_size=vocab, eos_token_ids=(tokenizer.eos_token_id,), never=banned)
+    never = Grammars(tokenizer, vocab_size=len(tokenizer) + 50, eos_token_ids=(tokenizer.eos_token_id,),
+                     never=(digit,))
     masks = never.forbidden([None, never.matcher(StructuredOutput("regex", "[0-9]+"))], torch.device("cpu"))
     expected = ~allowed
-    expected[list(banned)] = True
+    expected[digit] = True
     assert masks is not None and masks.rows == (1,) and torch.equal(masks.forbid[0], expected)
+
+
+def test_the_never_sampled_tokens_are_cleared_bit_by_bit_in_the_mask_words() -> None:
+    vocab = 70  # NOTE: not a multiple of 32: the last word is partial
+    banned = (0, 31, 32, 63, 64, vocab - 1)  # the words' first and sign bits, either side of a boundary, the last
+    words = torch.from_numpy(np.full((2, 3), -1, dtype=np.int32) & _without_bits(banned, vocab))  # (2, words)
+    expected = torch.zeros(2, vocab, dtype=torch.bool)
+    expected[:, list(banned)] = True
+    assert torch.equal(forbidden(words, vocab, torch.device("cpu")), expected)
+    assert torch.equal(_forbidden_on(torch.device("cpu"), words, vocab), expected)
+    for outside in (-1, vocab):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            _without_bits((outside,), vocab)
 
 
 def test_a_grammar_row_never_gets_a_never_sampled_token_and_is_left_none_if_only_those_are_allowed(
