@@ -79,8 +79,8 @@ class Encoder(StepReplica):
         same routing key sends that call here); answers at once: whether anything was started."""
         self.resolver.bind()
         started = self.service.encode_early(request_id, features)
-        self.early_encode_calls += 1
         self.early_encodes += started
+        self.early_encode_calls += 1  # NOTE: last: a reader that waits for this call's count sees the other too
         return started
 
     def metrics(self) -> MetricsSnapshot:

@@ -55,6 +55,7 @@ class StepLoop:
         self.name = name
         self._channels: dict[str, OutputChannel] = {}  # request id -> its outputs, to its consumer's loop
         self._actions: list[tuple[str | None, Callable[[], Any]]] = []
+        self._running_actions = False  # taken off the queue by the loop thread and not all run yet (under _lock)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -111,9 +112,12 @@ class StepLoop:
         return await future
 
     def busy(self) -> bool:
-        """Actions queued or work in the stage (racy by nature; for tests and draining)."""
+        """Actions queued or running, or work in the stage (racy by nature; for tests and draining).
+
+        NOTE: an action taken off the queue and not yet run counts: an add run after an abort's check would
+        otherwise leave a moment where neither the queue nor the stage shows the request."""
         with self._lock:
-            if self._actions:
+            if self._actions or self._running_actions:
                 return True
         return self._has_work()
 
@@ -201,15 +205,22 @@ class StepLoop:
     def _run_actions(self) -> bool:
         with self._lock:
             actions, self._actions = self._actions, []
-        for request_id, action in actions:
-            try:
-                action()
-            except Exception as exc:
-                if request_id is None:
-                    log.exception("%s: action failed", self.name)
-                else:
-                    self._deliver(request_id, RequestFailed(request_id, exc))
-        return bool(actions)
+            self._running_actions = bool(actions)
+        if not actions:
+            return False
+        try:
+            for request_id, action in actions:
+                try:
+                    action()
+                except Exception as exc:
+                    if request_id is None:
+                        log.exception("%s: action failed", self.name)
+                    else:
+                        self._deliver(request_id, RequestFailed(request_id, exc))
+        finally:
+            with self._lock:
+                self._running_actions = False
+        return True
 
     def _one_step(self) -> None:
         if not self._has_work():
