@@ -142,9 +142,8 @@ def test_names_that_never_resolve_hold_up_no_other_fetch_and_end_with_their_prom
         for _ in range(16):
             with pytest.raises(MediaError, match="no complete answer"):
                 loader.load(f"http://stuck.test:{port}/img.png")
-        start = time.monotonic()
-        assert loader.load(f"http://public.test:{port}/img.png").size == (12, 8)  # not behind the stuck ones
-        assert time.monotonic() - start < 0.15
+        # NOTE: not behind the stuck ones: behind them it would have met its 0.2 s deadline and raised
+        assert loader.load(f"http://public.test:{port}/img.png").size == (12, 8)
         # a prompt whose first image is refused: its other image, still resolving, is let go at once
         slow = MediaLoader(MediaConfig(fetch_timeout_s=10), resolver=resolve, dial=dial)
         start = time.monotonic()
