@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
@@ -13,13 +12,25 @@ from mmserve.preprocess.single_flight import SingleFlight
 
 def _ask_while_running(flight: SingleFlight[str, int], first: Callable[[], int],
                        waiter: Callable[[], int]) -> list[tuple[int, bool]]:
-    """Start `first` for key "k", and once it runs, `waiter` for the same key; both outcomes, first's first."""
-    inside, out = threading.Event(), [(0, False), (0, False)]
+    """Start `first` for key "k", and once it runs, `waiter` for the same key; both outcomes, first's first.
+
+    NOTE: `first` goes on once the waiter has found its run (seen through the flight's table of runs), not
+    after a fixed sleep that a loaded machine could outlast."""
+    inside, found, out = threading.Event(), threading.Event(), [(0, False), (0, False)]
+
+    class Watched(dict):
+        def get(self, key, default=None):
+            running = super().get(key, default)
+            if running is not None:
+                found.set()
+            return running
+
+    flight._running = Watched(flight._running)
 
     def run_first() -> None:
         def work() -> int:
             inside.set()
-            time.sleep(0.2)
+            found.wait(10)  # NOTE: the waiter holds the run's future now: it takes its outcome whenever it comes
             return first()
 
         try:
@@ -55,7 +66,17 @@ def test_a_waiter_whose_run_failed_runs_the_work_itself() -> None:
 
 
 def test_a_waiter_runs_the_work_itself_past_its_wait() -> None:
-    out = _ask_while_running(SingleFlight(0.01), lambda: 1, lambda: 2)
+    own = threading.Event()
+
+    def waiter() -> int:
+        own.set()
+        return 2
+
+    def first() -> int:  # NOTE: outlasts the waiter's wait: it ends once the waiter has run its own work
+        own.wait(10)
+        return 1
+
+    out = _ask_while_running(SingleFlight(0.01), first, waiter)
     assert out == [(1, False), (2, False)]
 
 
