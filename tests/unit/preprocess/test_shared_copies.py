@@ -143,7 +143,7 @@ def test_a_slow_copy_answers_a_miss_and_goes_on(puts: Puts):
         assert await keeper.kept("k", cache.get("k"), counted=True, wait_s=0.01) is None
         assert cache.stats().hits == 0  # answered as a miss
         item.ref.set_result(ITEM)  # the maker's object arrives after the hit gave up
-        for _ in range(100):
+        for _ in range(1000):  # NOTE: up to 10 s: the copy is made on a worker thread
             await asyncio.sleep(0.01)
             if cache.peek("k") != item:
                 break
