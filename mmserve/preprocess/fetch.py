@@ -143,7 +143,8 @@ class HttpFetcher:
         """
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError("fetch deadline passed before resolving the host")
-        if not _RESOLVING.acquire(blocking=False):  # NOTE: each is a thread until the system resolver gives up
+        slots = _RESOLVING  # NOTE: the one acquired is the one released, whatever the module's name holds then
+        if not slots.acquire(blocking=False):  # NOTE: each is a thread until the system resolver gives up
             raise OverloadedError(f"more than {MAX_RESOLVING} host names are being resolved at once; retry later")
         future: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
 
@@ -153,12 +154,12 @@ class HttpFetcher:
             except BaseException as exc:
                 future.set_exception(exc)
             finally:
-                _RESOLVING.release()
+                slots.release()
 
         try:
             threading.Thread(target=resolve, name="mmserve-resolve", daemon=True).start()
         except RuntimeError as exc:  # "can't start new thread": the process is out of threads
-            _RESOLVING.release()
+            slots.release()
             raise OverloadedError(f"cannot resolve a host name now ({exc}); retry later") from None
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -163,8 +163,11 @@ def test_past_the_resolutions_under_way_a_fetch_is_told_to_come_back_later(monke
 
     monkeypatch.setattr(fetch, "_RESOLVING", threading.BoundedSemaphore(1))
     fetch._RESOLVING.acquire()  # the one slot is held (a name that never resolves)
+    def resolve(host: str, port: int) -> list[str]:
+        raise AssertionError("resolved past the bound")  # NOTE: and never dials out
+
     with pytest.raises(OverloadedError, match="being resolved at once"):
-        MediaLoader(MediaConfig(), resolver=lambda host, port: ["8.8.8.8"]).load("http://any.test/img.png")
+        MediaLoader(MediaConfig(), resolver=resolve).load("http://any.test/img.png")
 
 
 def test_a_name_that_does_not_resolve_is_answered_as_an_internal_one_is() -> None:
