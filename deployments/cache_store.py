@@ -32,10 +32,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from time import monotonic  # NOTE: a name of its own, which a test may replace for this module alone
 from typing import Any
 
 import ray
@@ -175,7 +175,7 @@ class SharedProcessorCache:
         self._maker = ray.get_runtime_context().get_worker_id()  # the owner of those objects, for the store
         self._epoch: str | None = None  # of the store that answered the last lookup
         self._lock = threading.Lock()
-        self._down_until = 0.0  # lookups are misses at once until then (s, time.monotonic)
+        self._down_until = 0.0  # lookups are misses at once until then (s, monotonic)
 
     def find_source(self, source: str) -> Future[tuple[str, CachedItem] | None]:
         """An item this replica made from these bytes (answered at once), else the store's (in flight)."""
@@ -206,7 +206,7 @@ class SharedProcessorCache:
         NOTE: a store that did not answer is taken as down for a lookup's timeout: while Serve replaces it,
         calls to it queue, and each of a request's lookups (two per new image) would wait the whole timeout.
         """
-        if time.monotonic() < self._down_until:
+        if monotonic() < self._down_until:
             return done(None)
         answer: Future[Any] = Future()
 
@@ -219,7 +219,7 @@ class SharedProcessorCache:
                     return
                 log.warning("processor cache store unavailable (%s); misses for %.0f s", type(exc).__name__,
                             LOOKUP_TIMEOUT_S)
-                self._down_until = time.monotonic() + LOOKUP_TIMEOUT_S
+                self._down_until = monotonic() + LOOKUP_TIMEOUT_S
                 answer.set_result(None)
                 return
             answer.set_result(pick(found))

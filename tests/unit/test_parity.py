@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -108,10 +109,21 @@ class Recorder:
             self.logits.setdefault(rid, []).append(logits[i].float().cpu().clone())  # beside the CPU oracle's
 
 
-def make_engine(model_dir, **scheduler) -> tuple[Engine, Recorder]:
-    rec = Recorder()
-    config = EngineConfig(model=str(model_dir), device=TEST_DEVICE, decoder=DecoderConfig(**scheduler))
-    return Engine(config, on_logits=rec), rec
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., tuple[Engine, Recorder]]]:
+    """A maker of engines that are shut down when the test ends (NOTE: each holds a step thread, its OpenMP
+    pool and its KV pool; left running, the module's ~20 per checkpoint slowed every later test)."""
+    made: list[Engine] = []
+
+    def make(model_dir, **scheduler) -> tuple[Engine, Recorder]:
+        rec = Recorder()
+        config = EngineConfig(model=str(model_dir), device=TEST_DEVICE, decoder=DecoderConfig(**scheduler))
+        made.append(Engine(config, on_logits=rec))
+        return made[-1], rec
+
+    yield make
+    for engine in made:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module", params=PARITY_PARAMS)
@@ -138,7 +150,7 @@ def assert_matches(ref, tokens: list[int], logits: list[torch.Tensor], n_prompt:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_alone_matches_transformers(oracle, case):
+def test_alone_matches_transformers(oracle, case, make_engine):
     model_dir, refs = oracle
     engine, rec = make_engine(model_dir)
     request, _ = build_request(case)
@@ -146,7 +158,7 @@ def test_alone_matches_transformers(oracle, case):
     assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
 
 
-def test_concurrent_batch_matches_each_alone(oracle):
+def test_concurrent_batch_matches_each_alone(oracle, make_engine):
     """All cases at once through continuous batching = each alone = transformers."""
     model_dir, refs = oracle
     engine, rec = make_engine(model_dir)
@@ -158,7 +170,7 @@ def test_concurrent_batch_matches_each_alone(oracle):
 
 
 @pytest.mark.parametrize("budget", [1 << 30, 40 * 1024])
-def test_kept_gathers_match(oracle, budget):
+def test_kept_gathers_match(oracle, budget, make_engine):
     """Every decode group's gathers kept from step to step (mmserve/decoder/kept_gather.py), with room for all
     layers or for some only; all cases batched, so that sequences join and leave the decode group, with prefill
     chunks beside it, as in test_chunked_prefill_matches."""
@@ -173,7 +185,7 @@ def test_kept_gathers_match(oracle, budget):
     assert kept.copied < kept.positions // 2  # most positions were kept, not copied again
 
 
-def test_kept_gathers_after_failed_forwards_match(oracle, monkeypatch):
+def test_kept_gathers_after_failed_forwards_match(oracle, monkeypatch, make_engine):
     """Every 5th batched decode forward raises after two layers have refreshed their kept gathers and before
     the others do; the Decoder runs each sequence again alone (`Decoder._execute`), the kept layouts are
     forgotten, and every case still matches."""
@@ -195,7 +207,7 @@ def test_kept_gathers_after_failed_forwards_match(oracle, monkeypatch):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
 
 
-def test_chunked_prefill_matches(oracle):
+def test_chunked_prefill_matches(oracle, make_engine):
     """A small step budget splits prompts into chunks (never inside an image) with the same result."""
     model_dir, refs = oracle
     engine, rec = make_engine(model_dir, max_num_batched_tokens=300, max_num_seqs=4)
@@ -205,7 +217,7 @@ def test_chunked_prefill_matches(oracle):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
 
 
-def test_pan_and_scan_item_split_between_crops_matches(oracle):
+def test_pan_and_scan_item_split_between_crops_matches(oracle, make_engine):
     """A step budget smaller than a pan-and-scan item, but holding any one crop, splits the item
     between its crops (never inside one) with the same result."""
     model_dir, refs = oracle
@@ -220,7 +232,7 @@ def test_pan_and_scan_item_split_between_crops_matches(oracle):
 
 
 @pytest.mark.parametrize("case", ["one_image", "long_generation"])
-def test_greedy_logprobs_are_log_softmax_of_transformers_logits(oracle, case):
+def test_greedy_logprobs_are_log_softmax_of_transformers_logits(oracle, case, make_engine):
     model_dir, refs = oracle
     ref_tokens, ref_logits, _ = refs[case]
     engine, _ = make_engine(model_dir)
@@ -242,7 +254,7 @@ def test_greedy_logprobs_are_log_softmax_of_transformers_logits(oracle, case):
 
 
 @pytest.mark.parametrize("one_row", ["transposed", "doubled", ONEDNN])
-def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch):
+def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch, make_engine):
     """The forms a CPU may measure fastest (runtime/matmul_forms.py), forced for every row count: one row by
     `one_row`, any more rows (decodes and prefill chunks) as mm(w, x.T).T; or oneDNN's product measured
     fastest, so that the decoder layers' weights and the vision tower's linear layers are packed for it (the
@@ -274,7 +286,7 @@ def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch):
     assert one_row != ONEDNN or packed_calls  # the vision tower ran on packed weights
 
 
-def test_weights_relaid_while_generating_match_transformers(oracle, monkeypatch):
+def test_weights_relaid_while_generating_match_transformers(oracle, monkeypatch, make_engine):
     """Timed at start-up as slower at decode sizes but so much faster on a prefill chunk that the weights are
     packed (and the start-up thread timing's decodes change nothing); then the steps served make the layout
     policy take them plain, one weight per step, so that steps run with weights in both layouts: every step

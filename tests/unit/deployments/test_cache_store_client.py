@@ -47,7 +47,7 @@ def test_a_slow_or_lost_store_is_a_miss_and_taken_as_down_for_a_lookups_timeout(
     store = FailingStore(error)
     cache = client(store)
     now = [100.0]
-    monkeypatch.setattr(cache_store.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(cache_store, "monotonic", lambda: now[0])
     assert cache.find_source("bytes-key").result(timeout=5) is None
     assert cache.find("pixels-key", "bytes-key").result(timeout=5) is None  # at once: not asked
     assert [(m, t) for m, _, t in store.calls] == [("lookup_source", LOOKUP_TIMEOUT_S)]
