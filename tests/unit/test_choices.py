@@ -76,7 +76,7 @@ def test_closing_the_stream_early_aborts_every_choice(engine):
                 break
         await stream.aclose()
         for _ in range(1200):  # the aborts reach the step thread a moment later
-            if not engine.has_unfinished():  # NOTE: settles last: the scheduler's sequences go after the ids
+            if not engine.has_unfinished():  # NOTE: busy while an abort is queued or running: idle, all have run
                 break
             await asyncio.sleep(0.025)
         return engine.decoder.request_ids()

@@ -8,6 +8,7 @@ encoder, the image merge, the attention pattern and the paged KV cache together.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 from collections.abc import Callable, Iterator
@@ -110,20 +111,18 @@ class Recorder:
 
 
 @pytest.fixture
-def make_engine() -> Iterator[Callable[..., tuple[Engine, Recorder]]]:
+def make_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[Engine, Recorder]]]:
     """A maker of engines that are shut down when the test ends (NOTE: each holds a step thread, its OpenMP
-    pool and its KV pool; left running, the module's ~20 per checkpoint slowed every later test)."""
-    made: list[Engine] = []
+    pool and its KV pool; left running, the module's ~20 per checkpoint slowed every later test). It asks
+    for `monkeypatch` so that the engines stop before a test's patches are undone."""
+    with contextlib.ExitStack() as made:
 
-    def make(model_dir, **scheduler) -> tuple[Engine, Recorder]:
-        rec = Recorder()
-        config = EngineConfig(model=str(model_dir), device=TEST_DEVICE, decoder=DecoderConfig(**scheduler))
-        made.append(Engine(config, on_logits=rec))
-        return made[-1], rec
+        def make(model_dir, **scheduler) -> tuple[Engine, Recorder]:
+            rec = Recorder()
+            config = EngineConfig(model=str(model_dir), device=TEST_DEVICE, decoder=DecoderConfig(**scheduler))
+            return made.enter_context(Engine(config, on_logits=rec)), rec
 
-    yield make
-    for engine in made:
-        engine.shutdown()
+        yield make
 
 
 @pytest.fixture(scope="module", params=PARITY_PARAMS)

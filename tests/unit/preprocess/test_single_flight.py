@@ -43,6 +43,7 @@ def _ask_while_running(flight: SingleFlight[str, int], first: Callable[[], int],
     assert inside.wait(10)
     out[1] = flight.run("k", waiter)
     thread.join(10)
+    assert found.is_set() and not thread.is_alive()  # the waiter met the run under way, and the run ended
     return out
 
 

@@ -247,7 +247,6 @@ def test_an_infinite_interval_sends_the_first_output_then_everything_else_as_one
     assert got[-1].finished and "".join(o.new_text for o in got) == "".join(str(i % 10) for i in range(1, n + 1))
 
 
-
 def test_an_action_taken_off_the_queue_counts_as_busy_until_it_has_run() -> None:
     loop, running, release = idle_loop(), threading.Event(), threading.Event()
 
@@ -257,12 +256,14 @@ def test_an_action_taken_off_the_queue_counts_as_busy_until_it_has_run() -> None
 
     loop.submit(None, slow_action)
     try:
-        assert running.wait(10)
-        assert loop.busy()  # NOTE: the queue is empty and the stage has no work: only the action in flight
+        try:
+            assert running.wait(10)
+            assert loop.busy()  # NOTE: the queue is empty and the stage has no work: only the action in flight
+        finally:
+            release.set()
+        deadline = time.monotonic() + 10
+        while loop.busy() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not loop.busy()
     finally:
-        release.set()
-    deadline = time.monotonic() + 10
-    while loop.busy() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert not loop.busy()
-    loop.stop()
+        loop.stop()
