@@ -141,11 +141,10 @@ class Decoder:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already finished."""
-        state = self._states.get(request_id)
+        state = self._states.pop(request_id, None)
         if state is None:
             return None
         self.scheduler.abort(request_id)
-        del self._states[request_id]  # NOTE: after the scheduler: `request_ids()` empty means all is let go
         return self._output(state, [], "", finish_reason="abort")
 
     def has_unfinished(self) -> bool:

@@ -210,17 +210,21 @@ class StepLoop:
             return False
         try:
             for request_id, action in actions:
-                try:
-                    action()
-                except Exception as exc:
-                    if request_id is None:
-                        log.exception("%s: action failed", self.name)
-                    else:
-                        self._deliver(request_id, RequestFailed(request_id, exc))
+                self._run_action(request_id, action)
         finally:
             with self._lock:
                 self._running_actions = False
         return True
+
+    def _run_action(self, request_id: str | None, action: Callable[[], Any]) -> None:
+        """Run one action; its exception fails `request_id` (an anonymous action's is logged)."""
+        try:
+            action()
+        except Exception as exc:
+            if request_id is None:
+                log.exception("%s: action failed", self.name)
+            else:
+                self._deliver(request_id, RequestFailed(request_id, exc))
 
     def _one_step(self) -> None:
         if not self._has_work():
