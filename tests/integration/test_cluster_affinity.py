@@ -95,12 +95,14 @@ def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[s
                                    (("decision", "load_fallback"), ("deployment", "Encoder"))), 0.0)
     slow = slowed(app, spilled, fallbacks)
     after = encoders(app)
-    victim = replica_actors(APP, "Encoder")[0]
-    survivor = next(r for r in after if r != replica_suffix(victim["name"]))
-    owned = [i for i, key in enumerate(HOT) if owner([keys[key]], sorted(after)) == survivor]
+    owners = [owner([keys[key]], sorted(after)) for key in HOT]
+    survivor = max(after, key=owners.count)  # NOTE: it owns hot keys, so that their hits below can be counted
+    owned = [i for i, r in enumerate(owners) if r == survivor]
+    victim = next(a for a in replica_actors(APP, "Encoder") if replica_suffix(a["name"]) != survivor)
     ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
     hits_before = after[survivor]["cache_hits"]
-    answers = [ask(app, image_message(4000 + i, image)) for i, image in enumerate(HOT)]  # none may fail
+    for i, image in enumerate(HOT):  # none may fail (`ask` asserts a 200)
+        ask(app, image_message(4000 + i, image))
     live: dict[str, dict[str, Any]] = {}
     for _ in range(10):  # the survivor, whether or not Serve's replacement is up yet
         live.update(encoders(app, expected=1))
@@ -108,7 +110,7 @@ def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[s
             break
     return {"shares": shares, "spot": len(spot), "spill": spill, "spot_owner": target, "load_fallbacks": fallbacks,
             **slow,
-            "owned_by_survivor": len(owned), "answers": len(answers),
+            "owned_by_survivor": len(owned),
             "survivor_hits": live[survivor]["cache_hits"] - hits_before if survivor in live else None}
 
 
@@ -263,6 +265,6 @@ def test_uniform_load_spreads_and_a_killed_encoder_moves_only_its_keys(measured)
     slowed = got["slowed_shares"]
     assert sum(slowed.values()) == 40, got
     assert slowed[got["slowed"]] < 0.75 * 40 / len(slowed) and got["slowed_load_fallbacks"] > 0, got
-    assert got["answers"] == len(HOT)  # every request answered while a replica died
     # the hot images the survivor owned were cached there and still hit: their keys did not move
-    assert got["survivor_hits"] is not None and got["survivor_hits"] >= got["owned_by_survivor"]
+    assert got["owned_by_survivor"] > 0 and got["survivor_hits"] is not None, got
+    assert got["survivor_hits"] >= got["owned_by_survivor"], got

@@ -5,6 +5,8 @@ scan crops, a prompt past the sliding window, a hit beside running decodes, and 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -68,10 +70,20 @@ def reference(oracle: tuple[Any, Any, Any], messages: list[dict[str, Any]], imag
     return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), [s[0].cpu() for s in out.logits]
 
 
-def engine_for(oracle: tuple[Any, Any, Any], **decoder: Any) -> tuple[Engine, Recorder]:
-    rec = Recorder()
-    config = EngineConfig(model=str(oracle[0]), device=TEST_DEVICE, decoder=DecoderConfig(**decoder))
-    return Engine(config, on_logits=rec), rec
+MakeEngine = Callable[..., tuple[Engine, Recorder]]
+
+
+@pytest.fixture
+def engine_for(oracle: tuple[Any, Any, Any]) -> Iterator[MakeEngine]:
+    """A maker of engines on the oracle's checkpoint, each shut down when the test ends, however it ends."""
+    with contextlib.ExitStack() as made:
+
+        def make(**decoder: Any) -> tuple[Engine, Recorder]:
+            rec = Recorder()
+            config = EngineConfig(model=str(oracle[0]), device=TEST_DEVICE, decoder=DecoderConfig(**decoder))
+            return made.enter_context(Engine(config, on_logits=rec)), rec
+
+        yield make
 
 
 def run(engine: Engine, rid: str, messages: list[dict[str, Any]], mm_kwargs: dict[str, Any] | None = None,
@@ -90,8 +102,8 @@ def check(oracle: Any, rec: Recorder, out: Completion, messages: list[dict[str, 
         assert diff <= logits_bound(theirs), f"step {step}: max |logit diff| {diff}"
 
 
-def test_chat_turns_reuse_the_history_with_its_image(oracle: Any) -> None:
-    engine, rec = engine_for(oracle)
+def test_chat_turns_reuse_the_history_with_its_image(oracle: Any, engine_for: MakeEngine) -> None:
+    engine, rec = engine_for()
     history = [user("Describe this image.", PHOTO)]
     previous, answer = 0, None
     for turn, question in enumerate(["Describe this image.", "What colour is it?", "Anything else?"]):
@@ -103,11 +115,10 @@ def test_chat_turns_reuse_the_history_with_its_image(oracle: Any) -> None:
             assert answer.num_cached_tokens >= previous - engine.config.decoder.block_size
         previous = answer.num_prompt_tokens
     assert engine.stats().encoder.queries == 1  # turns 2 and 3 never asked the encoder about the image
-    engine.shutdown()
 
 
-def test_the_same_image_under_another_question_hits_inside_the_image(oracle: Any) -> None:
-    engine, rec = engine_for(oracle)
+def test_the_same_image_under_another_question_hits_inside_the_image(oracle: Any, engine_for: MakeEngine) -> None:
+    engine, rec = engine_for()
     run(engine, "first", [user("What is in this picture?", PHOTO)])
     messages = [user("Tell me the colours.", PHOTO)]
     out = run(engine, "second", messages)
@@ -115,11 +126,10 @@ def test_the_same_image_under_another_question_hits_inside_the_image(oracle: Any
     pre = engine.preprocess(ChatRequest("probe", messages, SamplingParams()))
     image = pre.features[0].placeholder
     assert image.offset < out.num_cached_tokens < image.offset + image.length  # the hit ends inside the image
-    engine.shutdown()
 
 
-def test_pan_and_scan_crops_and_a_prompt_past_the_window(oracle: Any) -> None:
-    engine, rec = engine_for(oracle)
+def test_pan_and_scan_crops_and_a_prompt_past_the_window(oracle: Any, engine_for: MakeEngine) -> None:
+    engine, rec = engine_for()
     pas = {"do_pan_and_scan": True}
     run(engine, "pas-first", [user("Read it.", WIDE)], pas)
     messages = [user("Read it again, slowly.", WIDE)]
@@ -131,11 +141,10 @@ def test_pan_and_scan_crops_and_a_prompt_past_the_window(oracle: Any) -> None:
     out = run(engine, "long-second", messages)
     assert out.num_cached_tokens > 2 * 64  # past the tiny checkpoints' 64-token window
     check(oracle, rec, out, messages, [PHOTO])
-    engine.shutdown()
 
 
-def test_hits_beside_running_decodes_and_a_preempted_re_hit(oracle: Any) -> None:
-    engine, rec = engine_for(oracle)
+def test_hits_beside_running_decodes_and_a_preempted_re_hit(oracle: Any, engine_for: MakeEngine) -> None:
+    engine, rec = engine_for()
     scheduler = engine.decoder.scheduler
     hits: list[tuple[str, int]] = []  # (request, tokens taken from the cache) at each admission
     take, schedule = scheduler._start_from_cache, scheduler.schedule
@@ -169,4 +178,3 @@ def test_hits_beside_running_decodes_and_a_preempted_re_hit(oracle: Any) -> None
     assert preempted == ["hit"] and len(again) >= 2 and again[-1] > again[0]  # re-hit its own prompt + outputs
     stats = engine.decoder.stats()
     assert stats.free_blocks == stats.total_blocks
-    engine.shutdown()

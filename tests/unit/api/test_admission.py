@@ -128,9 +128,12 @@ def test_a_request_that_fails_or_is_cancelled_gives_its_slot_back(ending: str) -
 def test_no_bound_until_configured() -> None:
     async def scenario() -> None:
         inner = SlowApp()
+        app, admission = bounded(inner, None)
+        held = [asyncio.create_task(call(app, CHAT)) for _ in range(5)]
+        await until(lambda: inner.started == 5)  # all five in flight at once: none refused
+        assert admission.in_flight == 5
         inner.release.set()
-        app, _ = bounded(inner, None)
-        assert [s for s, _, _ in await asyncio.gather(*(call(app, CHAT) for _ in range(5)))] == [200] * 5
+        assert [s for s, _, _ in await asyncio.gather(*held)] == [200] * 5
 
     asyncio.run(scenario())
 

@@ -17,7 +17,7 @@ def test_an_early_encode_on_an_idle_stage_is_what_the_requests_own_call_gets() -
     async def run() -> None:
         store = Store()
         store.items["k"] = _item(1)
-        service = EncoderService(_stage(), resolve=store.resolve)
+        service, solo = EncoderService(_stage(), resolve=store.resolve), EncoderService(_stage())
         try:
             assert service.encode_early("r1/early", [_spec("h", "k")])
             while service.stage.stats().forward_passes == 0:  # the early encode runs on its own
@@ -26,10 +26,11 @@ def test_an_early_encode_on_an_idle_stage_is_what_the_requests_own_call_gets() -
             stats = service.stage.stats()
             assert stats.forward_passes == 1 and store.calls == ["k"]
             assert stats.queries == 1 and stats.hits == 0  # the request's miss, run ahead of it
-            (alone,) = (await EncoderService(_stage()).encode("solo", [_spec("h", _item(1))])).embeddings
+            (alone,) = (await solo.encode("solo", [_spec("h", _item(1))])).embeddings
             assert torch.equal(embedding, alone)
         finally:
             service.stop()
+            solo.stop()
 
     asyncio.run(run())
 

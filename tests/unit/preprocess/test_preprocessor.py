@@ -9,7 +9,6 @@ import base64
 import dataclasses
 import io
 import threading
-import time
 import typing
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
@@ -373,11 +372,20 @@ def test_bad_mm_kwargs(pre224: Preprocessor, kwargs: dict[str, Any], message: st
 
 def test_requests_that_bring_the_same_new_image_at_once_process_it_once(tiny_ckpt_224: Path) -> None:
     pp = make(tiny_ckpt_224)
-    processor, inside = pp.image_processor, threading.Event()
+    processor, inside, found = pp.image_processor, threading.Event(), threading.Semaphore(0)
 
-    def slow(*args: Any, **kwargs: Any) -> Any:  # holds the first run long enough for the others to ask
+    class Watched(dict):  # NOTE: the flight's table of runs: a request that finds the first's run there waits on it
+        def get(self, key: Any, default: Any = None) -> Any:
+            running = super().get(key, default)
+            if running is not None:
+                found.release()
+            return running
+
+    pp._flights._running = Watched(pp._flights._running)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:  # holds the first run until the other two wait on it
         inside.set()
-        time.sleep(0.3)
+        assert found.acquire(timeout=10) and found.acquire(timeout=10)
         return processor(*args, **kwargs)
 
     pp.image_processor = slow

@@ -66,6 +66,8 @@ def test_a_dtype_onednn_cannot_pack_here_is_measured_plain(dtype: torch.dtype) -
                     rounds=1)
     x, w = torch.randn(3, 32).to(dtype), torch.randn(48, 32).to(dtype)
     torch.testing.assert_close(forms.product(x, forms.pack(w)).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    if matmul_forms._packed([w], 16) is None:  # this CPU's oneDNN cannot pack the dtype: never chosen
+        assert forms.pack_rows is None and not forms.pack(w).is_mkldnn
 
 
 @pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN packing")

@@ -206,18 +206,21 @@ def test_health_fails_while_one_step_runs_past_the_bound_and_recovers_once_it_en
         return []
 
     loop = StepLoop(hung_step, lambda: bool(pending), lambda: None)
-    loop.submit(None, lambda: None)
-    assert entered.wait(5)
-    time.sleep(0.05)
-    loop.check_health(stuck_after_s=10.0)  # within the bound: healthy
-    with pytest.raises(RuntimeError, match="one step has run for"):
-        loop.check_health(stuck_after_s=0.01)
-    release.set()
-    deadline = time.monotonic() + 5
-    while loop._step_started is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    loop.check_health(stuck_after_s=0.01)  # no step under way: healthy again
-    loop.stop()
+    try:
+        loop.submit(None, lambda: None)
+        assert entered.wait(5)
+        time.sleep(0.05)
+        loop.check_health(stuck_after_s=10.0)  # within the bound: healthy
+        with pytest.raises(RuntimeError, match="one step has run for"):
+            loop.check_health(stuck_after_s=0.01)
+        release.set()
+        deadline = time.monotonic() + 5
+        while loop._step_started is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.check_health(stuck_after_s=0.01)  # no step under way: healthy again
+    finally:
+        release.set()
+        loop.stop()
 
 
 def test_an_infinite_interval_sends_the_first_output_then_everything_else_as_one_at_the_end() -> None:
