@@ -36,7 +36,7 @@ from mmserve.api.deadline import Deadline
 from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, check_model
 from mmserve.api.server_timing import ServerTiming
-from mmserve.api.stream import ChunkBuilder, CompletionBuilder, sse_error
+from mmserve.api.stream import SSE_HEADERS, ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, ServedModel
 from mmserve.runtime import affinity
@@ -192,7 +192,7 @@ class Ingress:
                                                  continuous_usage=body.continuous_usage),
                                     first, outputs, started, deadline, start),
             unstarted=lambda: self._abandoned(outputs, started), media_type="text/event-stream",
-            headers=timing.header())
+            headers={**timing.header(), **SSE_HEADERS})
 
     async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline, timing: ServerTiming,
                      kept: Kept[PreprocessedRequest], *, count_retry: bool) -> tuple[Any, Any]:
@@ -316,6 +316,7 @@ class Ingress:
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             status = failures.failure_status(exc)
+            failures.log_fault(exc)
             yield sse_error(unwrapped(exc))
         finally:
             if not chunks.finished:  # the client left, or the deadline: abort it in the decoder, free its KV

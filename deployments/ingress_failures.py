@@ -69,11 +69,17 @@ def raise_failed(message: Any) -> Any:
 
 def error_response(exc: BaseException) -> JSONResponse:
     """The answer to a request that failed with `exc`, before its response began."""
-    original, exc = exc, unwrapped(exc)
+    log_fault(exc)
+    exc = unwrapped(exc)
     status, body = error_body(exc)
-    if status == 500:  # NOTE: the client is told nothing of a server fault; the log says what it was
-        log.error("request failed with a server fault", exc_info=original)
     return JSONResponse(body, status_code=status, headers=error_headers(exc))
+
+
+def log_fault(exc: BaseException) -> None:
+    """NOTE: the client is told nothing of a server fault (a 500, or a stream's error event); the log says what
+    it was."""
+    if error_body(unwrapped(exc))[0] == 500:
+        log.error("request failed with a server fault", exc_info=exc)
 
 
 class GuardedStream(StreamingResponse):

@@ -109,6 +109,15 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TemplateOptions:
+    """How the chat template renders a request's messages (vLLM's request fields of these names)."""
+
+    add_generation_prompt: bool = True  # end the prompt with the header of the model's turn (flag)
+    continue_final_message: bool = False  # end the prompt inside the final message, for the model to go on (flag)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs: template variable -> JSON value
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     request_id: str  # unique per request, chosen by the ingress
     messages: list[dict[str, Any]]  # OpenAI chat messages (role, content: str | list of parts)
@@ -119,6 +128,7 @@ class ChatRequest:
     # it took the default: a prompt that leaves a length asked for less room is refused (OpenAI's and vLLM's
     # rule, naming that field), where a default one is cut at the end of the context
     max_tokens_asked: str | None = None
+    template: TemplateOptions = field(default_factory=TemplateOptions)  # how the messages become the prompt
 
 
 @dataclass(frozen=True)
@@ -251,7 +261,10 @@ class TokenLogprob:
     token_id: int  # the sampled token (token id)
     token: str  # the token's own text, decoded alone (a byte of a character may decode to U+FFFD)
     logprob: float  # natural log of its probability
-    top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob) of the most likely, best first
+    # (id, text, logprob, the token's own bytes: a byte token's byte, else its text as UTF-8) of the most likely,
+    # best first
+    top: tuple[tuple[int, str, float, bytes], ...] = ()
+    token_bytes: bytes = b""  # the token's own bytes (as in `top`); OpenAI's `bytes`, joined across tokens
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from mmserve.messages import TokenLogprob
 class TopLogprob(BaseModel):
     token: str
     logprob: float  # natural log
-    bytes: list[int]  # the token's text as UTF-8
+    bytes: list[int]  # the token's own bytes (a byte token's one byte; else its text as UTF-8)
 
 
 class ContentLogprob(TopLogprob):
@@ -32,9 +32,9 @@ FORBIDDEN_LOGPROB = -9999.0
 
 def choice_logprobs(tokens: list[TokenLogprob]) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=[
-        ContentLogprob(token=t.token, logprob=_finite(t.logprob), bytes=list(t.token.encode()),
-                       top_logprobs=[TopLogprob(token=s, logprob=_finite(lp), bytes=list(s.encode()))
-                                     for _, s, lp in t.top])
+        ContentLogprob(token=t.token, logprob=_finite(t.logprob), bytes=list(t.token_bytes),
+                       top_logprobs=[TopLogprob(token=s, logprob=_finite(lp), bytes=list(raw))
+                                     for _, s, lp, raw in t.top])
         for t in tokens])
 
 

@@ -27,6 +27,7 @@ from pydantic import (
 from mmserve.api.errors import ModelNotFoundError, with_param
 from mmserve.api.logprobs import ChoiceLogprobs
 from mmserve.api.structured import StructuredFields
+from mmserve.api.template_fields import TemplateFields
 from mmserve.api.unserved import UNSERVED, check_served, log_unknown
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
 from mmserve.messages import ChatRequest, SamplingDefaults, SamplingParams
@@ -112,7 +113,7 @@ def _one_or_many(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
-class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM's guided_* come from there
+class ChatCompletionRequest(StructuredFields, TemplateFields):  # NOTE: response_format, guided_*, template options
     # NOTE: unknown fields are kept (in `model_extra`) so that unserved ones are refused and the rest logged
     model_config = ConfigDict(extra="allow")
 
@@ -169,7 +170,7 @@ class ChatCompletionRequest(StructuredFields):  # NOTE: response_format and vLLM
         asked = "max_completion_tokens" if self.max_completion_tokens is not None else \
             "max_tokens" if self.max_tokens is not None else None
         return ChatRequest(request_id, messages, sampling, dict(self.mm_processor_kwargs or {}), self.cache_salt,
-                           max_tokens_asked=asked)
+                           max_tokens_asked=asked, template=self.template_options())
 
     def _check_supported(self) -> None:
         extra = self.model_extra or {}

@@ -21,6 +21,8 @@ from mmserve.api.protocol import AssistantMessage, ChatCompletionResponse, Choic
 from mmserve.messages import RequestFailed, RequestOutput, TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
+# NOTE: as OpenAI's: a proxy between (nginx, a CDN) must neither cache a stream nor hold its events back
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Delta(BaseModel):
@@ -57,7 +59,9 @@ def sse(obj: BaseModel | dict[str, Any]) -> str:
 
 
 def sse_error(exc: BaseException) -> str:
-    """An error event for a stream whose 200 status is already sent; the official client raises on it."""
+    """An error event for a stream whose 200 status is already sent; the official client raises on it.
+    NOTE: no `[DONE]` after it (vLLM sends one): a client that reads to `[DONE]` and skips error events must
+    not take a failed answer for a whole one."""
     return sse(error_body(exc)[1])
 
 

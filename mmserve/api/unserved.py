@@ -48,8 +48,6 @@ UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "truncate_prompt_tokens": (_is(), "prompt truncation is not supported"),
     "prompt_logprobs": (_is(), "prompt log-probabilities are not supported"),
     "echo": (_off, "echo is not supported"),
-    "add_generation_prompt": (_is(True), "the model's generation prompt is always added"),
-    "continue_final_message": (_off, "continuing the final message is not supported"),
     "add_special_tokens": (_off, "the chat template's special tokens are the only ones added"),
     "chat_template": (_is(), "a request's own chat template is not supported"),
     "priority": (_is(0), "priority scheduling is not supported"),

@@ -18,7 +18,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
-from mmserve.decoder.detokenizer import IncrementalDetokenizer
+from mmserve.decoder.detokenizer import IncrementalDetokenizer, token_piece
 from mmserve.decoder.embedding_cache import EmbeddingCacheStats
 from mmserve.decoder.grammar import Grammars
 from mmserve.decoder.grammar_step import GrammarStep
@@ -189,7 +189,7 @@ class Decoder:
             row_masks,
         )  # (n,)
         tokens = sampled.tolist()
-        logprobs = step_logprobs(result.logits, sampled, tokens, [seq.sampling for seq in result.seqs], self._text,
+        logprobs = step_logprobs(result.logits, sampled, tokens, [seq.sampling for seq in result.seqs], self._piece,
                                  row_masks)
         ended, broken = self.grammar_step.advance(ids, tokens, [self._states[rid].matcher for rid in ids])
         failed += [self._fail(self._states[rid].seq, exc) for rid, exc in broken.items()]  # before update
@@ -203,8 +203,8 @@ class Decoder:
         return [*(self._emit(rid, tok, rid in finished, logprobs.get(i))
                   for i, (rid, tok) in enumerate(zip(ids, tokens, strict=True)) if rid not in broken), *failed]
 
-    def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _piece(self, token_id: int) -> tuple[str, bytes]:
+        return token_piece(self.tokenizer, token_id)
 
     def _execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepLogits, list[RequestFailed]]:
         """The step's forward. If it raises, each sequence runs again alone, and only those that fail by

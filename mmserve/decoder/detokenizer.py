@@ -4,6 +4,7 @@ Owns: turning sampled token ids, one at a time, into text deltas that never end 
 character (byte-fallback tokens are held until their character completes), skipping special tokens,
 and cutting the text right before the first stop string (or right after it, when asked) without ever
 emitting any part of it first.
+Also: one token's own text and bytes (`token_piece`, for log-probabilities).
 Does not own: finishing the request (the caller sees `stop_string` and tells the scheduler) nor the
 tokenizer itself (any Hugging Face tokenizer backed by the `tokenizers` library, or a raw one).
 
@@ -16,6 +17,7 @@ must never fail a request on its own output.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +26,18 @@ from tokenizers import Tokenizer
 from mmserve.messages import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 6  # prompt tokens the stream starts from, so that a first word keeps its space
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token's spelling (SentencePiece's)
+
+
+def token_piece(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
+    """A token decoded alone, and its own bytes: a byte-fallback token's one byte (its text alone is U+FFFD:
+    OpenAI's `bytes` exist so that a client joins them into the character), else its text as UTF-8."""
+    text = str(tokenizer.decode([token_id]))
+    if "\ufffd" in text:
+        byte = _BYTE_PIECE.fullmatch(str(tokenizer.convert_ids_to_tokens(token_id)))
+        if byte is not None:
+            return text, bytes([int(byte.group(1), 16)])
+    return text, text.encode()
 
 
 def backend_tokenizer(tokenizer: Any) -> Tokenizer:

@@ -4,7 +4,7 @@ Owns: picking the step's rows whose requests asked for `logprobs`, computing the
 from the step's raw logits (`sampler.token_logprobs`: before temperature and penalties, as vLLM's default
 `raw_logprobs`; a grammar row's over the tokens its grammar allows, as vLLM applies the grammar's bitmask to
 the logits before its sampler reads them), and shaping them as `TokenLogprob`s, each token's text decoded
-alone.
+alone and its own bytes.
 Does not own sampling, the step, nor how the edge renders them (`mmserve/api/logprobs.py`).
 """
 
@@ -20,7 +20,7 @@ from mmserve.runtime.host_copy import ints_to_device
 
 
 def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, tokens: list[int], sampling: Sequence[SamplingParams],
-                  text: Callable[[int], str], masks: RowMasks | None = None) -> dict[int, TokenLogprob]:
+                  piece: Callable[[int], tuple[str, bytes]], masks: RowMasks | None = None) -> dict[int, TokenLogprob]:
     """(n, vocab) raw logits, (n,) sampled ids (and the same as `tokens`), each row's params, the grammar rows'
     masks -> row -> its token's log-prob and `top_logprobs` alternatives, for the rows that asked and got a token
     (not -1); a token a row's grammar forbids has a log-prob of -inf."""
@@ -34,9 +34,16 @@ def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, tokens: list[int]
     out = {}
     for j, i in enumerate(rows):
         k = sampling[i].logprobs or 0
-        alternatives = tuple((t, text(t), lp) for t, lp in zip(best_ids[j][:k], best[j][:k], strict=True))
-        out[i] = TokenLogprob(tokens[i], text(tokens[i]), chosen[j], alternatives)
+        alternatives = tuple(_alternative(t, lp, piece) for t, lp in zip(best_ids[j][:k], best[j][:k], strict=True))
+        text, raw = piece(tokens[i])
+        out[i] = TokenLogprob(tokens[i], text, chosen[j], alternatives, raw)
     return out
+
+
+def _alternative(token: int, logprob: float, piece: Callable[[int], tuple[str, bytes]]
+                 ) -> tuple[int, str, float, bytes]:
+    text, raw = piece(token)
+    return token, text, logprob, raw
 
 
 def _grammar_masked(asking: torch.Tensor, rows: list[int], masks: RowMasks | None) -> torch.Tensor:

@@ -1,14 +1,13 @@
 """The preprocess stage: a ChatRequest -> prompt token ids + one FeatureSpec per image.
 
-Owns: validating the request's shape (roles, content parts, item count, mm kwargs), rendering the
-chat template, reading/decoding/hashing/processing each image through the ProcessorCache (a repeat of
-the same bytes is found before it is decoded), expanding the
-placeholders with the model's prompt rule, tokenizing, locating each item's placeholder range, and
-stamping the prompt's prefix-cache block hashes (with the decoder's hashing, handed in).
-Does not own: the message shape (chat_messages.py), the sampling fields' limits (sampling_checks.py),
-fetching and decoding bytes (media.py), the hash (hashing.py), the LRU (processor_cache.py), one processing
-of an image for requests that bring it at once (single_flight.py), the model's own placeholder rule (its
-family's `PromptRule`), nor encoding.
+Owns: validating the request's shape (roles, content parts, item count, mm kwargs), reading/decoding/
+hashing/processing each image through the ProcessorCache (a repeat of the same bytes is found before it is
+decoded), expanding the placeholders with the model's prompt rule, tokenizing, locating each item's placeholder
+range, and stamping the prompt's prefix-cache block hashes (with the decoder's hashing, handed in).
+Does not own: the message shape (chat_messages.py), the chat template and its options (chat_template.py), the
+sampling fields' limits (sampling_checks.py), fetching and decoding bytes (media.py), the hash (hashing.py), the
+LRU (processor_cache.py), one processing of an image for requests that bring it at once (single_flight.py), the
+model's own placeholder rule (its family's `PromptRule`), nor encoding.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from PIL import Image
 
 from mmserve.config import LimitsConfig, MediaConfig
@@ -33,10 +31,12 @@ from mmserve.messages import (
     PreprocessedRequest,
     ProcessedItem,
     SamplingParams,
+    TemplateOptions,
 )
 from mmserve.models.base import PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, as_uint8
-from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages, with_neutral_text
+from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages
+from mmserve.preprocess.chat_template import ChatTemplate
 from mmserve.preprocess.hashing import hash_image, hash_source, processor_fingerprint
 from mmserve.preprocess.image_runs import image_token_runs
 from mmserve.preprocess.media import MediaLoader
@@ -70,6 +70,7 @@ class Preprocessor:
                                  "or tokenizer_config.json)")
         self.image_processor = self.processor.image_processor
         self.rule = rule
+        self.template = ChatTemplate(self.processor, rule.reserved_strings)
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.rule.image_token))
         self.media = media
         self.loader = loader or MediaLoader(media)
@@ -108,7 +109,7 @@ class Preprocessor:
         if not isinstance(req.mm_processor_kwargs, dict):
             raise InvalidRequestError("mm_processor_kwargs must be an object")
         kwargs = self.rule.resolve_kwargs(req.mm_processor_kwargs)
-        text = self._render(parsed, n_items)
+        text = self._render(parsed, n_items, req.template)
         if len(text) > self.max_prompt_chars:
             raise PromptTooLongError(f"the prompt is {len(text)} characters; the limit is {self.max_prompt_chars}",
                                      param="messages")
@@ -146,36 +147,14 @@ class Preprocessor:
                 spelled.append(spaced)
         return replace(sampling, bad_words_token_ids=tuple(spelled))
 
-    def _render(self, parsed: ParsedMessages, n_items: int) -> str:
-        text = self._template(parsed.template_messages)
-        self._check_joined_text(text, parsed)
+    def _render(self, parsed: ParsedMessages, n_items: int, options: TemplateOptions) -> str:
+        text = self.template.render(parsed, options)
         placed = text.count(self.rule.placeholder)
         if placed != n_items:  # e.g. an image in a message the template drops
             raise InvalidRequestError(f"the chat template placed {placed} image placeholders "
                                       f"for {n_items} images")
         _check_unicode(text, "messages")
         return text
-
-    def _template(self, messages: list[dict[str, Any]]) -> str:
-        try:
-            return str(self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        except jinja2.TemplateError as err:
-            raise InvalidRequestError(f"messages rejected by the chat template: {err}") from err
-
-    def _check_joined_text(self, text: str, parsed: ParsedMessages) -> None:
-        """Refuse a prompt that holds more of a reserved string than the template writes by itself.
-
-        NOTE: each text is checked alone (chat_messages), but a template joins texts (Gemma's trims a message's
-        text parts and concatenates them), so harmless halves ("<end_of_", "turn>") can meet as a control
-        token that forges a turn or breaks an image's placeholders. The same messages with neutral text
-        show what the template itself writes (one more render, tens of µs).
-        """
-        own = self._template(with_neutral_text(parsed.template_messages))
-        for token in self.rule.reserved_strings:
-            if text.count(token) > own.count(token):
-                raise InvalidRequestError(f"messages: texts that the chat template joins together contain {token!r}, "
-                                          "a control token of the model's prompt format (it would fake a turn or "
-                                          "an image); send it some other way", param="messages")
 
     def _tokenize(self, text: str) -> list[int]:
         with self._lock:  # NOTE: the template already starts with <bos>; add no special tokens

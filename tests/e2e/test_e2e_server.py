@@ -12,6 +12,7 @@ import time
 import typing
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import openai
@@ -19,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.engine import Engine
-from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.messages import ChatRequest, SamplingParams, TemplateOptions
 from tests.e2e.chat_client import (
     METRICS_SETTLE_S,
     METRICS_TIMEOUT_S,
@@ -94,6 +95,38 @@ def test_stream_and_non_stream_match_engine(client, e2e_server, engine, with_ima
     usage = streamed["usage"]
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
         (prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+def test_a_final_assistant_message_is_continued_as_vllm_does(client, e2e_server, engine):
+    """vLLM's `continue_final_message` (with `add_generation_prompt: false`) through HTTP: the prompt ends inside
+    the final message, as the in-process engine renders it; `chat_template_kwargs` the template does not read
+    change nothing."""
+    messages = [*user("Name a colour."), {"role": "assistant", "content": "My favourite colour is"}]
+    template = TemplateOptions(add_generation_prompt=False, continue_final_message=True)
+    request = ChatRequest("e2e-continue", messages, SamplingParams(max_tokens=12, temperature=0), template=template)
+    [ref] = engine.generate([request])
+    pre = engine.preprocess(request)
+    assert engine.preprocess(replace(request, template=TemplateOptions())).prompt_token_ids != pre.prompt_token_ids
+
+    full = complete(client, e2e_server, messages, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    text, finish, prompt_tokens, _ = answer(full)
+    assert (text, finish, prompt_tokens) == (ref.text, ref.finish_reason, len(pre.prompt_token_ids))
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(client, e2e_server, messages, extra_body={"continue_final_message": True})
+    assert typing.cast(dict[str, Any], info.value.body)["param"] == "continue_final_message"
+
+
+def test_streams_are_not_buffered_by_proxies(client, e2e_server):
+    with client.chat.completions.with_streaming_response.create(
+            model=e2e_server.model_name, messages=typing.cast(Any, user("Hi.")), max_tokens=2, stream=True) as streamed:
+        assert (streamed.headers["cache-control"], streamed.headers["x-accel-buffering"]) == ("no-cache", "no")
+        assert "[DONE]" in streamed.text()
+    # NOTE: Serve's proxy names every answer's request (x-request-id, its logs' id; the official client reads it)
+    raw = client.chat.completions.with_raw_response.create(
+        model=e2e_server.model_name, messages=typing.cast(Any, user("Hi.")), max_tokens=2)
+    assert raw.request_id and "," not in raw.request_id
 
 
 # --- 2. concurrency ---------------------------------------------------------------------------------

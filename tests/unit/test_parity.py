@@ -243,13 +243,13 @@ def test_greedy_logprobs_are_log_softmax_of_transformers_logits(oracle, case, ma
         assert lp.token_id == ref_tokens[step] and lp.token == engine.preprocessor.tokenizer.decode([lp.token_id])
         # log_softmax moves by at most twice the largest logit difference
         assert abs(lp.logprob - float(ref_lp[lp.token_id])) <= 2 * LOGITS_ATOL, step
-        values = [v for _, _, v in lp.top]
+        values = [v for _, _, v, _ in lp.top]
         assert len(lp.top) == 5 and values == sorted(values, reverse=True)
         assert max(abs(v - float(r)) for v, r in zip(values, ref_lp.topk(5).values, strict=True)) <= 2 * LOGITS_ATOL
         # each listed token's own logprob (its id, not only the value at its rank)
-        assert all(abs(v - float(ref_lp[t])) <= 2 * LOGITS_ATOL for t, _, v in lp.top), step
+        assert all(abs(v - float(ref_lp[t])) <= 2 * LOGITS_ATOL for t, _, v, _ in lp.top), step
         assert lp.logprob <= values[0] + 1e-6  # greedy: the best, unless the best is a never-sampled token
-        assert lp.token_id in [t for t, _, _ in lp.top] or lp.top[0][0] in engine.spec.never_sampled
+        assert lp.token_id in [t for t, _, _, _ in lp.top] or lp.top[0][0] in engine.spec.never_sampled
 
 
 @pytest.mark.parametrize("one_row", ["transposed", "doubled", ONEDNN])
@@ -259,7 +259,7 @@ def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch, ma
     fastest, so that the decoder layers' weights and the vision tower's linear layers are packed for it (the
     lm_head, tied to the embeddings, stays plain). All cases batched."""
     model_dir, refs = oracle
-    packed_calls: list[int] = []
+    calls: list[int] = []
     if one_row == ONEDNN:
         if not onednn_packing_available():
             pytest.skip("this torch build has no oneDNN packing")
@@ -268,10 +268,20 @@ def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch, ma
         forward = PackedLinear.forward
 
         def counted(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-            packed_calls.append(1)
+            calls.append(1)
             return forward(self, x)
 
         monkeypatch.setattr(PackedLinear, "forward", counted)
+    else:  # NOTE: oneDNN measured slowest, so that no weight is packed (a packed one ignores the forms)
+        monkeypatch.setattr(matmul_forms, "_timings", lambda cycle, packed, rows, rounds: {
+            LINEAR: 1.0, "transposed": 1.0, "doubled": 1.0, ONEDNN: 2.0})
+        form = matmul_forms.FORMS[one_row]
+
+        def counted_form(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return form(x, w)
+
+        monkeypatch.setitem(matmul_forms.FORMS, one_row, counted_form)
     engine, rec = make_engine(model_dir)
     model = engine.decoder.runner.model
     if one_row == ONEDNN:
@@ -282,7 +292,8 @@ def test_every_matmul_form_matches_transformers(oracle, one_row, monkeypatch, ma
     outs = engine.generate([build_request(case)[0] for case in CASES])
     for case, out in zip(CASES, outs, strict=True):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
-    assert one_row != ONEDNN or packed_calls  # the vision tower ran on packed weights
+    assert calls  # the vision tower ran on packed weights, or the decode steps in the forced form
+    assert one_row == ONEDNN or not any(w.is_mkldnn for w in model.linear_weights())
 
 
 def test_weights_relaid_while_generating_match_transformers(oracle, monkeypatch, make_engine):

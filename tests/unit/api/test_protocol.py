@@ -25,7 +25,7 @@ from mmserve.api.errors import (
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
 from mmserve.api.stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
 from mmserve.errors import InvalidRequestError, InvalidSamplingError, MediaError
-from mmserve.messages import RequestFailed, RequestOutput, SamplingDefaults, TokenLogprob
+from mmserve.messages import RequestFailed, RequestOutput, SamplingDefaults, TemplateOptions, TokenLogprob
 
 openai = pytest.importorskip("openai")
 # NOTE: the HTTP library the installed client is built on (httpx, or httpx2 in recent releases).
@@ -252,6 +252,15 @@ def test_vllms_unserved_extensions_at_their_defaults_are_tolerated() -> None:
     assert parse(body).to_chat_request("r", 16).sampling.max_tokens == 16
 
 
+def test_template_options_reach_the_engine_request() -> None:
+    body = {"messages": USER, "add_generation_prompt": False, "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    assert parse(body).to_chat_request("r", 16).template == TemplateOptions(False, True, {"enable_thinking": False})
+    assert parse({"messages": USER}).to_chat_request("r", 16).template == TemplateOptions()
+    with pytest.raises(ValidationError, match="chat_template_kwargs"):
+        parse({"messages": USER, "chat_template_kwargs": ["enable_thinking"]})
+
+
 def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixture,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(unserved, "_logged", set())  # NOTE: the process's names so far: none, for this test
@@ -273,8 +282,7 @@ def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixtur
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
     ("use_beam_search", True), ("best_of", 3), ("length_penalty", 0.8), ("truncate_prompt_tokens", 10),
     ("prompt_logprobs", 1),
-    ("echo", True), ("add_generation_prompt", False),
-    ("continue_final_message", True), ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
+    ("echo", True), ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
     ("priority", 5), ("logits_processors", ["a.b"]), ("return_tokens_as_token_ids", True),
     ("return_token_ids", True), ("kv_transfer_params", {"x": 1}), ("vllm_xargs", {"k": 1}),
     ("structural_tag", {"type": "structural_tag"}),
@@ -439,7 +447,9 @@ def test_sse_framing() -> None:
 def _with_logprobs(outs: list[RequestOutput]) -> list[RequestOutput]:
     """Each output's token with a log-prob and two alternatives, as the decoder makes them."""
     def one(i: int, token: int) -> TokenLogprob:
-        return TokenLogprob(token, f"t{token}", -0.5 - i, ((token, f"t{token}", -0.5 - i), (99, "ü", -3.0)))
+        return TokenLogprob(token, f"t{token}", -0.5 - i,
+                            ((token, f"t{token}", -0.5 - i, f"t{token}".encode()), (99, "ü", -3.0, "ü".encode())),
+                            f"t{token}".encode())
     return [replace(o, logprobs=[one(i, o.new_token_ids[0])]) for i, o in enumerate(outs)]
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mmserve.decoder.detokenizer import IncrementalDetokenizer
+from mmserve.decoder.detokenizer import IncrementalDetokenizer, token_piece
 
 TEXT = "héllo ✓ 日本"
 SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
@@ -180,3 +180,14 @@ def test_accepts_a_raw_tokenizers_tokenizer() -> None:
     assert "".join(pieces) == TEXT
     with pytest.raises(TypeError):
         IncrementalDetokenizer(object())
+
+
+def test_a_tokens_own_bytes_join_into_the_text_where_its_decoded_text_cannot(tokenizer: Any) -> None:
+    """OpenAI's logprob `bytes`: a byte token alone decodes to U+FFFD; its own byte is what a client joins."""
+    ids = encode(tokenizer, TEXT)
+    pieces = [token_piece(tokenizer, i) for i in ids]
+    assert any(text == "\ufffd" for text, _ in pieces), "the text has characters that fall back to bytes"
+    assert b"".join(raw for _, raw in pieces).decode() == tokenizer.decode(ids) == TEXT
+    whole = encode(tokenizer, "hello")
+    assert [token_piece(tokenizer, i) for i in whole] == [(t, t.encode()) for t in
+                                                          (tokenizer.decode([i]) for i in whole)]

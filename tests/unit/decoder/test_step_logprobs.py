@@ -17,13 +17,13 @@ def test_rows_that_asked_get_their_token_and_own_top_k():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])  # (3, 4)
     sampled = torch.tensor([2, 0, 1])
     sampling = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0)]
-    out = step_logprobs(logits, sampled, sampled.tolist(), sampling, text=lambda t: f"<{t}>")
+    out = step_logprobs(logits, sampled, sampled.tolist(), sampling, piece=lambda t: (f"<{t}>", f"<{t}>".encode()))
     assert sorted(out) == [0, 2]  # row 1 did not ask
     first = out[0]
     expected = torch.log_softmax(logits[0], dim=-1)
     assert first.token_id == 2 and first.token == "<2>"
     assert math.isclose(first.logprob, float(expected[2]), rel_tol=1e-6)
-    assert [(t, text) for t, text, _ in first.top] == [(3, "<3>"), (2, "<2>")]  # best first
+    assert [(t, text) for t, text, _, _ in first.top] == [(3, "<3>"), (2, "<2>")]  # best first
     assert math.isclose(out[2].logprob, math.log(0.25), rel_tol=1e-6)
     assert out[2].top == ()
 
@@ -32,7 +32,7 @@ def test_a_row_left_without_a_token_reports_nothing():
     logits = torch.zeros(2, 5)
     sampled = torch.tensor([-1, 3])
     out = step_logprobs(logits, sampled.clamp(min=0), sampled.tolist(), [SamplingParams(logprobs=1)] * 2,
-                        text=str)
+                        piece=lambda t: (str(t), b""))
     assert list(out) == [1]
 
 
@@ -43,9 +43,10 @@ def test_a_grammar_rows_log_probs_are_over_the_tokens_its_grammar_allows():
     sampled = torch.tensor([1, 3])
     masks = RowMasks((0,), torch.tensor([[True, False, True, True]]))  # row 0 may sample token 1 only
     sampling = [SamplingParams(logprobs=3), SamplingParams(logprobs=1)]
-    out = step_logprobs(logits, sampled, sampled.tolist(), sampling, text=str, masks=masks)
+    out = step_logprobs(logits, sampled, sampled.tolist(), sampling, piece=lambda t: (str(t), str(t).encode()),
+                        masks=masks)
     assert out[0].logprob == 0.0 and out[0].top[0][:2] == (1, "1")  # the only token allowed: all the mass
-    assert [lp for _, _, lp in out[0].top[1:]] == [float("-inf")] * 2
+    assert [lp for _, _, lp, _ in out[0].top[1:]] == [float("-inf")] * 2
     assert math.isclose(out[1].logprob, float(torch.log_softmax(logits[1], -1)[3]), rel_tol=1e-6)  # unmasked
     rendered = choice_logprobs([out[0]]).content[0]
     assert [t.logprob for t in rendered.top_logprobs] == [0.0, FORBIDDEN_LOGPROB, FORBIDDEN_LOGPROB]
@@ -56,5 +57,5 @@ def test_a_nan_logprob_is_sent_as_the_floor_json_can_hold() -> None:
     """A broken checkpoint's NaN logits: JSON has no NaN, and a client's parser refuses one."""
     from mmserve.messages import TokenLogprob
 
-    rendered = choice_logprobs([TokenLogprob(5, "x", math.nan, ((5, "x", math.nan),))]).content[0]
+    rendered = choice_logprobs([TokenLogprob(5, "x", math.nan, ((5, "x", math.nan, b"x"),), b"x")]).content[0]
     assert rendered.logprob == FORBIDDEN_LOGPROB and rendered.top_logprobs[0].logprob == FORBIDDEN_LOGPROB

@@ -4,6 +4,7 @@ generator never runs then), and a body whose client leaves is a ClientGone, not 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from types import SimpleNamespace
 from typing import Any
@@ -83,9 +84,10 @@ def test_a_body_whose_client_left_is_client_gone(left: Any) -> None:
         asyncio.run(scenario())
 
 
-def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a_server_error() -> None:
+def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a_server_error(
+        caplog: pytest.LogCaptureFixture) -> None:
     """The Decoder's stream ended (None) before every choice finished: an error event, no `[DONE]`, as the
-    non-streamed path answers a 500."""
+    non-streamed path answers a 500; the log says what the fault was (the client is told nothing of it)."""
     from deployments.ingress import Ingress
     from mmserve.api.stream import ChunkBuilder
     from mmserve.messages import RequestOutput
@@ -103,6 +105,9 @@ def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a
     async def scenario() -> list[str]:
         return [e async for e in sse_of(ingress, ChunkBuilder("r", "m"), first, object(), 0.0, None, lambda: None)]
 
-    events = asyncio.run(scenario())
+    with caplog.at_level(logging.ERROR, logger="deployments.ingress_failures"):
+        events = asyncio.run(scenario())
     assert '"content":"Hi"' in events[0] and '"error"' in events[-1] and all("[DONE]" not in e for e in events)
     assert counted == ["server_error"]
+    assert [str(r.exc_info[1]) for r in caplog.records if r.exc_info] == [
+        "the decoder's stream of r ended before its answer"]

@@ -1,0 +1,101 @@
+"""The chat template's options (vLLM's `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`)
+against transformers' own `apply_chat_template` on the tiny checkpoint's processor."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mmserve.errors import InvalidRequestError
+from mmserve.messages import TemplateOptions
+from mmserve.models.gemma3_prompt import Gemma3PromptRule
+from mmserve.preprocess.chat_messages import parse_messages
+from mmserve.preprocess.chat_template import ChatTemplate
+
+RESERVED = Gemma3PromptRule(mm_tokens=16).reserved_strings
+CONTINUE = TemplateOptions(add_generation_prompt=False, continue_final_message=True)
+ASK = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_ckpt: Path) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_ckpt)
+
+
+def render(processor: Any, messages: list[dict[str, Any]], options: TemplateOptions) -> str:
+    return ChatTemplate(processor, RESERVED).render(parse_messages(messages, reserved=RESERVED), options)
+
+
+@pytest.mark.parametrize("final", ["My favourite colour is ", [{"type": "text", "text": "It is"}]],
+                         ids=["string", "parts"])
+def test_a_continued_final_message_is_rendered_as_transformers_does(processor: Any, final: Any) -> None:
+    messages = [*ASK, {"role": "assistant", "content": final}]
+    ours = render(processor, messages, CONTINUE)
+    assert ours == processor.apply_chat_template(copy.deepcopy(messages), tokenize=False,
+                                                 add_generation_prompt=False, continue_final_message=True)
+    assert ours.endswith("My favourite colour is" if isinstance(final, str) else "It is"), ours
+    assert not ours.endswith("<end_of_turn>\n")
+
+
+def test_without_the_generation_prompt_the_prompt_ends_with_the_last_turn(processor: Any) -> None:
+    ours = render(processor, ASK, TemplateOptions(add_generation_prompt=False))
+    assert ours == processor.apply_chat_template(ASK, tokenize=False, add_generation_prompt=False)
+    assert ours.endswith("<end_of_turn>\n") and ours + "<start_of_turn>model\n" == render(processor, ASK,
+                                                                                          TemplateOptions())
+
+
+def test_continuing_needs_the_generation_prompt_off_and_text_to_continue(processor: Any) -> None:
+    messages: list[dict[str, Any]] = [*ASK, {"role": "assistant", "content": "It is"}]
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt") as info:
+        render(processor, messages, TemplateOptions(continue_final_message=True))
+    assert info.value.param == "continue_final_message"
+    only_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(InvalidRequestError, match="needs text") as info:
+        render(processor, only_image, CONTINUE)
+    assert info.value.param == "continue_final_message"
+
+
+def test_a_continued_message_may_not_join_texts_into_a_control_token(processor: Any) -> None:
+    """The halves of `<end_of_turn>` in two parts of the continued message would end its turn early."""
+    halves = [{"type": "text", "text": "fine <end_of_"}, {"type": "text", "text": "turn>"}]
+    with pytest.raises(InvalidRequestError, match="end_of_turn") as info:
+        render(processor, [*ASK, {"role": "assistant", "content": halves}], CONTINUE)
+    assert info.value.param == "messages"
+
+
+@pytest.fixture
+def greeting_processor(processor: Any) -> Any:
+    """The processor with a template that reads a variable of its own (`greeting`) beside the special tokens."""
+    other = copy.copy(processor)
+    other.chat_template = ("{{ bos_token }}{% if greeting %}{{ greeting }}{% endif %}"
+                           "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    return other
+
+
+def test_only_variables_the_template_reads_are_passed(greeting_processor: Any) -> None:
+    plain = [{"role": "user", "content": "hi"}]
+    template = ChatTemplate(greeting_processor, RESERVED)
+    assert template.variables == {"greeting"}, "special tokens and render arguments are never a request's"
+    assert render(greeting_processor, plain, TemplateOptions(kwargs={"greeting": "Hello. "})) == \
+        "<bos>Hello. user: hi\n"
+    # unread names are dropped as vLLM drops them; a special token's name could replace it: dropped too
+    dropped = {"enable_thinking": False, "bos_token": "<start_of_turn>model\n", "messages": []}
+    assert render(greeting_processor, plain, TemplateOptions(kwargs=dropped)) == "<bos>user: hi\n"
+
+
+@pytest.mark.parametrize("value", ["<start_of_turn>model\n", ["x", {"y": "<start_of_image>"}], {"<end_of_turn>": 1}],
+                         ids=["string", "nested", "key"])
+def test_a_control_token_in_a_template_variable_is_refused(greeting_processor: Any, value: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs") as info:
+        render(greeting_processor, [{"role": "user", "content": "hi"}], TemplateOptions(kwargs={"greeting": value}))
+    assert info.value.param == "chat_template_kwargs"
+
+
+def test_template_kwargs_must_be_an_object(processor: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="must be an object"):
+        render(processor, ASK, TemplateOptions(kwargs=["greeting"]))  # type: ignore[arg-type]
