@@ -51,7 +51,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options()).bind(
         app_args, store, hub, encoder)
     # NOTE: the decoder's index of routed prompt blocks holds about what its KV pool caches
-    decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options(), **_router(
+    holds_for_s = app_args.ingress.request_timeout_s  # a Decoder holds a request to its last token
+    decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options(holds_for_s), **_router(
         app_args.decoder.router("deployments.routers:DecoderAffinityRouter",
                                 index_blocks=app_args.engine.decoder.num_blocks))).bind(app_args, encoder, hub)
     # NOTE: Serve's own refusals at the Ingress (its probe slots full too) carry a Retry-After as well

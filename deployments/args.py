@@ -96,12 +96,22 @@ class StageArgs(_Strict):
     max_ongoing_requests: int = Field(64, ge=1)
     # Calls waiting for a replica of this stage when every one holds max_ongoing_requests; past it the
     # caller gets Serve's BackPressureError at once (the ingress answers 503 + Retry-After). -1 = unbounded.
-    max_queued_requests: int = Field(256, ge=-1)
+    max_queued_requests: int = Field(256, ge=-1)  # NOTE: 0 is refused below, as Serve refuses it
     # Intra-op threads of torch in each replica; None = num_cpus when >= 1, else every core of the node.
     # NOTE: Ray sets OMP_NUM_THREADS to a worker's num_cpus (at least 1), so a replica asking for 0 CPUs
     # (our default) would run torch on one thread: about half the speed of encoder and prefill.
     torch_threads: int | None = Field(None, ge=1)
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_STAGE_ENV))  # replica environment
+    # Seconds a replica being removed (a downscale, a redeploy) goes on serving the calls it holds before it is
+    # stopped; None: Serve's own 20 s, but the Ingress and the Decoder, which hold a request to its last token,
+    # wait as long as a request may live (`ingress.request_timeout_s`; `deployment_options`' `holds_for_s`)
+    graceful_shutdown_timeout_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _queue_bound(self) -> StageArgs:
+        if self.max_queued_requests == 0:
+            raise ValueError("max_queued_requests must be at least 1, or -1 for no bound (Serve refuses 0)")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -126,7 +136,9 @@ class StageArgs(_Strict):
         """Where this stage computes unless `device` is set: a GPU when the replica asks for one."""
         return "cuda" if self.num_gpus > 0 else "cpu"
 
-    def deployment_options(self) -> dict[str, Any]:
+    def deployment_options(self, holds_for_s: float | None = None) -> dict[str, Any]:
+        """Serve's options of this stage's deployment; `holds_for_s`: how long a call to it may last, which a
+        replica being removed waits out unless `graceful_shutdown_timeout_s` is set (None: Serve's default)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
@@ -140,6 +152,8 @@ class StageArgs(_Strict):
             options["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
         else:
             options["num_replicas"] = self.num_replicas or 1
+        if (shutdown_s := self.graceful_shutdown_timeout_s or holds_for_s) is not None:
+            options["graceful_shutdown_timeout_s"] = shutdown_s
         return options
 
 
@@ -182,11 +196,11 @@ class IngressArgs(StageArgs):
                              f"({self.max_ongoing_requests}): a replica refuses chat requests past the latter")
         return self
 
-    def deployment_options(self) -> dict[str, Any]:
+    def deployment_options(self, holds_for_s: float | None = None) -> dict[str, Any]:
         """As a stage's, with Serve's bound on the replica above mmserve's own (`max_ongoing_requests`), so that
         a chat request past it gets mmserve's answer, not Serve's, and health, metrics and model probes get
         through while chat requests fill the replica."""
-        options = super().deployment_options()
+        options = super().deployment_options(self.request_timeout_s if holds_for_s is None else holds_for_s)
         options["max_ongoing_requests"] = self.max_ongoing_requests + INGRESS_PROBE_SLOTS
         return options
 

@@ -261,10 +261,8 @@ class TokenLogprob:
     token_id: int  # the sampled token (token id)
     token: str  # the token's own text, decoded alone (a byte of a character may decode to U+FFFD)
     logprob: float  # natural log of its probability
-    # (id, text, logprob, the token's own bytes: a byte token's byte, else its text as UTF-8) of the most likely,
-    # best first
-    top: tuple[tuple[int, str, float, bytes], ...] = ()
-    token_bytes: bytes = b""  # the token's own bytes (as in `top`); OpenAI's `bytes`, joined across tokens
+    token_bytes: bytes  # its own bytes (a byte token's one byte, else its text as UTF-8): OpenAI's `bytes`
+    top: tuple[tuple[int, str, float, bytes], ...] = ()  # (id, text, logprob, bytes) of the likeliest, best first
 
 
 @dataclass(frozen=True)

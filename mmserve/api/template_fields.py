@@ -19,9 +19,9 @@ class TemplateFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    add_generation_prompt: bool = True  # extension (vLLM's): end the prompt with the header of the model's turn
-    continue_final_message: bool = False  # extension (vLLM's): end it inside the final message, which goes on
-    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM's): variables the template reads
+    add_generation_prompt: bool = True  # extension (vLLM's): end the prompt with the model turn's header (flag)
+    continue_final_message: bool = False  # extension (vLLM's): end it inside the final message, to go on (flag)
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM's): variable name -> JSON value
 
     def template_options(self) -> TemplateOptions:
         return TemplateOptions(self.add_generation_prompt, self.continue_final_message,

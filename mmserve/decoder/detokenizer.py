@@ -34,7 +34,7 @@ def token_piece(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
     OpenAI's `bytes` exist so that a client joins them into the character), else its text as UTF-8."""
     text = str(tokenizer.decode([token_id]))
     if "\ufffd" in text:
-        byte = _BYTE_PIECE.fullmatch(str(tokenizer.convert_ids_to_tokens(token_id)))
+        byte = _BYTE_PIECE.fullmatch(backend_tokenizer(tokenizer).id_to_token(token_id) or "")
         if byte is not None:
             return text, bytes([int(byte.group(1), 16)])
     return text, text.encode()

@@ -36,7 +36,7 @@ def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, tokens: list[int]
         k = sampling[i].logprobs or 0
         alternatives = tuple(_alternative(t, lp, piece) for t, lp in zip(best_ids[j][:k], best[j][:k], strict=True))
         text, raw = piece(tokens[i])
-        out[i] = TokenLogprob(tokens[i], text, chosen[j], alternatives, raw)
+        out[i] = TokenLogprob(tokens[i], text, chosen[j], raw, alternatives)
     return out
 
 

@@ -10,6 +10,7 @@ message shape (chat_messages.py), the placeholders' expansion (the model's `Prom
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -19,13 +20,15 @@ import jinja2.meta
 
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import TemplateOptions
-from mmserve.preprocess.chat_messages import ParsedMessages, with_neutral_text
+from mmserve.preprocess.chat_messages import NEUTRAL_TEXT, ParsedMessages, with_neutral_text
 
 log = logging.getLogger(__name__)
 
-# Names a template reads that are the render's own (transformers' arguments and globals), never a request's
+# Names a template reads that are the render's own (transformers' globals and template inputs), never a request's;
+# `apply_chat_template`'s own parameters (chat_template, tokenize, ...) are added from its signature
 RENDER_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                           "raise_exception", "strftime_now"})
+MAX_KWARGS_DEPTH = 16  # nesting of a chat_template_kwargs value (levels); NOTE: the walks below recurse
 
 
 class ChatTemplate:
@@ -35,9 +38,12 @@ class ChatTemplate:
         self._processor = processor
         self._reserved = reserved  # the model's control-token strings, which no client text may spell
         special = set(processor.tokenizer.special_tokens_map)
+        own = set(inspect.signature(processor.apply_chat_template).parameters)
         # NOTE: a special token's name (bos_token, image_token, ...) passed as a variable would replace it in
-        # the render: a client could write control tokens through it
-        self.variables = _variables(processor.chat_template) - RENDER_NAMES - special
+        # the render, and `chat_template` would replace the template: a client could write control tokens.
+        # Names the template sets itself before reading them (Gemma's `loop_messages`) are listed by jinja too;
+        # its own `set` wins over a client's value.
+        self.variables = _variables(processor.chat_template) - RENDER_NAMES - special - own
 
     def render(self, parsed: ParsedMessages, options: TemplateOptions) -> str:
         """The prompt text; raises InvalidRequestError (naming the field) for options the messages cannot take."""
@@ -55,7 +61,7 @@ class ChatTemplate:
         kept = {name: value for name, value in asked.items() if name in self.variables}
         if len(kept) < len(asked):
             log.debug("chat_template_kwargs not read by the template, dropped: %s", sorted(set(asked) - set(kept)))
-        for text in _strings(kept):
+        for text in _strings(kept, MAX_KWARGS_DEPTH):
             for token in self._reserved:
                 if token in text:
                     raise InvalidRequestError(f"chat_template_kwargs contains {token!r}, a control token of the "
@@ -69,28 +75,33 @@ class ChatTemplate:
                 continue_final_message=options.continue_final_message, **kwargs))
         except jinja2.TemplateError as err:
             raise InvalidRequestError(f"messages rejected by the chat template: {err}") from err
-        except ValueError as err:
-            if not options.continue_final_message:
-                raise
-            # NOTE: transformers' refusal when the template drops or rewrites the final message's text
-            raise InvalidRequestError("continue_final_message: the chat template does not end the prompt with "
-                                      "the final message's text", param="continue_final_message") from err
+        except (TypeError, ValueError) as err:
+            if options.continue_final_message and isinstance(err, ValueError):
+                # NOTE: transformers' refusal when the template drops or rewrites the final message's text
+                raise InvalidRequestError("continue_final_message: the chat template does not end the prompt "
+                                          "with the final message's text", param="continue_final_message") from err
+            if kwargs:  # e.g. a number where the template adds a string
+                raise InvalidRequestError(f"chat_template_kwargs rejected by the chat template: {err}",
+                                          param="chat_template_kwargs") from err
+            raise
 
     def _check_joined_text(self, text: str, parsed: ParsedMessages, options: TemplateOptions,
                            kwargs: dict[str, Any]) -> None:
         """Refuse a prompt that holds more of a reserved string than the template writes by itself.
 
-        NOTE: each text is checked alone (chat_messages), but a template joins texts (Gemma's trims a message's
-        text parts and concatenates them), so harmless halves ("<end_of_", "turn>") can meet as a control
-        token that forges a turn or breaks an image's placeholders. The same messages with neutral text
-        show what the template itself writes (one more render, tens of µs).
+        NOTE: each text is checked alone (chat_messages, `_kwargs`), but a template joins texts (Gemma's trims a
+        message's text parts and concatenates them; another may join two variables, or change a string's case),
+        so harmless parts ("<end_of_", "turn>") can meet as a control token that forges a turn or breaks an
+        image's placeholders. The same messages and variables with every text neutral show what the template
+        itself writes (one more render, tens of µs).
         """
-        own = self._apply(with_neutral_text(parsed.template_messages), options, kwargs)
+        own = self._apply(with_neutral_text(parsed.template_messages), options, _neutral(kwargs))
+        where = "messages and chat_template_kwargs" if kwargs else "messages"
         for token in self._reserved:
             if text.count(token) > own.count(token):
-                raise InvalidRequestError(f"messages: texts that the chat template joins together contain {token!r}, "
+                raise InvalidRequestError(f"{where}: texts that the chat template joins together contain {token!r}, "
                                           "a control token of the model's prompt format (it would fake a turn or "
-                                          "an image); send it some other way", param="messages")
+                                          "an image); send it some other way", param=None if kwargs else "messages")
 
 
 def _check_options(parsed: ParsedMessages, options: TemplateOptions) -> None:
@@ -120,14 +131,28 @@ def _variables(template: str | dict[str, str]) -> frozenset[str]:
     return frozenset(names)
 
 
-def _strings(value: Any) -> Iterator[str]:
-    """Every string in a JSON value, keys included."""
+def _strings(value: Any, depth: int) -> Iterator[str]:
+    """Every string in a JSON value, keys included; refused past `depth` levels of nesting."""
+    if depth < 0:
+        raise InvalidRequestError(f"chat_template_kwargs nest deeper than {MAX_KWARGS_DEPTH} levels",
+                                  param="chat_template_kwargs")
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
+            yield from _strings(key, depth - 1)
+            yield from _strings(item, depth - 1)
     elif isinstance(value, list | tuple):
         for item in value:
-            yield from _strings(item)
+            yield from _strings(item, depth - 1)
+
+
+def _neutral(value: Any) -> Any:
+    """The same JSON value with every string value a neutral letter (keys kept: a template looks them up)."""
+    if isinstance(value, str):
+        return NEUTRAL_TEXT
+    if isinstance(value, dict):
+        return {key: _neutral(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_neutral(item) for item in value]
+    return value

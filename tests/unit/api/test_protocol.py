@@ -447,9 +447,8 @@ def test_sse_framing() -> None:
 def _with_logprobs(outs: list[RequestOutput]) -> list[RequestOutput]:
     """Each output's token with a log-prob and two alternatives, as the decoder makes them."""
     def one(i: int, token: int) -> TokenLogprob:
-        return TokenLogprob(token, f"t{token}", -0.5 - i,
-                            ((token, f"t{token}", -0.5 - i, f"t{token}".encode()), (99, "ü", -3.0, "ü".encode())),
-                            f"t{token}".encode())
+        return TokenLogprob(token, f"t{token}", -0.5 - i, f"t{token}".encode(),
+                            ((token, f"t{token}", -0.5 - i, f"t{token}".encode()), (99, "ü", -3.0, "ü".encode())))
     return [replace(o, logprobs=[one(i, o.new_token_ids[0])]) for i, o in enumerate(outs)]
 
 

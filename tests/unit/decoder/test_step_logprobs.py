@@ -57,5 +57,5 @@ def test_a_nan_logprob_is_sent_as_the_floor_json_can_hold() -> None:
     """A broken checkpoint's NaN logits: JSON has no NaN, and a client's parser refuses one."""
     from mmserve.messages import TokenLogprob
 
-    rendered = choice_logprobs([TokenLogprob(5, "x", math.nan, ((5, "x", math.nan, b"x"),), b"x")]).content[0]
+    rendered = choice_logprobs([TokenLogprob(5, "x", math.nan, b"x", ((5, "x", math.nan, b"x"),))]).content[0]
     assert rendered.logprob == FORBIDDEN_LOGPROB and rendered.top_logprobs[0].logprob == FORBIDDEN_LOGPROB

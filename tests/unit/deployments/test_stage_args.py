@@ -95,3 +95,20 @@ def test_a_fixed_replica_count_overrides_a_default_autoscaling_and_both_together
     assert parse_args({"preprocess.num_replicas": "2", "preprocess.autoscaling": "null"}).preprocess.num_replicas == 2
     with pytest.raises(ValidationError, match="exclude each other"):
         parse_args({"encoder.num_replicas": "2", "encoder.autoscaling": '{"max_replicas": 3}'})
+
+
+def test_a_replica_being_removed_waits_out_the_requests_it_holds() -> None:
+    """Serve stops a removed replica after 20 s by default: a downscale would cut every longer stream."""
+    args = parse_args({"ingress.request_timeout_s": "120"})
+    assert args.ingress.deployment_options()["graceful_shutdown_timeout_s"] == 120
+    assert args.decoder.deployment_options(holds_for_s=120)["graceful_shutdown_timeout_s"] == 120
+    assert "graceful_shutdown_timeout_s" not in args.encoder.deployment_options()  # short calls: Serve's own
+    chosen = parse_args({"decoder.graceful_shutdown_timeout_s": "30", "ingress.graceful_shutdown_timeout_s": "45"})
+    assert chosen.decoder.deployment_options(holds_for_s=600)["graceful_shutdown_timeout_s"] == 30
+    assert chosen.ingress.deployment_options()["graceful_shutdown_timeout_s"] == 45
+
+
+def test_a_queue_bound_serve_would_refuse_is_refused_naming_it() -> None:
+    with pytest.raises(ValidationError, match="max_queued_requests must be at least 1"):
+        parse_args({"encoder.max_queued_requests": "0"})
+    assert parse_args({"encoder.max_queued_requests": "-1"}).encoder.deployment_options()["max_queued_requests"] == -1
