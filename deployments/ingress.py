@@ -171,7 +171,7 @@ class Ingress:
             timing.mark("parse")
             if body.stream:
                 kept: Kept[PreprocessedRequest] = Kept()
-                first, outputs = await retrying(
+                first, outputs, pre = await retrying(
                     lambda attempt: self._first(chat, attempt, deadline, timing, kept, count_retry=True),
                     retries=self.replica_loss_retries, what=f"request {chat.request_id}")
         except asyncio.CancelledError:  # NOTE: Serve cancels the handler of a client that left
@@ -184,20 +184,22 @@ class Ingress:
             self._done(failures.failure_status(exc), started)
             return failures.error_response(exc)
         if not body.stream:
-            return await self._complete(chat, started, deadline, timing)
+            return await self._complete(chat, started, deadline, timing, bool(body.return_token_ids))
         self.stats.observe_ttft(time.perf_counter() - started)
         return failures.GuardedStream(
             lambda start: self._sse(ChunkBuilder(chat.request_id, self._model_id(), n=chat.sampling.n,
                                                  include_usage=body.include_usage,
-                                                 continuous_usage=body.continuous_usage),
+                                                 continuous_usage=body.continuous_usage,
+                                                 prompt_token_ids=pre.prompt_token_ids if body.return_token_ids
+                                                 else None),
                                     first, outputs, started, deadline, start),
             unstarted=lambda: self._abandoned(outputs, started), media_type="text/event-stream",
             headers={**timing.header(), **SSE_HEADERS})
 
     async def _first(self, chat: ChatRequest, attempt: int, deadline: Deadline, timing: ServerTiming,
-                     kept: Kept[PreprocessedRequest], *, count_retry: bool) -> tuple[Any, Any]:
+                     kept: Kept[PreprocessedRequest], *, count_retry: bool) -> tuple[Any, Any, PreprocessedRequest]:
         """Preprocess (unless the last attempt `kept` its answer), then the Decoder's stream up to its first
-        output: (that output, the stream).
+        output: (that output, the stream, the preprocessed request).
 
         NOTE: idempotent (nothing has reached the client yet), so a replica lost on the way is retried;
         each retry under a request id of its own downstream (the client still sees `chat.request_id`).
@@ -220,7 +222,7 @@ class Ingress:
             raise
         timing.mark("first")
         timing.add(first.timings)
-        return first, outputs
+        return first, outputs, pre
 
     async def _preprocessed(self, chat: ChatRequest, deadline: Deadline) -> PreprocessedRequest:
         preprocessing = self.preprocess.process.remote(chat)
@@ -247,9 +249,9 @@ class Ingress:
         except StopAsyncIteration:
             return None
 
-    async def _complete(self, chat: ChatRequest, started: float, deadline: Deadline,
-                        timing: ServerTiming) -> Response:
-        """A non-streamed request's whole answer.
+    async def _complete(self, chat: ChatRequest, started: float, deadline: Deadline, timing: ServerTiming,
+                        token_ids: bool) -> Response:
+        """A non-streamed request's whole answer (with the prompt's and each choice's token ids if `token_ids`).
 
         NOTE: the client reads nothing before the end, so the whole request is idempotent: a replica lost
         at any point, a Decoder mid-decode too, is retried (the answer is then the retry's, made from scratch
@@ -261,10 +263,12 @@ class Ingress:
         async def attempt(number: int) -> CompletionBuilder:
             if number:
                 self.stats.observe_retry(after_first_output=number - 1 in builders, reused=kept.ready)
-            first, outputs = await self._first(chat, number, deadline, timing, kept, count_retry=False)
+            first, outputs, pre = await self._first(chat, number, deadline, timing, kept, count_retry=False)
             if not builders:
                 self.stats.observe_ttft(time.perf_counter() - started)
-            builders[number] = builder = CompletionBuilder(chat.request_id, self._model_id(), n=chat.sampling.n)
+            builders[number] = builder = CompletionBuilder(
+                chat.request_id, self._model_id(), n=chat.sampling.n,
+                prompt_token_ids=pre.prompt_token_ids if token_ids else None)
             try:
                 builder.add(first)
                 while not builder.finished and (message := await self._next(outputs, deadline)) is not None:

@@ -1,13 +1,21 @@
 """What an Encoder and a Decoder replica share as Serve sees them: the health probe of their step thread and
 their graceful shutdown.
 
-Owns: `check_health` (a dead step thread, or a step that outlived any request's deadline, fails it) and `__del__`
-(the last metrics, then the step thread joined). Does not own the stage (mmserve's services) nor the metrics.
+Owns: `check_health` (a dead step thread, or a step that outlived any request's deadline, fails it, and the
+replica's process then exits) and `__del__` (the last metrics, then the step thread joined). Does not own the
+stage (mmserve's services) nor the metrics.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
+EXIT_AFTER_S = 1.0  # from a failed probe to the process's exit: Serve has its answer first (s)
 
 
 class StepReplica:
@@ -16,11 +24,25 @@ class StepReplica:
 
     service: Any
     stuck_after_s: float
+    exit_process: Callable[[int], object] = staticmethod(os._exit)  # NOTE: a test's stand-in replaces it
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose step thread died, or whose step outlived any request's
-        deadline (a hung device), is replaced."""
-        self.service.check_health(self.stuck_after_s)
+        deadline (a hung device), is replaced.
+
+        NOTE: Serve stops an unhealthy replica gracefully, waiting out the calls it holds for up to its
+        `graceful_shutdown_timeout_s` (for a Decoder, as long as a request may live), and these calls will
+        never be answered: the process exits once the probe has failed, so that they fail over at once as on
+        any replica's loss (a request not yet streaming is retried on a live replica).
+        """
+        try:
+            self.service.check_health(self.stuck_after_s)
+        except Exception:
+            log.error("unhealthy: the replica's process exits in %.1f s", EXIT_AFTER_S, exc_info=True)
+            timer = threading.Timer(EXIT_AFTER_S, self.exit_process, args=(1,))
+            timer.daemon = True
+            timer.start()
+            raise
 
     async def __del__(self) -> None:
         """Serve calls this on the replica's graceful shutdown: the last metrics, then join the step thread (see

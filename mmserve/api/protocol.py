@@ -28,6 +28,7 @@ from mmserve.api.errors import ModelNotFoundError, with_param
 from mmserve.api.logprobs import ChoiceLogprobs
 from mmserve.api.structured import StructuredFields
 from mmserve.api.template_fields import TemplateFields
+from mmserve.api.token_ids import TokenIdsOnlyAsked
 from mmserve.api.unserved import UNSERVED, check_served, log_unknown
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
 from mmserve.messages import ChatRequest, SamplingDefaults, SamplingParams
@@ -145,6 +146,7 @@ class ChatCompletionRequest(StructuredFields, TemplateFields):  # NOTE: response
     logprobs: bool | None = None
     top_logprobs: int | None = None  # alternatives per token (0-20); needs logprobs
     n: int | None = None  # choices (1-16); the prompt is computed once
+    return_token_ids: bool | None = None  # extension (vLLM's): the prompt's and each choice's token ids too
     # Accepted only at their default (`unserved.UNSERVED`); declared so their types are checked.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -268,20 +270,22 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class Choice(BaseModel):
+class Choice(TokenIdsOnlyAsked):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None  # "stop" | "length" | "abort"; NOTE: "abort" is vLLM's, not OpenAI's
     logprobs: ChoiceLogprobs | None = None  # when the request set `logprobs`
+    token_ids: list[int] | None = None  # the output's token ids, with vLLM's `return_token_ids`
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(TokenIdsOnlyAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[Choice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # the prompt's (images expanded), with `return_token_ids`
 
 
 class ModelCard(BaseModel):

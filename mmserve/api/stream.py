@@ -3,7 +3,9 @@
 Owns: folding a request's `RequestOutput` deltas into one `ChatCompletionResponse`, turning each delta
 into the `ChatCompletionChunk`s to send (a choice's first carries the role, or with n > 1 every choice's
 role comes first, in index order; a choice's last carries the finish reason; then an optional usage chunk,
-and the usage so far on every chunk if asked), and `data: ...` framing. Does not own: the request/response
+and the usage so far on every chunk if asked; with vLLM's `return_token_ids` the prompt's ids on the first chunk
+(each role chunk, with n > 1) and each chunk's own token ids: a token whose text is held back sends its id with
+the next chunk, where vLLM sends an empty one), and `data: ...` framing. Does not own: the request/response
 schemas and error bodies (protocol.py), reading the engine, nor writing to the socket.
 """
 
@@ -18,6 +20,7 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 from mmserve.api.errors import error_body
 from mmserve.api.logprobs import ChoiceLogprobs, choice_logprobs
 from mmserve.api.protocol import AssistantMessage, ChatCompletionResponse, Choice, PromptTokensDetails, Usage
+from mmserve.api.token_ids import TokenIdsOnlyAsked
 from mmserve.messages import RequestFailed, RequestOutput, TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -34,14 +37,15 @@ class Delta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}  # OpenAI sends `{}`, not nulls
 
 
-class ChunkChoice(BaseModel):
+class ChunkChoice(TokenIdsOnlyAsked):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None  # set on the last content chunk only
     logprobs: ChoiceLogprobs | None = None  # the tokens since the last chunk, when the request set `logprobs`
+    token_ids: list[int] | None = None  # the token ids since the last chunk, with vLLM's `return_token_ids`
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(TokenIdsOnlyAsked):
     id: str  # the same for every chunk of a response
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -49,6 +53,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]  # empty in the usage chunk
     usage: Usage | None = None  # in the usage chunk (stream_options.include_usage); on every chunk so far with
     # stream_options.continuous_usage_stats
+    prompt_token_ids: list[int] | None = None  # on the first chunk, with `return_token_ids` (images expanded)
 
 
 def sse(obj: BaseModel | dict[str, Any]) -> str:
@@ -102,12 +107,15 @@ class _Choices:
 class CompletionBuilder:
     """Accumulates one request's outputs (each of its `n` choices) into the non-streaming response."""
 
-    def __init__(self, response_id: str, model: str, *, n: int = 1, created: int | None = None) -> None:
+    def __init__(self, response_id: str, model: str, *, n: int = 1, created: int | None = None,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.response_id, self.model = response_id, model
         self.created = int(time.time()) if created is None else created
         self.choices = _Choices(n)
         self._texts: dict[int, list[str]] = {i: [] for i in range(n)}
         self._logprobs: dict[int, list[TokenLogprob]] = {}  # only for choices whose outputs carry them
+        self.prompt_token_ids = prompt_token_ids  # None: the request did not ask for token ids
+        self._token_ids: dict[int, list[int]] = {i: [] for i in range(n)}
 
     @property
     def finished(self) -> bool:
@@ -117,6 +125,7 @@ class CompletionBuilder:
         """Fold one delta in; re-raises a `RequestFailed`'s error."""
         out = _ok(out)
         self._texts[out.index].append(out.new_text)
+        self._token_ids[out.index] += out.new_token_ids
         if out.logprobs is not None:
             self._logprobs.setdefault(out.index, []).extend(out.logprobs)
         self.choices.note(out)
@@ -124,20 +133,23 @@ class CompletionBuilder:
     def build(self) -> ChatCompletionResponse:
         if not self.finished:
             raise RuntimeError(f"response {self.response_id} built before its request finished")
-        lasts = self.choices.last
+        lasts, asked = self.choices.last, self.prompt_token_ids is not None
         choices = [Choice(index=i, message=AssistantMessage(content="".join(self._texts[i])),
                           finish_reason=lasts[i].finish_reason,
-                          logprobs=choice_logprobs(self._logprobs[i]) if i in self._logprobs else None)
+                          logprobs=choice_logprobs(self._logprobs[i]) if i in self._logprobs else None,
+                          token_ids=self._token_ids[i] if asked else None)
                    for i in sorted(lasts)]
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=choices, usage=self.choices.usage())
+                                      choices=choices, usage=self.choices.usage(),
+                                      prompt_token_ids=self.prompt_token_ids)
 
 
 class ChunkBuilder:
     """Turns one request's outputs (each of its `n` choices) into stream chunks; one per streamed response."""
 
     def __init__(self, response_id: str, model: str, *, n: int = 1, include_usage: bool = False,
-                 continuous_usage: bool = False, created: int | None = None) -> None:
+                 continuous_usage: bool = False, created: int | None = None,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.response_id, self.model, self.include_usage = response_id, model, include_usage
         self.continuous_usage = continuous_usage  # the usage so far on every chunk too (vLLM's stream option)
         self.created = int(time.time()) if created is None else created
@@ -145,6 +157,10 @@ class ChunkBuilder:
         self._sent_role: set[int] = set()
         self._done: set[int] = set()
         self._pending: dict[int, list[TokenLogprob]] = {}  # log-probs of tokens whose text is not sent yet
+        # with `return_token_ids` (else None): the prompt's ids, until the first chunk carries them; each
+        # choice's token ids not sent yet
+        self._prompt_ids = prompt_token_ids
+        self._unsent_ids: dict[int, list[int]] | None = None if prompt_token_ids is None else {}
 
     @property
     def finished(self) -> bool:
@@ -157,6 +173,8 @@ class ChunkBuilder:
         self.choices.note(out)
         if out.logprobs is not None:
             self._pending.setdefault(index, []).extend(out.logprobs)
+        if self._unsent_ids is not None:
+            self._unsent_ids.setdefault(index, []).extend(out.new_token_ids)
         if index in self._done or (index in self._sent_role and not out.new_text and not out.finished):
             return []  # NOTE: no empty chunks for steps that produced no text (held back or mid-character)
         opening = self._opening()
@@ -170,7 +188,8 @@ class ChunkBuilder:
         if pending is not None:
             self._pending[index] = []  # NOTE: a held-back token's log-probs go with the next chunk sent
         logprobs = None if pending is None else choice_logprobs(pending)
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
+        token_ids = None if self._unsent_ids is None else self._unsent_ids.pop(index, [])
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs, token_ids=token_ids)
         chunks = [*opening, self._chunk([choice])]
         if out.finished:
             self._done.add(index)
@@ -188,16 +207,22 @@ class ChunkBuilder:
         if self.choices.n == 1 or self._sent_role:
             return []
         self._sent_role.update(range(self.choices.n))
-        return [self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-                for i in range(self.choices.n)]
+        prompt_ids = self._prompt_ids  # NOTE: on every choice's role chunk, as vLLM sends them
+        chunks = [self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))], prompt_ids=prompt_ids)
+                  for i in range(self.choices.n)]
+        self._prompt_ids = None
+        return chunks
 
     def events(self, out: RequestOutput | RequestFailed) -> list[str]:
         """`chunks` as SSE strings, with the closing `[DONE]` after the last."""
         events = [sse(c) for c in self.chunks(out)]
         return [*events, SSE_DONE] if self.finished and events else events
 
-    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None,
+               prompt_ids: list[int] | None = None) -> ChatCompletionChunk:
         if usage is None and self.continuous_usage and self.choices.last:
             usage = self.choices.usage()
+        if prompt_ids is None:  # NOTE: the prompt's ids go on the first chunk only
+            prompt_ids, self._prompt_ids = self._prompt_ids, None
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
-                                   choices=choices, usage=usage)
+                                   choices=choices, usage=usage, prompt_token_ids=prompt_ids)

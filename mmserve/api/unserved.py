@@ -53,7 +53,6 @@ UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "priority": (_is(0), "priority scheduling is not supported"),
     "logits_processors": (_off, "custom logits processors are not supported"),
     "return_tokens_as_token_ids": (_off, "return_tokens_as_token_ids is not supported"),
-    "return_token_ids": (_off, "return_token_ids is not supported"),
     "kv_transfer_params": (_off, "disaggregated serving (kv_transfer_params) is not supported"),
     "vllm_xargs": (_off, "vllm_xargs is not supported"),
     "structural_tag": (_off, "structural tags are not supported (response_format's json_schema is)"),

@@ -118,6 +118,25 @@ def test_a_final_assistant_message_is_continued_as_vllm_does(client, e2e_server,
     assert typing.cast(dict[str, Any], info.value.body)["param"] == "continue_final_message"
 
 
+def test_return_token_ids_gives_the_engines_prompt_and_output_ids(client, e2e_server, engine):
+    """vLLM's `return_token_ids` through HTTP, streamed and not: the prompt's ids (the image expanded) and the
+    output's, as the in-process engine makes them."""
+    messages = user("Describe the picture.", png_url(103))
+    request = ChatRequest("e2e-ids", messages, SamplingParams(max_tokens=12, temperature=0))
+    [ref] = engine.generate([request])
+    prompt = engine.preprocess(request).prompt_token_ids
+    full = complete(client, e2e_server, messages, extra_body={"return_token_ids": True})
+    extra = typing.cast(dict[str, Any], full.model_extra)
+    assert extra["prompt_token_ids"] == prompt and full.choices[0].model_extra == {"token_ids": ref.token_ids}
+    with client.chat.completions.create(model=e2e_server.model_name, messages=typing.cast(Any, messages),
+                                        max_tokens=12, temperature=0, stream=True,
+                                        extra_body={"return_token_ids": True}) as chunks:
+        got = list(chunks)
+    assert typing.cast(dict[str, Any], got[0].model_extra)["prompt_token_ids"] == prompt
+    assert [t for c in got for t in typing.cast(dict[str, Any], c.choices[0].model_extra)["token_ids"]] == \
+        ref.token_ids
+
+
 def test_streams_are_not_buffered_by_proxies(client, e2e_server):
     with client.chat.completions.with_streaming_response.create(
             model=e2e_server.model_name, messages=typing.cast(Any, user("Hi.")), max_tokens=2, stream=True) as streamed:

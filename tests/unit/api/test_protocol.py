@@ -284,7 +284,7 @@ def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixtur
     ("prompt_logprobs", 1),
     ("echo", True), ("add_special_tokens", True), ("chat_template", "{{ messages }}"),
     ("priority", 5), ("logits_processors", ["a.b"]), ("return_tokens_as_token_ids", True),
-    ("return_token_ids", True), ("kv_transfer_params", {"x": 1}), ("vllm_xargs", {"k": 1}),
+    ("kv_transfer_params", {"x": 1}), ("vllm_xargs", {"k": 1}),
     ("structural_tag", {"type": "structural_tag"}),
     ("web_search_options", {}),
     ("guided_whitespace_pattern", r"\s*"),
@@ -515,6 +515,34 @@ def test_a_stream_whose_later_choice_comes_first_still_opens_every_choice_in_ord
                                          for b in bodies[:3])
     assert [(b["choices"][0]["index"], b["choices"][0]["delta"].get("content")) for b in bodies[3:]] == \
         [(2, "c"), (0, "a"), (1, "a")]
+
+
+def test_return_token_ids_gives_the_prompts_and_every_tokens_ids_only_when_asked() -> None:
+    """vLLM's extension: the prompt's ids (on the first chunk) and each choice's; a held-back token's id goes
+    with the next chunk sent, as its text does. A request that did not ask gets OpenAI's shape exactly."""
+    assert parse({"messages": USER, "return_token_ids": True}).return_token_ids
+    prompt = [2, 105, 7]
+    outs = outputs(["A", "", "B"])  # token 1's text is held back
+    whole = CompletionBuilder("c", "gemma-3", prompt_token_ids=prompt)
+    for out in outs:
+        whole.add(out)
+    body = whole.build().model_dump()
+    assert body["prompt_token_ids"] == prompt and body["choices"][0]["token_ids"] == [0, 1, 2]
+    chunks = ChunkBuilder("c", "gemma-3", include_usage=True, prompt_token_ids=prompt)
+    bodies = [json.loads(e[len("data: "):]) for out in outs for e in chunks.events(out) if e != SSE_DONE]
+    assert [b.get("prompt_token_ids") for b in bodies] == [prompt, None, None]
+    assert [b["choices"][0]["token_ids"] for b in bodies[:-1]] == [[0], [1, 2]] and bodies[-1]["choices"] == []
+    plain = CompletionBuilder("c", "gemma-3")
+    for out in outs:
+        plain.add(out)
+    unasked = ChunkBuilder("c", "gemma-3")
+    sent = [e for out in outs for e in unasked.events(out)]
+    assert "token_ids" not in json.dumps(plain.build().model_dump()) and not any("token_ids" in e for e in sent)
+    opening = ChunkBuilder("c", "gemma-3", n=2, prompt_token_ids=prompt)  # n > 1: each choice's role chunk first
+    first = [json.loads(e[len("data: "):]) for e in opening.events(outs[0])]
+    assert [b["choices"][0].get("token_ids") for b in first] == [None, None, [0]]
+    assert [b.get("prompt_token_ids") for b in first] == [prompt, prompt, None]  # as vLLM: on each role chunk
+    assert parse({"messages": USER, "return_token_ids": None}).return_token_ids is None  # vLLM's default
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
+from deployments import step_replica
 from deployments.step_replica import StepReplica
 
 
@@ -34,13 +36,22 @@ class Reporter:
 @pytest.mark.filterwarnings("ignore:coroutine 'StepReplica.__del__' was never awaited")
 def test_the_probe_passes_the_hung_step_bound_and_shutdown_pushes_the_last_metrics_before_the_thread_stops() -> None:
     log: list[str] = []
+    exited = threading.Event()
     replica = StepReplica()
     replica.service, replica.stuck_after_s = Service(log), 60.0
     replica.reporter = Reporter(log)  # type: ignore[attr-defined]
+
+    def exit_process(code: int) -> None:  # NOTE: a stand-in for os._exit
+        log.append(f"exit {code}")
+        exited.set()
+
+    replica.exit_process = exit_process
     replica.check_health()
+    assert not exited.wait(step_replica.EXIT_AFTER_S + 0.5)  # healthy: the process goes on
     replica.stuck_after_s = 0.5
     with pytest.raises(RuntimeError, match="too long"):
         replica.check_health()
+    assert exited.wait(10)  # unhealthy: the process exits, so the calls it holds fail over at once
     asyncio.run(replica.__del__())
-    assert log == ["health 60.0", "health 0.5", "last metrics", "stop"]
+    assert log == ["health 60.0", "health 0.5", "exit 1", "last metrics", "stop"]
     asyncio.run(StepReplica().__del__())  # a replica whose __init__ failed: nothing to close
