@@ -84,7 +84,7 @@ class Ingress:
         self.reporter.ensure_started()
         self.chat_bound = bound(CHAT_BOUND)
         self.chat_bound.limit = app_args.ingress.max_ongoing_requests
-        self.chat_bound.on_refused = lambda: self._done("server_error", time.perf_counter())  # as other 503s are
+        self.chat_bound.on_refused = lambda: self._done("overloaded", time.perf_counter())  # as other 503s are
 
     async def __del__(self) -> None:
         """Serve calls this on a graceful shutdown (a downscale): the last metrics (see MetricsReporter.close)."""

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from deployments.retry import unwrapped
 from mmserve.api.body import read_bounded
 from mmserve.api.errors import error_body, error_headers, route_error_body
+from mmserve.errors import OverloadedError, ReplicaLostError
 from mmserve.messages import RequestFailed
 from mmserve.runtime.ingress_metrics import RequestStatus
 
@@ -54,10 +55,13 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def failure_status(exc: BaseException) -> RequestStatus:
-    """How the request metrics count a request that failed with `exc`: by the HTTP status it gets,
-    whether the failure came before the first token or after (then reported in-band)."""
-    status, _ = error_body(unwrapped(exc))
-    return "client_error" if status < 500 else "server_error"
+    """How the request metrics count a request that failed with `exc`: by the HTTP status it gets (a 503 of a
+    full queue apart, as load shed), whether the failure came before the first token or after (then reported
+    in-band)."""
+    exc = unwrapped(exc)
+    if isinstance(exc, OverloadedError) and not isinstance(exc, ReplicaLostError):  # load shed, not a fault
+        return "overloaded"
+    return "client_error" if error_body(exc)[0] < 500 else "server_error"
 
 
 def raise_failed(message: Any) -> Any:

@@ -26,14 +26,15 @@ from mmserve.runtime.metrics import (
     snapshot_of,
 )
 
-RequestStatus = Literal["ok", "client_error", "server_error", "aborted"]
+# NOTE: "overloaded" (a 503 the service answers under load: shedding, not a fault) apart from "server_error"
+RequestStatus = Literal["ok", "client_error", "overloaded", "server_error", "aborted"]
 
 # Fixed bounds shared by every replica, so histograms merge bucket by bucket.
 # NOTE: up to past the default request deadline (600 s): under overload a first token comes late, not never
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
                   640.0)
 LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
-REQUEST_STATUSES: tuple[RequestStatus, ...] = ("ok", "client_error", "server_error", "aborted")
+REQUEST_STATUSES: tuple[RequestStatus, ...] = ("ok", "client_error", "overloaded", "server_error", "aborted")
 RETRY_PHASES: tuple[str, str] = ("before_first_output", "after_first_output")  # where a lost attempt had got
 RETRY_PREPROCESS: tuple[str, str] = ("again", "reused")  # whether the retry preprocessed or kept the lost one's
 

@@ -82,15 +82,15 @@ Value = float | HistogramValue
 
 @dataclass(frozen=True)
 class Metric:
-    name: str  # the exposed name; a counter's ends in "_total"
+    name: str  # the exposed name; a counter's, and only a counter's, ends in "_total"
     kind: MetricKind
     help: str
     labels: tuple[str, ...] = ()  # label names
     values: Mapping[LabelValues, Value] = field(default_factory=dict)  # label values -> value
 
     def __post_init__(self) -> None:
-        if self.kind == "counter" and not self.name.endswith("_total"):
-            raise ValueError(f"counter {self.name} must end in _total")
+        if (self.kind == "counter") != self.name.endswith("_total"):  # NOTE: Prometheus's rule, both ways
+            raise ValueError(f"{self.name}: only a counter's name ends in _total, and every counter's does")
         for key, value in self.values.items():
             if len(key) != len(self.labels):
                 raise ValueError(f"{self.name}: label values {key} do not match labels {self.labels}")
@@ -192,7 +192,7 @@ def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
         gauge("mmserve_decoder_running_requests", "Sequences holding KV blocks.", stats.running),
         gauge("mmserve_decoder_waiting_requests", "Sequences queued or preempted.", stats.waiting),
         gauge("mmserve_decoder_kv_blocks_free", "Free KV cache pages (one layer's block each).", stats.free_blocks),
-        gauge("mmserve_decoder_kv_blocks_total", "KV cache pages overall (blocks x layers).", stats.total_blocks),
+        gauge("mmserve_decoder_kv_blocks", "KV cache pages overall (blocks x layers).", stats.total_blocks),
         gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
         counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
         counter("mmserve_decoder_preemptions_total",

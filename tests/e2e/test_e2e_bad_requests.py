@@ -93,7 +93,7 @@ def test_bad_requests_get_openai_errors(client, e2e_server, image_host: ImageHos
 
     outcomes = request_outcomes(s)
     assert {k: outcomes[k] - outcomes_before[k] for k in outcomes} == \
-        {"ok": 1, "client_error": 10, "server_error": 0, "aborted": 0}
+        {"ok": 1, "client_error": 10, "overloaded": 0, "server_error": 0, "aborted": 0}
 
     # the client's faults are not logged as the stages' failures (an ERROR line with a traceback each)
     log = _serve_log_until(s, log_start, f"{marker} -- CALL generate OK")
@@ -140,7 +140,7 @@ def test_hostile_bodies_get_4xx_naming_the_problem(client, e2e_server):
     assert ok.usage.completion_tokens >= 1
     outcomes = request_outcomes(s)
     assert {k: outcomes[k] - outcomes_before[k] for k in outcomes} == \
-        {"ok": 1, "client_error": len(cases), "server_error": 0, "aborted": 0}
+        {"ok": 1, "client_error": len(cases), "overloaded": 0, "server_error": 0, "aborted": 0}
 
 
 def _serve_log_until(s: Server, start: int, line: str, timeout_s: float = 30.0) -> str:

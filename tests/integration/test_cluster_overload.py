@@ -76,6 +76,7 @@ def test_past_the_queue_a_503_with_retry_after_at_once_and_the_admitted_complete
         for holder in holders:
             assert isinstance(next(holder.events()), dict)  # its first chunk: it runs on the decoder
         held = time.monotonic()
+        before = request_counts(tight_app)
         results = burst_while_full(tight_app, holders[0])
         # NOTE: the holders' own deadline would free their slots too; the burst must have been answered first
         assert time.monotonic() - held < DEADLINE_S, "the burst outlasted the holders' deadline: no test"
@@ -92,6 +93,9 @@ def test_past_the_queue_a_503_with_retry_after_at_once_and_the_admitted_complete
         else:
             assert body["usage"]["completion_tokens"] == 64, body
     wait_until(lambda: idle(tight_app), timeout=30, what="the decoder to hold nothing")
+    after = settled_counts(tight_app)  # NOTE: load shed, apart from the faults an alert watches
+    assert after["overloaded"] - before.get("overloaded", 0) == BURST - 1, (before, after)
+    assert after["server_error"] == before["server_error"], (before, after)
 
 
 def test_past_the_ingress_bound_its_own_503_at_once_and_probes_still_answered(tight_app: AppInfo):

@@ -30,7 +30,9 @@ def test_unknown_app_is_not_ready():
 
 
 def test_a_failure_counts_by_the_http_status_its_error_maps_to():
-    from mmserve.errors import InvalidRequestError
+    from mmserve.errors import InvalidRequestError, OverloadedError, ReplicaLostError
 
     assert failure_status(InvalidRequestError("bad image")) == "client_error"
     assert failure_status(RuntimeError("step failed")) == "server_error"
+    assert failure_status(OverloadedError("a stage's queue is full")) == "overloaded"  # load shed, not a fault
+    assert failure_status(ReplicaLostError("a serving replica was lost")) == "server_error"

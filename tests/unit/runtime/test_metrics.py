@@ -218,6 +218,8 @@ def test_histograms_of_other_bounds_merge_on_the_bounds_they_share() -> None:
 def test_metric_checks_its_shape() -> None:
     with pytest.raises(ValueError, match="_total"):
         Metric("x", "counter", "h")
+    with pytest.raises(ValueError, match="_total"):  # a gauge named as a counter would be rate()d
+        Metric("x_total", "gauge", "h")
     with pytest.raises(ValueError, match="label values"):
         Metric("x_total", "counter", "h", ("a",), {(): 1.0})
     with pytest.raises(ValueError, match="cannot hold"):
