@@ -112,10 +112,11 @@ class Decoder:
         if config.choose_weight_layout_while_serving:  # NOTE: after the threads' timing, whose steps serve no one
             self.runner.layout = weight_layout(model.matmul, len(model.linear_weights()), model.relayout_weight)
 
-    def add(self, request: DecodeRequest, matcher: Any = None) -> None:
+    def add(self, request: DecodeRequest, matcher: Any = None, sibling: str | None = None) -> None:
         """Queue a request; raises CapacityError if it can never be scheduled, InvalidGrammarError if its
         structured output does not compile, InvalidRequestError if a prompt token id is not in the vocabulary.
-        `matcher`: its grammar's matcher, made off the step thread (`grammars.matcher`); made here when None."""
+        `matcher`: its grammar's matcher, made off the step thread (`grammars.matcher`); made here when None.
+        `sibling`: another choice of the same request, whose place in the queue it takes (`Scheduler.add`)."""
         _check_ids(request.prompt_token_ids, self.spec.vocab_size)
         check_allowed(request.sampling, self.spec.never_sampled, self.spec.eos_token_ids)
         images = PromptImages.of(request.prompt_token_ids, request.features, self.spec.image_token_id) \
@@ -134,7 +135,7 @@ class Decoder:
         structured = request.sampling.structured
         if structured is not None and matcher is None:
             matcher = self.grammars.matcher(structured)  # before any KV is held
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, sibling)
         detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, request.sampling)
         self._states[seq.request_id] = _OutputState(seq=seq, detokenizer=detokenizer,
                                                     generator=make_generator(request.sampling.seed), matcher=matcher)

@@ -93,19 +93,29 @@ class Scheduler:
 
     # ---- joining and leaving -------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; raise if it could never be scheduled."""
+    def add(self, seq: Sequence, sibling: str | None = None) -> None:
+        """Queue a new sequence; raise if it could never be scheduled. `sibling`: the request id of another
+        choice of the same request (`n` > 1); while it is scheduled, the new one queues in its place.
+
+        NOTE: a request's later choices start once its first has prefilled (the decoder service), so that they
+        share its prompt's blocks; by arrival they would queue behind every request sent meanwhile, and be the
+        first preempted. They keep their request's place instead, as the choices of one request do in vLLM.
+        """
         if seq.request_id in self._seqs:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         self._check_schedulable(seq)
         seq.blocks = self.kv.new_blocks()
         if self.hasher is not None:
             self.hasher.extend(seq.block_hashes, seq.token_ids, seq.features, seq.cache_salt)
-        seq.arrival_order = self._next_arrival
-        self._next_arrival += 1
+        placed = self._seqs.get(sibling) if sibling is not None else None
+        if placed is None:
+            seq.arrival_order = self._next_arrival
+            self._next_arrival += 1
+        else:
+            seq.arrival_order = placed.arrival_order
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.request_id] = seq
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_arrival)
 
     def finish(self, request_id: str, reason: FinishReason) -> Sequence | None:
         """End a request now (stop string, abort); returns it, or None if unknown or already done."""

@@ -111,7 +111,9 @@ class DecoderService:
                 if index:
                     await prefilled.wait()
                     started(index)
-                async for out in self._one(child, encode, encoding):
+                # NOTE: a later choice queues in the first's place (`Scheduler.add`), not behind later requests
+                first = None if index == 0 else f"{pre.request_id}/0"
+                async for out in self._one(child, encode, encoding, first):
                     prefilled.set()
                     queue.put_nowait(replace(out, request_id=pre.request_id, index=index))
             except Exception as exc:  # NOTE: not CancelledError: that is this stream closing
@@ -133,8 +135,8 @@ class DecoderService:
             for index in list(waiting):  # cancelled before they started
                 started(index)
 
-    async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None,
-                   encoding: asyncio.Lock | None = None) -> AsyncGenerator[RequestOutput]:
+    async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None, encoding: asyncio.Lock | None = None,
+                   sibling: str | None = None) -> AsyncGenerator[RequestOutput]:
         request_id = pre.request_id
         if request_id in self._live:  # NOTE: before any state changes: the live one keeps its stream
             raise ValueError(f"request {request_id} is already being served here")
@@ -151,7 +153,7 @@ class DecoderService:
                                         pre.cache_salt, tuple(hashes))
                 matcher = await self._matcher(pre)
                 self.loop.open(request_id)
-                self.loop.submit(request_id, lambda: self.decoder.add(request, matcher))
+                self.loop.submit(request_id, lambda: self.decoder.add(request, matcher, sibling))
                 submitted = True
                 live.timeline.mark("decoder.admit")  # the request handed to the step thread
             finally:

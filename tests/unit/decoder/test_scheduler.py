@@ -370,3 +370,22 @@ def test_random_traffic_keeps_every_invariant(seed: int) -> None:
     d.run()
     assert d.preempted, "the tiny pool forces preemptions"
     assert sched.pool.num_free == 24 and not sched.running and not sched.waiting
+
+
+def test_a_later_choice_of_a_request_queues_in_its_first_choices_place() -> None:
+    """The later choices of an n > 1 request join once the first has prefilled: they go ahead of the requests
+    sent meanwhile (their request came first), and behind them only once the first has ended."""
+    sched = make_scheduler(seqs=1)
+    d = Driver(sched)
+    sched.add(make_seq("r/0", 5, max_tokens=3))
+    assert ids(d.step()) == ["r/0"]  # running: the one seat
+    sched.add(make_seq("later", 5))
+    sched.add(make_seq("r/1", 5, max_tokens=3), sibling="r/0")
+    sched.add(make_seq("r/2", 5, max_tokens=3), sibling="r/0")
+    assert [s.request_id for s in sched.waiting] == ["r/1", "r/2", "later"]
+    d.run()
+    order = [rid for rid in d.finished]
+    assert order == ["r/0", "r/1", "r/2", "later"], order
+    sched.add(make_seq("late/1", 5), sibling="late/0")  # its first choice is gone: it queues by arrival
+    sched.add(make_seq("after", 5))
+    assert [s.request_id for s in sched.waiting] == ["late/1", "after"]
