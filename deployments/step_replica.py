@@ -1,9 +1,9 @@
 """What an Encoder and a Decoder replica share as Serve sees them: the health probe of their step thread and
 their graceful shutdown.
 
-Owns: `check_health` (a dead step thread, or a step that outlived any request's deadline, fails it, and the
-replica's process then exits) and `__del__` (the last metrics, then the step thread joined). Does not own the
-stage (mmserve's services) nor the metrics.
+Owns: `check_health` (a dead step thread, or a step that outlived any request's deadline, fails it; after a
+dead step thread the replica's process exits) and `__del__` (the last metrics, then the step thread joined). Does
+not own the stage (mmserve's services) nor the metrics.
 """
 
 from __future__ import annotations
@@ -31,17 +31,20 @@ class StepReplica:
         deadline (a hung device), is replaced.
 
         NOTE: Serve stops an unhealthy replica gracefully, waiting out the calls it holds for up to its
-        `graceful_shutdown_timeout_s` (for a Decoder, as long as a request may live), and these calls will
-        never be answered: the process exits once the probe has failed, so that they fail over at once as on
-        any replica's loss (a request not yet streaming is retried on a live replica).
+        `graceful_shutdown_timeout_s` (for a Decoder, as long as a request may live). After a dead step thread
+        those calls will never be answered: the process exits once the probe has failed, so that they fail over
+        at once as on any replica's loss (a request not yet streaming is retried on a live replica). A step
+        over the bound may still end (the probe passes again, and Serve replaces a replica only after several
+        failed probes): no exit; by then every request in it has had its deadline and left it anyway.
         """
         try:
             self.service.check_health(self.stuck_after_s)
         except Exception:
-            log.error("unhealthy: the replica's process exits in %.1f s", EXIT_AFTER_S, exc_info=True)
-            timer = threading.Timer(EXIT_AFTER_S, self.exit_process, args=(1,))
-            timer.daemon = True
-            timer.start()
+            if self.service.loop.died():
+                log.error("the step thread died: the replica's process exits in %.1f s", EXIT_AFTER_S)
+                timer = threading.Timer(EXIT_AFTER_S, self.exit_process, args=(1,))
+                timer.daemon = True
+                timer.start()
             raise
 
     async def __del__(self) -> None:

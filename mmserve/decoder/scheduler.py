@@ -15,6 +15,7 @@ generated tokens kept) re-prefills prompt + outputs.
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from mmserve.config import DecoderConfig
@@ -26,6 +27,8 @@ from mmserve.decoder.sequence import Sequence, SequenceStatus
 from mmserve.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from mmserve.messages import FinishReason
 from mmserve.models.base import AttentionPattern
+
+FINISHED_PLACES = 1024  # finished sequences whose queue places a request's later choice may still take (sequences)
 
 
 @dataclass(frozen=True)
@@ -89,13 +92,14 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival_order; preempted ones go back in place
         self.running: list[Sequence] = []  # sorted by arrival_order; the tail is preempted first
         self._seqs: dict[str, Sequence] = {}  # unfinished sequences by request id
+        self._finished: OrderedDict[str, int] = OrderedDict()  # the latest finished ones' arrival orders, by id
         self._next_arrival = 0
 
     # ---- joining and leaving -------------------------------------------------------------------
 
     def add(self, seq: Sequence, sibling: str | None = None) -> None:
         """Queue a new sequence; raise if it could never be scheduled. `sibling`: the request id of another
-        choice of the same request (`n` > 1); while it is scheduled, the new one queues in its place.
+        choice of the same request (`n` > 1), scheduled or among the latest finished: the new one queues in its place.
 
         NOTE: a request's later choices start once its first has prefilled (the decoder service), so that they
         share its prompt's blocks; by arrival they would queue behind every request sent meanwhile, and be the
@@ -108,11 +112,10 @@ class Scheduler:
         if self.hasher is not None:
             self.hasher.extend(seq.block_hashes, seq.token_ids, seq.features, seq.cache_salt)
         placed = self._seqs.get(sibling) if sibling is not None else None
-        if placed is None:
-            seq.arrival_order = self._next_arrival
-            self._next_arrival += 1
-        else:
-            seq.arrival_order = placed.arrival_order
+        order = placed.arrival_order if placed is not None else self._finished.get(sibling or "")
+        if order is None:
+            order, self._next_arrival = self._next_arrival, self._next_arrival + 1
+        seq.arrival_order = order
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.request_id] = seq
         bisect.insort(self.waiting, seq, key=_arrival)
@@ -130,6 +133,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[request_id]
+        self._finished[request_id] = seq.arrival_order  # NOTE: a later choice may still take its place
+        if len(self._finished) > FINISHED_PLACES:
+            self._finished.popitem(last=False)
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:

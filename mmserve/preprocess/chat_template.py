@@ -37,6 +37,9 @@ class ChatTemplate:
     def __init__(self, processor: Any, reserved: tuple[str, ...]) -> None:
         self._processor = processor
         self._reserved = reserved  # the model's control-token strings, which no client text may spell
+        # the characters that begin or end one, in either case
+        self._edges = frozenset(c for token in reserved for c in (token[0], token[-1], token[0].swapcase(),
+                                                                  token[-1].swapcase()))
         special = set(processor.tokenizer.special_tokens_map)
         own = set(inspect.signature(processor.apply_chat_template).parameters)
         # NOTE: a special token's name (bos_token, image_token, ...) passed as a variable would replace it in
@@ -95,7 +98,16 @@ class ChatTemplate:
         image's placeholders. The same messages and variables with every text neutral show what the template
         itself writes (one more render, tens of µs).
         """
-        own = self._apply(with_neutral_text(parsed.template_messages), options, _neutral(kwargs))
+        neutral = with_neutral_text(parsed.template_messages)
+        try:
+            own = self._apply(neutral, options, _neutral(kwargs))
+        except InvalidRequestError:
+            if not kwargs:
+                raise
+            # NOTE: the template refused a neutral value (it checks one: `reasoning_effort in [...]`): the strings
+            # that hold no character a reserved token begins or ends with stay as sent (such a token made of
+            # joined texts needs both from them)
+            own = self._apply(neutral, options, _neutral(kwargs, self._edges))
         where = "messages and chat_template_kwargs" if kwargs else "messages"
         for token in self._reserved:
             if text.count(token) > own.count(token):
@@ -147,12 +159,13 @@ def _strings(value: Any, depth: int) -> Iterator[str]:
             yield from _strings(item, depth - 1)
 
 
-def _neutral(value: Any) -> Any:
-    """The same JSON value with every string value a neutral letter (keys kept: a template looks them up)."""
+def _neutral(value: Any, edges: frozenset[str] | None = None) -> Any:
+    """The same JSON value with every string value a neutral letter (keys kept: a template looks them up), or,
+    given `edges`, only those that hold one of those characters."""
     if isinstance(value, str):
-        return NEUTRAL_TEXT
+        return NEUTRAL_TEXT if edges is None or edges.intersection(value) else value
     if isinstance(value, dict):
-        return {key: _neutral(item) for key, item in value.items()}
+        return {key: _neutral(item, edges) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_neutral(item) for item in value]
+        return [_neutral(item, edges) for item in value]
     return value

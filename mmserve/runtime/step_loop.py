@@ -165,14 +165,18 @@ class StepLoop:
         """Raise RuntimeError if the step thread started and died (only a BaseException ends it early), or if
         one step has run for over `stuck_after_s` (a hung device or collective): the stage can serve nothing
         more, and its host (Serve's `check_health`) should replace it."""
-        with self._lock:
-            thread, stopped = self._thread, self._stopped
-        if thread is not None and not thread.is_alive() and not stopped:
+        if self.died():
             raise RuntimeError(f"{self.name}: the step thread died")
         started = self._step_started
         if stuck_after_s is not None and started is not None and time.monotonic() - started > stuck_after_s:
             raise RuntimeError(f"{self.name}: one step has run for {time.monotonic() - started:.0f} s "
                                f"(over {stuck_after_s:.0f} s)")
+
+    def died(self) -> bool:
+        """Whether the step thread started and died without being stopped: nothing will run a step again."""
+        with self._lock:
+            thread, stopped = self._thread, self._stopped
+        return thread is not None and not thread.is_alive() and not stopped
 
     def stop(self, timeout_s: float | None = 30.0) -> None:
         """End the loop after the step under way, join its thread, fail what still waits. Idempotent."""

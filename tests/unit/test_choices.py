@@ -119,3 +119,18 @@ def test_without_prefix_caching_the_choices_call_the_encoder_one_at_a_time(tiny_
     assert most[0] == 1  # never two calls at once
     assert after.forward_passes - before.forward_passes == 1
     assert calls[0] == 1  # the later choices found the embeddings in the decoder's cache, waiting their turn
+
+
+def test_the_later_choices_queue_in_the_first_choices_place(engine, monkeypatch):
+    """The service names choice 0 as each later choice's sibling, by the id choice 0 is scheduled under."""
+    scheduler = engine.decoder.scheduler
+    add, places = scheduler.add, {}
+
+    def spy(seq: Any, sibling: str | None = None) -> None:
+        add(seq, sibling)
+        places[seq.request_id] = (sibling, seq.arrival_order)
+
+    monkeypatch.setattr(scheduler, "add", spy)
+    engine.generate([chat("p", "s6", n=3, temperature=1.0, seed=3, max_tokens=4)])
+    assert [places[f"p/{i}"][0] for i in range(3)] == [None, "p/0", "p/0"]
+    assert len({order for _, order in places.values()}) == 1  # one place in the queue: the request's

@@ -374,7 +374,7 @@ def test_random_traffic_keeps_every_invariant(seed: int) -> None:
 
 def test_a_later_choice_of_a_request_queues_in_its_first_choices_place() -> None:
     """The later choices of an n > 1 request join once the first has prefilled: they go ahead of the requests
-    sent meanwhile (their request came first), and behind them only once the first has ended."""
+    sent meanwhile (their request came first), also when the first has ended already."""
     sched = make_scheduler(seqs=1)
     d = Driver(sched)
     sched.add(make_seq("r/0", 5, max_tokens=3))
@@ -386,6 +386,7 @@ def test_a_later_choice_of_a_request_queues_in_its_first_choices_place() -> None
     d.run()
     order = [rid for rid in d.finished]
     assert order == ["r/0", "r/1", "r/2", "later"], order
-    sched.add(make_seq("late/1", 5), sibling="late/0")  # its first choice is gone: it queues by arrival
     sched.add(make_seq("after", 5))
-    assert [s.request_id for s in sched.waiting] == ["late/1", "after"]
+    sched.add(make_seq("r/3", 5), sibling="r/0")  # its first choice has finished (one token): its place holds
+    sched.add(make_seq("x/1", 5), sibling="x/0")  # a sibling never scheduled here: it queues by arrival
+    assert [s.request_id for s in sched.waiting] == ["r/3", "after", "x/1"]

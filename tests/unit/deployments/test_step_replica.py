@@ -11,12 +11,23 @@ from deployments import step_replica
 from deployments.step_replica import StepReplica
 
 
+class Loop:
+    def __init__(self) -> None:
+        self.dead = False
+
+    def died(self) -> bool:
+        return self.dead
+
+
 class Service:
     def __init__(self, log: list[str]) -> None:
         self.log = log
+        self.loop = Loop()
 
     def check_health(self, stuck_after_s: float | None = None) -> None:
         self.log.append(f"health {stuck_after_s}")
+        if self.loop.dead:
+            raise RuntimeError("the step thread died")
         if stuck_after_s is not None and stuck_after_s < 1:
             raise RuntimeError("one step has run too long")
 
@@ -47,11 +58,14 @@ def test_the_probe_passes_the_hung_step_bound_and_shutdown_pushes_the_last_metri
 
     replica.exit_process = exit_process
     replica.check_health()
-    assert not exited.wait(step_replica.EXIT_AFTER_S + 0.5)  # healthy: the process goes on
     replica.stuck_after_s = 0.5
-    with pytest.raises(RuntimeError, match="too long"):
+    with pytest.raises(RuntimeError, match="too long"):  # a long step may still end: the process goes on
         replica.check_health()
-    assert exited.wait(10)  # unhealthy: the process exits, so the calls it holds fail over at once
+    assert not exited.wait(step_replica.EXIT_AFTER_S + 0.5)
+    replica.service.loop.dead = True
+    with pytest.raises(RuntimeError, match="died"):
+        replica.check_health()
+    assert exited.wait(10)  # nothing will step again: the process exits, so the calls it holds fail over at once
     asyncio.run(replica.__del__())
-    assert log == ["health 60.0", "health 0.5", "exit 1", "last metrics", "stop"]
+    assert log == ["health 60.0", "health 0.5", "health 0.5", "exit 1", "last metrics", "stop"]
     asyncio.run(StepReplica().__del__())  # a replica whose __init__ failed: nothing to close

@@ -127,3 +127,17 @@ def test_a_variable_the_template_cannot_use_is_a_client_error(greeting_processor
 def test_template_kwargs_must_be_an_object(processor: Any) -> None:
     with pytest.raises(InvalidRequestError, match="must be an object"):
         render(processor, ASK, TemplateOptions(kwargs=["greeting"]))  # type: ignore[arg-type]
+
+
+def test_a_template_that_checks_a_value_takes_it_and_still_refuses_joined_control_tokens(processor: Any) -> None:
+    """The joined-text check renders the variables neutral: where the template refuses a neutral value, the
+    strings that cannot make a token's edges stay as sent."""
+    checking = copy.copy(processor)
+    checking.chat_template = ("{{ bos_token }}{% if effort not in ['low', 'high'] %}"
+                              "{{ raise_exception('effort must be low or high') }}{% endif %}"
+                              "{{ a }}{{ b }}effort: {{ effort }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert render(checking, HI, TemplateOptions(kwargs={"effort": "high"})) == "<bos>effort: highhi"
+    with pytest.raises(InvalidRequestError, match="effort must be low or high"):
+        render(checking, HI, TemplateOptions(kwargs={"effort": "medium"}))
+    with pytest.raises(InvalidRequestError, match="joins together"):
+        render(checking, HI, TemplateOptions(kwargs={"effort": "low", "a": "<end_of_", "b": "turn>"}))
