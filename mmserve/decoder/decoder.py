@@ -68,6 +68,8 @@ class DecoderStats:
     prefix_hits: int = 0  # of those, found cached (tokens)
     allocated_blocks: int = 0  # KV pages taken from the pool since start, a shared page once (pages)
     preemptions: int = 0  # sequences sent back to the queue for KV room since start (their work is redone)
+    computed_tokens: int = 0  # positions the forwards computed since start: prompt chunks and decodes (tokens)
+    sampled_tokens: int = 0  # tokens sampled since start, counted each step (tokens)
     embedding_cache: EmbeddingCacheStats | None = None  # the service's cache of embeddings; None = not read
 
 
@@ -100,6 +102,7 @@ class Decoder:
         self.grammar_step = GrammarStep(self.grammars, device)
         self._states: dict[str, _OutputState] = {}
         self.steps = 0
+        self.computed_tokens = self.sampled_tokens = 0  # (tokens) since start, counted each step
         self.preemptions = 0  # sequences preempted since start (DecoderStats)
         if config.measure_matmul_forms and device.type == "cpu":  # NOTE: first: the threads are timed with them
             model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
@@ -176,6 +179,7 @@ class Decoder:
                                         beside=self.runner.threads.leaves_a_core(*step_size(scheduled)))
         result, failed = self._execute(scheduled)
         self.steps += 1
+        self.computed_tokens += sum(n for _, n in scheduled)
         ids = [seq.request_id for seq in result.seqs]
         if self.on_logits is not None:
             self.on_logits(ids, result.logits)
@@ -190,6 +194,7 @@ class Decoder:
             row_masks,
         )  # (n,)
         tokens = sampled.tolist()
+        self.sampled_tokens += sum(t >= 0 for t in tokens)  # NOTE: -1: a row whose masks left no token
         logprobs = step_logprobs(result.logits, sampled, tokens, [seq.sampling for seq in result.seqs], self._piece,
                                  row_masks)
         ended, broken = self.grammar_step.advance(ids, tokens, [self._states[rid].matcher for rid in ids])
@@ -304,6 +309,7 @@ class Decoder:
             total_blocks=s.total_blocks, steps=self.steps, kv_cache_bytes=self.kv.nbytes,
             cached_blocks=s.cached_blocks, prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
             allocated_blocks=self.pool.allocated, preemptions=self.preemptions,
+            computed_tokens=self.computed_tokens, sampled_tokens=self.sampled_tokens,
         )
 
 

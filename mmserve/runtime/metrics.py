@@ -195,6 +195,11 @@ def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
         gauge("mmserve_decoder_kv_blocks", "KV cache pages overall (blocks x layers).", stats.total_blocks),
         gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
         counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),
+        counter("mmserve_decoder_computed_tokens_total",
+                "Positions the decoder's forwards computed (prompt chunks and decodes), counted each step.",
+                stats.computed_tokens),
+        counter("mmserve_decoder_sampled_tokens_total", "Tokens sampled, counted each step (rate(): decode "
+                "throughput while requests run).", stats.sampled_tokens),
         counter("mmserve_decoder_preemptions_total",
                 "Sequences sent back to the queue for KV room (their computed tokens are redone).", stats.preemptions),
         gauge("mmserve_decoder_kv_blocks_cached", "Prefix-cache entries (a layer kind's block each).",

@@ -470,3 +470,16 @@ def test_preemptions_are_counted_and_change_no_greedy_text(tiny_ckpt_224):
             texts.append([out.text for out in engine.generate(requests)])
             preempted.append(engine.stats().decoder.preemptions)
     assert preempted[0] > 0 and preempted[1] == 0 and texts[0] == texts[1]
+
+
+def test_the_decoder_counts_computed_and_sampled_tokens_each_step(engine):
+    """What `mmserve_decoder_computed_tokens_total` and `_sampled_tokens_total` report: a fresh prompt's
+    positions once, then one per decode (the last token sampled is never fed back)."""
+    request = chat("count-tokens", text="Count these tokens, please, carefully.", max_tokens=5, ignore_eos=True)
+    prompt = len(engine.preprocess(request).prompt_token_ids)
+    before = engine.decoder.stats()
+    [out] = engine.generate([request])
+    after = engine.decoder.stats()
+    assert out.num_cached_tokens == 0 and len(out.token_ids) == 5
+    assert after.sampled_tokens - before.sampled_tokens == 5
+    assert after.computed_tokens - before.computed_tokens == prompt + 4

@@ -38,6 +38,7 @@ REQUIRED = [
     "mmserve_processor_cache_bytes", "mmserve_encoder_cache_tokens", "mmserve_decoder_kv_blocks_free",
     "mmserve_requests_total", "mmserve_generated_tokens_total", "mmserve_e2e_request_latency_seconds",
     "mmserve_prefix_cache_queries_total", "mmserve_prefix_cache_hits_total", "mmserve_decoder_kv_blocks_cached",
+    "mmserve_decoder_computed_tokens_total", "mmserve_decoder_sampled_tokens_total", "mmserve_decoder_kv_blocks",
 ]
 
 
