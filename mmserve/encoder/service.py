@@ -9,6 +9,7 @@ nor transport (the in-process Engine calls it directly; the Ray Encoder deployme
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from mmserve.encoder.outputs import Resolver, inline_pixels
@@ -40,10 +41,13 @@ class EncoderService:
         self.loop.open(request_id)
         self.loop.submit(request_id, lambda: self.stage.add_request(request_id, features, self.resolve, early))
         try:
-            async for out in self.loop.outputs(request_id):
-                dtype = str(out.embeddings[0].dtype).removeprefix("torch.")  # NOTE: tensors here, not the wire's numpy
-                return EncoderOutput(request_id, list(out.embeddings), dtype=dtype, timings=out.timings,
-                                     host=cpu_host(self.stage.runner.device.type))
+            # NOTE: closed on the way out, so that the request's channel is gone when this returns (left to the
+            # collector, the same id could not be opened again for a loop turn or two)
+            async with contextlib.aclosing(self.loop.outputs(request_id)) as outputs:
+                async for out in outputs:
+                    dtype = str(out.embeddings[0].dtype).removeprefix("torch.")  # NOTE: tensors, not the wire's numpy
+                    return EncoderOutput(request_id, list(out.embeddings), dtype=dtype, timings=out.timings,
+                                         host=cpu_host(self.stage.runner.device.type))
         except asyncio.CancelledError:  # the caller left before its embeddings came
             self.abort(request_id)
             raise

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from mmserve.messages import RequestFailed
@@ -122,7 +122,7 @@ class StepLoop:
         return self._has_work()
 
     async def outputs(self, request_id: str, merge: Callable[[list[Any]], Any] | None = None,
-                      interval_s: Callable[[], float] = lambda: 0.0) -> AsyncIterator[Any]:
+                      interval_s: Callable[[], float] = lambda: 0.0) -> AsyncGenerator[Any]:
         """Outputs of one request until (and including) its finished one; failures are raised.
 
         With `merge`, the outputs that queued up while the consumer was busy come as one, `merge(items)`;

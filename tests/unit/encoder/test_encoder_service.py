@@ -125,3 +125,17 @@ def test_callers_that_leave_mid_encode_leave_nothing_held_and_the_service_serves
             service.stop()
 
     asyncio.run(run())
+
+
+def test_a_request_id_is_free_again_as_soon_as_its_call_returned() -> None:
+    """An in-process caller may reuse its ids: the request's channel is gone when `encode` returns."""
+    async def run() -> None:
+        service = EncoderService(_stage())
+        try:
+            (first,) = (await service.encode("again", [_spec("h", _item(1))])).embeddings
+            (second,) = (await service.encode("again", [_spec("h", _item(1))])).embeddings  # no turn in between
+            assert torch.equal(first, second)
+        finally:
+            service.stop()
+
+    asyncio.run(run())
