@@ -174,12 +174,13 @@ class Decoder:
         if not plan.scheduled:
             return []
         scheduled = [(s.seq, s.num_new_tokens) for s in plan.scheduled]
+        num_new, attended = step_size(scheduled)
         masks = self.grammar_step.start([(s.seq.request_id, self._states[s.seq.request_id].matcher)
                                          for s in plan.scheduled if s.samples],
-                                        beside=self.runner.threads.leaves_a_core(*step_size(scheduled)))
+                                        beside=self.runner.threads.leaves_a_core(num_new, attended))
         result, failed = self._execute(scheduled)
         self.steps += 1
-        self.computed_tokens += sum(n for _, n in scheduled)
+        self.computed_tokens += num_new
         ids = [seq.request_id for seq in result.seqs]
         if self.on_logits is not None:
             self.on_logits(ids, result.logits)

@@ -32,6 +32,11 @@ from mmserve.runtime.timeline import Timeline
 EncodeFn = Callable[[PreprocessedRequest], Awaitable[EncoderOutput]]  # -> per-feature embeddings, the encoder's phases
 
 
+def choice_id(request_id: str, index: int) -> str:
+    """The id choice `index` of an n > 1 request is served under."""
+    return f"{request_id}/{index}"
+
+
 @dataclass
 class _Live:
     """A request between its `generate` call and its end, as a late fetch of embeddings needs it."""
@@ -68,7 +73,7 @@ class DecoderService:
         """Outputs of one request (of each of its `n` choices, by `index`); closing the iterator early aborts
         it and frees its KV blocks."""
         n = pre.sampling.n
-        ids = [pre.request_id, *(f"{pre.request_id}/{i}" for i in range(n) if n > 1)]  # its choices' own ids too
+        ids = [pre.request_id, *(choice_id(pre.request_id, i) for i in range(n) if n > 1)]  # its choices' own too
         if taken := [i for i in ids if i in self._live or i in self._reserved]:
             raise ValueError(f"request {taken[0]} is already being served here")  # NOTE: the live one goes on
         self._admit_or_refuse(n)
@@ -105,14 +110,14 @@ class DecoderService:
 
         async def pump(index: int) -> None:
             seed = pre.sampling.seed
-            child = replace(pre, request_id=f"{pre.request_id}/{index}", sampling=replace(
+            child = replace(pre, request_id=choice_id(pre.request_id, index), sampling=replace(
                 pre.sampling, n=1, seed=None if seed is None else seed + index))
             try:
                 if index:
                     await prefilled.wait()
                     started(index)
                 # NOTE: a later choice queues in the first's place (`Scheduler.add`), not behind later requests
-                first = None if index == 0 else f"{pre.request_id}/0"
+                first = None if index == 0 else choice_id(pre.request_id, 0)
                 async for out in self._one(child, encode, encoding, first):
                     prefilled.set()
                     queue.put_nowait(replace(out, request_id=pre.request_id, index=index))
