@@ -3,12 +3,19 @@
 Owns: the rule for how many tokens a sequence computes in a step, given the budget left: its remainder,
 cut so that a chunk never ends inside an atomic span (Gemma 3's image, whose tokens attend to each
 other both ways) and never reaches an item whose embeddings the sequence lacks. Does not own the budget
-nor the queues (scheduler.py), nor asking for missing embeddings (the decoder service).
+nor the queues (scheduler.py), nor asking for missing embeddings (the decoder service). Also warns at start-up
+where the configured budget may leave an image waiting for running decodes.
 """
 
 from __future__ import annotations
 
+import logging
+
+from mmserve.config import DecoderConfig
 from mmserve.decoder.sequence import Sequence
+from mmserve.models.base import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 def chunk_tokens(seq: Sequence, budget: int) -> int:
@@ -52,3 +59,17 @@ def _end_outside_spans(seq: Sequence, chunk_start: int, end: int) -> int:
         if start < end < stop:
             return start if start >= chunk_start else chunk_start
     return end
+
+
+def warn_of_image_budget(spec: ModelSpec, config: DecoderConfig) -> None:
+    """Log a warning where an image's tokens, computed in one step, may wait for running decodes to end.
+
+    NOTE: running sequences take their budget in arrival order, one token each while they decode; an image
+    whose tokens attend both ways goes whole into one step's chunk, so with fewer than the image's tokens left
+    after `max_num_seqs - 1` decodes it waits (0 tokens a step) until earlier sequences finish.
+    """
+    needed = spec.mm_tokens_per_image + config.max_num_seqs - 1
+    if spec.attention.bidirectional_images and spec.mm_tokens_per_image and config.max_num_batched_tokens < needed:
+        log.warning("decoder.max_num_batched_tokens=%d is below an image's %d tokens plus max_num_seqs - 1 = %d "
+                    "decodes: an image's prefill may wait until earlier requests finish; set it to at least %d",
+                    config.max_num_batched_tokens, spec.mm_tokens_per_image, config.max_num_seqs - 1, needed)

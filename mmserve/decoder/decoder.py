@@ -18,6 +18,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.chunking import warn_of_image_budget
 from mmserve.decoder.detokenizer import IncrementalDetokenizer, token_piece
 from mmserve.decoder.embedding_cache import EmbeddingCacheStats
 from mmserve.decoder.grammar import Grammars
@@ -104,6 +105,7 @@ class Decoder:
         self.steps = 0
         self.computed_tokens = self.sampled_tokens = 0  # (tokens) since start, counted each step
         self.preemptions = 0  # sequences preempted since start (DecoderStats)
+        warn_of_image_budget(spec, config)
         if config.measure_matmul_forms and device.type == "cpu":  # NOTE: first: the threads are timed with them
             model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
                                    config.small_step_tokens, min(config.max_num_batched_tokens, TIMED_CHUNK))

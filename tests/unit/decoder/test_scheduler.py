@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from collections.abc import Callable
 
@@ -10,11 +11,12 @@ import pytest
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
+from mmserve.decoder.chunking import warn_of_image_budget
 from mmserve.decoder.scheduler import Scheduler, SchedulerOutput
 from mmserve.decoder.sequence import Sequence, SequenceStatus
 from mmserve.errors import CapacityError, PromptTooLongError
 from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, SamplingParams
-from mmserve.models.base import FULL, AttentionPattern
+from mmserve.models.base import FULL, AttentionPattern, ModelSpec
 
 EOS = (1, 106)
 # One full-attention layer: a page is a block, as the block arithmetic of these tests counts them.
@@ -390,3 +392,14 @@ def test_a_later_choice_of_a_request_queues_in_its_first_choices_place() -> None
     sched.add(make_seq("r/3", 5), sibling="r/0")  # its first choice has finished (one token): its place holds
     sched.add(make_seq("x/1", 5), sibling="x/0")  # a sibling never scheduled here: it queues by arrival
     assert [s.request_id for s in sched.waiting] == ["r/3", "after", "x/1"]
+
+
+@pytest.mark.parametrize(("budget", "warned"), [(256 + 7, False), (256 + 6, True)])
+def test_a_budget_that_may_leave_an_image_waiting_is_warned_of(budget: int, warned: bool,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    spec = ModelSpec("x", "x", image_token_id=9, mm_tokens_per_image=256, vocab_size=16, hidden_size=4,
+                     num_layers=1, num_kv_heads=1, head_dim=4, max_model_len=1024, eos_token_ids=(1,),
+                     attention=AttentionPattern((FULL,), None, True, 1.0, None))
+    with caplog.at_level(logging.WARNING, logger="mmserve.decoder.chunking"):
+        warn_of_image_budget(spec, DecoderConfig(max_num_batched_tokens=budget, max_num_seqs=8))
+    assert ("at least 263" in caplog.text) is warned
