@@ -9,7 +9,9 @@ step does. Used alike by the in-process Engine and by the Ray deployments.
 Failure contract: an action's exception fails its request only. A step's exception with a
 `request_ids` attribute fails those requests only (the stage has already dropped them), and the outputs it
 carries (`outputs`: what the step finished for others) are delivered as a step's would be; any other
-step exception fails every waiting request and calls `abort_all`, and the loop carries on.
+step exception fails every waiting request and calls `abort_all`, and the loop carries on. A step's outputs
+and failures reach a consumer only once its request's own action (its add) has run: an id opened again right
+after an abort does not receive what a step already under way emits for the old request.
 
 Lifetime: `stop()` ends the thread after the step under way and joins it; requests still waiting then
 fail with `StageStopped`, and later submissions fail at once. A loop its owner never stopped is
@@ -222,6 +224,8 @@ class StepLoop:
 
     def _run_action(self, request_id: str | None, action: Callable[[], Any]) -> None:
         """Run one action; its exception fails `request_id` (an anonymous action's is logged)."""
+        if request_id is not None and (channel := self._channels.get(request_id)) is not None:
+            channel.joined = True  # from now on the steps' outputs under this id are this consumer's
         try:
             action()
         except Exception as exc:
@@ -244,24 +248,29 @@ class StepLoop:
                 named = list(self._channels)
                 self._abort_all()
             for out in getattr(exc, "outputs", ()):
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, out, from_step=True)
             for request_id in named:
-                self._deliver(request_id, RequestFailed(request_id, exc))
+                self._deliver(request_id, RequestFailed(request_id, exc), from_step=True)
             return
         finally:
             self._step_started = None
         for out in outputs:
-            self._deliver(out.request_id, out)
+            self._deliver(out.request_id, out, from_step=True)
         if not outputs and time.perf_counter() - started < 1e-3:
             # NOTE: the stage has work but could do nothing now (e.g. waiting for cache space that a
             # handover or an abort will free): yield the core instead of spinning; an action wakes us at once.
             self._wake.wait(0.002)
             self._wake.clear()
 
-    def _deliver(self, request_id: str, item: Any) -> None:
+    def _deliver(self, request_id: str, item: Any, from_step: bool = False) -> None:
+        """Hand `item` to the request's consumer, if it still listens.
+
+        NOTE: a step's item goes only to a consumer whose own action has run (`joined`): after an abort, a
+        step already under way may still emit the old request's output, and a consumer that has just
+        opened the same id again must not take it as its own."""
         channel = self._channels.get(request_id)
-        if channel is None:
-            return  # nobody listens (any more)
+        if channel is None or (from_step and not channel.joined):
+            return  # nobody listens (any more), or not yet
         try:
             channel.put(item)
         except RuntimeError:  # the consumer's event loop has closed; it is gone

@@ -89,7 +89,7 @@ def test_a_step_failure_naming_its_requests_still_delivers_what_it_finished_for_
         loop = StepLoop(step, lambda: bool(pending), lambda: None)
         for rid in ("bad", "ok"):
             loop.open(rid)
-        loop.submit(None, lambda: None)  # wakes the thread
+            loop.submit(rid, lambda: None)  # each request's add: its consumer takes the steps' outputs from here
         got = [o async for o in loop.outputs("ok")]
         try:
             async for _ in loop.outputs("bad"):
@@ -270,3 +270,33 @@ def test_an_action_taken_off_the_queue_counts_as_busy_until_it_has_run() -> None
         assert not loop.busy()
     finally:
         loop.stop()
+
+
+def test_a_step_under_way_when_a_request_is_aborted_does_not_hand_its_output_to_a_new_consumer_of_that_id() -> None:
+    """The old request's step ends after its consumer left and a new one opened the same id: the new one gets
+    only the outputs of steps after its own add."""
+    in_step, release = threading.Event(), threading.Event()
+    emitted = [RequestOutput("r", [1], "old", True, "stop", 5, 1)]  # the old request's, from the step under way
+
+    def step() -> list:
+        if emitted:
+            in_step.set()
+            release.wait(5)
+            return [emitted.pop()]
+        return [RequestOutput("r", [2], "new", True, "stop", 5, 1)]
+
+    async def run() -> list:
+        loop = StepLoop(step, lambda: True, lambda: None)
+        try:
+            loop.open("r")
+            loop.submit("r", lambda: None)  # the old request's add; its step starts and is held
+            assert await asyncio.to_thread(in_step.wait, 5)
+            loop._channels.pop("r")  # the old consumer leaves (aborted) while that step runs
+            loop.open("r")  # the same id again, its add queued behind the step under way
+            loop.submit("r", lambda: None)
+            release.set()
+            return [o.new_text async for o in loop.outputs("r")]
+        finally:
+            loop.stop()
+
+    assert asyncio.run(asyncio.wait_for(run(), 10)) == ["new"]
