@@ -52,6 +52,11 @@ SERVED_TEXT_CONFIG: dict[str, tuple[Any, ...]] = {
 }
 
 
+# RoPE types whose frequencies are fixed by the config (the paged model keeps one table of every position);
+# `dynamic` and `longrope` change them with each call's longest position, which a shared table cannot follow.
+SERVED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
 def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec:
     text = config.text_config
     for key, served in SERVED_TEXT_CONFIG.items():
@@ -59,6 +64,7 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
         if value not in served:
             raise ValueError(f"{model_dir}: text_config.{key} is {value!r}; mmserve serves Gemma 3 with "
                              f"{' or '.join(map(repr, served))} only")
+    _check_rope(model_dir, text)
     kinds = tuple(text.layer_types)
     assert set(kinds) <= {FULL, SLIDING}, f"unknown Gemma 3 layer types {set(kinds)}"
     return ModelSpec(
@@ -78,12 +84,24 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
             sliding_window=int(text.sliding_window) if SLIDING in kinds else None,
             bidirectional_images=True,  # Gemma 3 prefill: an image's tokens see each other both ways
             scaling=float(text.query_pre_attn_scalar) ** -0.5,
-            softcap=text.attn_logit_softcapping,
+            # NOTE: transformers' Gemma 3 attention never caps its logits, whatever attn_logit_softcapping says
+            softcap=None,
         ),
         never_sampled=(int(config.image_token_id),),  # an image row only exists inside a placeholder
         image_size=int(config.vision_config.image_size),
         sampling_defaults=sampling_defaults(model_dir, enabled=engine.sampling_defaults_from_checkpoint),
     )
+
+
+def _check_rope(model_dir: Path, text: Any) -> None:
+    """Refuse a RoPE type whose frequencies follow the sequence's length (SERVED_ROPE_TYPES)."""
+    params = getattr(text, "rope_parameters", None) or {}
+    by_kind = {"every layer": params} if "rope_type" in params else params  # one set, or one per layer type
+    for kind, rope in by_kind.items():
+        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+        if rope_type not in SERVED_ROPE_TYPES:
+            raise ValueError(f"{model_dir}: text_config.rope_parameters[{kind!r}] has rope_type {rope_type!r}; "
+                             f"mmserve serves Gemma 3 with {', '.join(SERVED_ROPE_TYPES)} only")
 
 
 def served_dtype(name: str, config: Any) -> torch.dtype:

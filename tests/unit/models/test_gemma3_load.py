@@ -126,3 +126,26 @@ def test_the_vision_parts_load_alone_from_every_layout_as_the_whole_model_has_th
     whole = Gemma3ForConditionalGeneration.from_pretrained(tiny_ckpt_224).state_dict()
     assert all(torch.equal(whole[name], value) for name, value in parts.state_dict().items())
     assert family._hf_model is None  # the whole model was never loaded for them
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_rope_type_that_follows_the_sequence_length_is_refused_at_load(tiny_ckpt_224: Path,
+                                                                        rope_type: str) -> None:
+    """One table of every position serves all sequences: frequencies that change with a call's longest
+    position (transformers' `dynamic_rope_update`) would be one sequence's for all."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_ckpt_224)
+    engine = EngineConfig(model=str(tiny_ckpt_224))
+    config.text_config.rope_parameters["full_attention"]["rope_type"] = rope_type
+    with pytest.raises(ValueError, match=f"'full_attention'.*{rope_type}"):
+        gemma3_spec(tiny_ckpt_224, config, engine)
+
+
+def test_attention_logits_are_not_capped_whatever_the_config_says_as_in_transformers(tiny_ckpt_224: Path) -> None:
+    """transformers' Gemma 3 attention keeps `attn_logit_softcapping` but never applies it (the oracle)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_ckpt_224)
+    config.text_config.attn_logit_softcapping = 50.0
+    assert gemma3_spec(tiny_ckpt_224, config, EngineConfig(model=str(tiny_ckpt_224))).attention.softcap is None
