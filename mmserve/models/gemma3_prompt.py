@@ -144,6 +144,8 @@ class Gemma3PromptRule:
         resolved = self.output_kwargs_defaults
         for name, value in overrides.items():
             resolved[name] = _CHECKS[name](name, value)
+        if not resolved["do_pan_and_scan"]:  # NOTE: the other pan-and-scan settings change nothing then: one key
+            resolved.update((k, v) for k, v in self.defaults if k.startswith("pan_and_scan_"))
         return resolved
 
     @classmethod

@@ -17,6 +17,7 @@ requests with the same salt (or none), so no timing tells one salt whether anoth
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import math
 from collections.abc import Mapping
@@ -27,15 +28,20 @@ from PIL import Image
 
 DIGEST_BYTES = 32
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # what the image processor reads
+PROCESSING_LIBRARIES = ("transformers", "pillow", "numpy")  # whose code makes the tiles from the pixels
 
 
 def processor_fingerprint(model_dir: str | Path) -> str:
-    """A digest of the checkpoint's image-processor files (absent ones count as empty), for the keys' model id.
+    """A digest of the checkpoint's image-processor files (absent ones count as empty) and of the versions of
+    the libraries that run them, for the keys' model id.
 
     NOTE: the served name alone does not pin the processing: a rolling upgrade to a checkpoint that resizes
-    otherwise, under the same name, would be served the old tiles by the processor cache that its replicas share.
+    otherwise, or to an image with another transformers or Pillow (whose resampling may change), under the
+    same name, would be served the old tiles by the processor cache that its replicas share.
     """
     digest = hashlib.blake2b(digest_size=8)
+    for library in PROCESSING_LIBRARIES:
+        digest.update(f"{library}=={importlib.metadata.version(library)}".encode() + b"\x00")
     for name in PROCESSOR_FILES:
         path = Path(model_dir) / name
         digest.update(name.encode() + b"\x00" + (path.read_bytes() if path.is_file() else b"") + b"\x00")

@@ -4,8 +4,10 @@ Owns: the LRU index (key -> storage handle + size), the byte bound, eviction ord
 the sources: which request bytes (a source key, `hashing.hash_source`) last gave which content hash, so
 that a byte-identical repeat is found before its bytes are decoded. A query is one item: a lookup by
 source, then (on a miss) by content hash as the second look of the same query.
-Does not own: where the values live. A `CacheStorage` keeps them: `InMemoryStorage` here; the Ray
-app supplies one backed by the object store, so only handles (ObjectRefs) sit in this index.
+Does not own: where the values live. A `CacheStorage` keeps them: `InMemoryStorage`, the only one; in the
+Ray app its values are small records holding ObjectRefs (the pixels stay in the object store).
+NOTE: `get` runs outside the lock, after a lookup took the handle: a storage whose `free` released memory
+at once would let a reader race an eviction; `InMemoryStorage` drops a reference only, which the reader holds.
 Not owned either: hashing (hashing.py) or running the processor (preprocessor.py).
 """
 

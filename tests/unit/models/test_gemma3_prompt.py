@@ -59,3 +59,11 @@ def test_a_ratio_past_a_floats_range_is_a_4xx_naming_it() -> None:
 
     with pytest.raises(InvalidRequestError, match="pan_and_scan_min_ratio_to_activate must be a finite number"):
         Gemma3PromptRule(mm_tokens=4).resolve_kwargs({"pan_and_scan_min_ratio_to_activate": 10**400})
+
+
+def test_pan_and_scan_settings_without_pan_and_scan_resolve_as_the_defaults() -> None:
+    """They change nothing then: one cache key for the image, whatever a client sends with them."""
+    rule = Gemma3PromptRule(mm_tokens=4)
+    odd = {"pan_and_scan_max_num_crops": 9, "pan_and_scan_min_crop_size": 32}
+    assert rule.resolve_kwargs(odd) == rule.resolve_kwargs({}) == rule.resolve_kwargs({"do_pan_and_scan": False})
+    assert rule.resolve_kwargs({"do_pan_and_scan": True, **odd})["pan_and_scan_max_num_crops"] == 9

@@ -110,3 +110,17 @@ def test_an_items_key_follows_the_checkpoints_image_processor_files_under_one_se
     assert processor_fingerprint(copy) != processor_fingerprint(tiny_ckpt_224)
     keys = [make(ckpt).process(one_image(CAT)).features[0].identifier for ckpt in (tiny_ckpt_224, copy)]
     assert keys[0] != keys[1]
+
+
+@pytest.mark.parametrize("library", ["transformers", "pillow"])
+def test_an_items_key_follows_the_version_of_the_libraries_that_process_it(
+        tiny_ckpt_224: Path, library: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rolling upgrade to an image with another transformers or Pillow may resample otherwise."""
+    import importlib.metadata
+
+    from mmserve.preprocess import hashing
+
+    before = hashing.processor_fingerprint(tiny_ckpt_224)
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == library else real(name))
+    assert hashing.processor_fingerprint(tiny_ckpt_224) != before
