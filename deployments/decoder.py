@@ -8,6 +8,7 @@ answered (mmserve.encoder.stage).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -47,8 +48,10 @@ class Decoder(StepReplica):
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[RequestOutput | RequestFailed]:
         self.reporter.ensure_started()
         try:
-            async for out in self.service.generate(request, encode=self._encode):
-                yield out
+            # NOTE: closed with this generator, at once (Serve may cancel it at its `yield`): the request aborts
+            async with contextlib.aclosing(self.service.generate(request, encode=self._encode)) as outputs:
+                async for out in outputs:
+                    yield out
         except (InvalidRequestError, OverloadedError) as exc:
             yield RequestFailed(request.request_id, exc)  # NOTE: a value, see mmserve.messages.RequestFailed
 

@@ -11,7 +11,7 @@ which failures are retried (retry.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -92,7 +92,9 @@ class GuardedStream(StreamingResponse):
 
     NOTE: a body's own cleanup (its generator's `finally`: cancel the decoder's stream, count the request)
     runs only once the generator has started; a client that leaves between the handler's answer and the
-    response's first event cancels the response first, and the generator is then never run at all.
+    response's first event cancels the response first, and the generator is then never run at all. One that
+    started is closed when the response ends however it ends (a failed socket write leaves it at its `yield`),
+    so its cleanup runs then, not when the garbage collector finds it.
     """
 
     def __init__(self, body: Callable[[Callable[[], None]], AsyncIterator[str]], unstarted: Callable[[], None],
@@ -110,3 +112,5 @@ class GuardedStream(StreamingResponse):
         finally:
             if not self._started:
                 self._unstarted()
+            elif isinstance(self.body_iterator, AsyncGenerator):
+                await self.body_iterator.aclose()  # a no-op once it ran to its end

@@ -9,8 +9,9 @@ directly instead of through handles. Does not own any stage's logic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 
 from mmserve.config import EngineConfig
@@ -61,7 +62,7 @@ class Engine:
         """Front end (raises InvalidRequestError subclasses for bad input)."""
         return self.preprocessor.process(request)
 
-    def _serve(self, pre: PreprocessedRequest) -> AsyncIterator[RequestOutput]:
+    def _serve(self, pre: PreprocessedRequest) -> AsyncGenerator[RequestOutput]:
         return self.decoder_service.generate(pre, encode=self._encode)
 
     async def _encode(self, pre: PreprocessedRequest) -> EncoderOutput:
@@ -70,8 +71,9 @@ class Engine:
     async def stream(self, request: ChatRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; closing the iterator early aborts the request."""
         pre = await asyncio.to_thread(self.preprocess, request)
-        async for out in self._serve(pre):
-            yield out
+        async with contextlib.aclosing(self._serve(pre)) as outputs:  # NOTE: closing this one aborts it at once
+            async for out in outputs:
+                yield out
 
     def generate(self, requests: list[ChatRequest]) -> list[Completion]:
         """Run requests together through the batching pipeline; for callers without an event loop.

@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -69,7 +69,7 @@ class DecoderService:
 
     async def generate(
         self, pre: PreprocessedRequest, encode: EncodeFn | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput]:
         """Outputs of one request (of each of its `n` choices, by `index`); closing the iterator early aborts
         it and frees its KV blocks."""
         n = pre.sampling.n
@@ -136,9 +136,9 @@ class DecoderService:
         finally:
             for task in tasks:
                 task.cancel()  # each choice's own stream aborts its sequence as it closes
-            await asyncio.gather(*tasks, return_exceptions=True)
             for index in list(waiting):  # cancelled before they started
-                started(index)
+                started(index)  # NOTE: before the await, which a second cancel may cut short
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None, encoding: asyncio.Lock | None = None,
                    sibling: str | None = None) -> AsyncGenerator[RequestOutput]:
@@ -166,9 +166,10 @@ class DecoderService:
             # NOTE: deltas that piled up while this consumer waited, or came within one stream interval,
             # go on as one: each output is a message through Serve to the ingress and on to the client.
             final_only, streaming, timed = pre.sampling.final_only, False, False
+            outputs = self.loop.outputs(request_id, merge=merge_outputs, interval_s=lambda: (
+                self.pacing.interval_s(self._streams, final_only=final_only)))
             try:
-                async for out in self.loop.outputs(request_id, merge=merge_outputs, interval_s=lambda: (
-                        self.pacing.interval_s(self._streams, final_only=final_only))):
+                async for out in outputs:
                     finished = out.finished
                     if not (streaming or final_only):  # NOTE: from its first output: a queued one sends nothing
                         streaming, self._streams = True, self._streams + 1
@@ -178,6 +179,7 @@ class DecoderService:
                     yield out
             finally:
                 self._streams -= streaming
+                await outputs.aclose()  # NOTE: its channel goes now, not when the collector finds the generator
         finally:
             del self._live[request_id]
             live.ended = True

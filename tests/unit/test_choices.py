@@ -134,3 +134,34 @@ def test_the_later_choices_queue_in_the_first_choices_place(engine, monkeypatch)
     engine.generate([chat("p", "s6", n=3, temperature=1.0, seed=3, max_tokens=4)])
     assert [places[f"p/{i}"][0] for i in range(3)] == [None, "p/0", "p/0"]
     assert len({order for _, order in places.values()}) == 1  # one place in the queue: the request's
+
+
+def test_a_request_cancelled_twice_while_its_choices_wait_gives_back_their_places_in_the_queue(engine):
+    """Choices 1..n-1 count against max_waiting_requests until they start; a second cancel arriving while the
+    request's stream closes (Serve cancels a cancelled call's children too) must not keep them counted."""
+    service = engine.decoder_service
+
+    async def cancel_twice() -> int:
+        pre = engine.preprocess(chat("twice", "s9", n=3, temperature=1.0, seed=3, max_tokens=400, ignore_eos=True))
+
+        async def consume() -> None:
+            async for _ in engine._serve(pre):
+                pass
+
+        task = asyncio.create_task(consume())
+        for _ in range(400):  # until the later choices wait for the first's prefill
+            if service._arriving >= 2:
+                break
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.sleep(0)  # the stream's `finally` now waits for its choices' tasks
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(400):
+            if not engine.has_unfinished():
+                break
+            await asyncio.sleep(0.025)
+        return service._arriving
+
+    assert service._arriving == 0
+    assert asyncio.run(cancel_twice()) == 0

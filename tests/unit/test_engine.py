@@ -127,6 +127,8 @@ def test_abort_mid_stream_frees_blocks_and_references(engine):
             if got == 3:
                 break
         await stream.aclose()
+        # NOTE: closed through every layer at once, not when the loop's finalizer gets to an orphaned one
+        assert "ab1" not in engine.decoder_service.loop._channels and "ab1" not in engine.decoder_service._live
         for _ in range(3000):  # the abort is applied by the step loop
             if not engine.has_unfinished():
                 break

@@ -68,6 +68,36 @@ def test_a_stream_that_ran_cleans_up_once_by_its_body() -> None:
     assert b"".join(m.get("body", b"") for m in sent) == b"data: 1\n\ndata: 2\n\n"
 
 
+def test_a_stream_whose_socket_write_fails_mid_stream_is_cleaned_up_by_the_time_the_response_ends() -> None:
+    """Starlette turns a failed write into ClientDisconnect and leaves the body at its `yield`: the response
+    closes it, so its cleanup (aborting the decoder's stream) does not wait for the garbage collector."""
+    from starlette.requests import ClientDisconnect
+
+    async def scenario() -> list[str]:
+        cleaned: list[str] = []
+        body = sse(["data: 1\n\n", "data: 2\n\n"], cleaned)
+        kept: list[Any] = []  # NOTE: holds the generator, as a reference cycle would
+
+        def made(start: Callable[[], None]) -> AsyncIterator[str]:
+            kept.append(body(start))
+            return kept[-1]
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()
+            return {}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            if message.get("body"):
+                raise OSError("connection reset")
+
+        response = GuardedStream(made, unstarted=lambda: cleaned.append("unstarted"))
+        with pytest.raises((ClientDisconnect, OSError)):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return list(cleaned)  # NOTE: now, before asyncio.run's end closes every generator left open
+
+    assert asyncio.run(scenario()) == ["body"]
+
+
 @pytest.mark.parametrize("left", [TaskCancelledError(), "starlette"])
 def test_a_body_whose_client_left_is_client_gone(left: Any) -> None:
     from starlette.requests import ClientDisconnect, Request
