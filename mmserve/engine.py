@@ -15,7 +15,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 
 from mmserve.config import EngineConfig
-from mmserve.decoder.decoder import DecoderStats, LogitsObserver
+from mmserve.decoder.decoder import LogitsObserver
+from mmserve.decoder.stats import DecoderStats
 from mmserve.encoder.outputs import EncoderStats
 from mmserve.messages import ChatRequest, EncoderOutput, PreprocessedRequest, RequestOutput, TokenLogprob, merge_outputs
 from mmserve.preprocess.processor_cache import ProcessorCache, ProcessorCacheStats

@@ -39,6 +39,14 @@ def awaits_embeddings(seq: Sequence, start: int) -> bool:
     return any(span.offset <= start < span.offset + span.length for span in spans)
 
 
+def needs_items(seq: Sequence, indices: list[int]) -> bool:
+    """Whether the features at `indices` still lie (in part) ahead of what `seq` has computed.
+
+    NOTE: a sequence that lacked them may have gone past them on a prefix the cache found after its ask."""
+    ends = (seq.features[i].placeholder.offset + seq.features[i].placeholder.length for i in indices)
+    return any(end > seq.num_computed_tokens for end in ends)
+
+
 def lacking(seq: Sequence) -> list[int]:
     """Features whose embeddings the sequence was given as None (their placeholder was cached)."""
     return [i for i, emb in enumerate(seq.embeddings) if emb is None]

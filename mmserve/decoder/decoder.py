@@ -18,9 +18,8 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
-from mmserve.decoder.chunking import warn_of_image_budget
+from mmserve.decoder.chunking import needs_items, warn_of_image_budget
 from mmserve.decoder.detokenizer import IncrementalDetokenizer, token_piece
-from mmserve.decoder.embedding_cache import EmbeddingCacheStats
 from mmserve.decoder.grammar import Grammars
 from mmserve.decoder.grammar_step import GrammarStep
 from mmserve.decoder.kept_gather import KeptGathers
@@ -31,6 +30,7 @@ from mmserve.decoder.prefix_cache import BlockHasher
 from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
+from mmserve.decoder.stats import DecoderStats
 from mmserve.decoder.step_logprobs import step_logprobs
 from mmserve.decoder.thread_calibration import calibrate_threads, warm_up
 from mmserve.errors import InvalidRequestError
@@ -54,24 +54,6 @@ class _OutputState:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     matcher: Any = None  # the request's llguidance matcher when its output is constrained
-
-
-@dataclass(frozen=True)
-class DecoderStats:
-    running: int  # sequences holding KV blocks (requests)
-    waiting: int  # sequences queued or preempted (requests)
-    free_blocks: int  # KV pages in the pool (pages: one layer's block each)
-    total_blocks: int  # KV pages overall (pages)
-    steps: int  # forwards run since start (steps)
-    kv_cache_bytes: int  # bytes of KV tensors (bytes)
-    cached_blocks: int = 0  # prefix-cache entries (blocks of one layer kind)
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (tokens)
-    prefix_hits: int = 0  # of those, found cached (tokens)
-    allocated_blocks: int = 0  # KV pages taken from the pool since start, a shared page once (pages)
-    preemptions: int = 0  # sequences sent back to the queue for KV room since start (their work is redone)
-    computed_tokens: int = 0  # positions the forwards computed since start: prompt chunks and decodes (tokens)
-    sampled_tokens: int = 0  # tokens sampled since start, counted each step (tokens)
-    embedding_cache: EmbeddingCacheStats | None = None  # the service's cache of embeddings; None = not read
 
 
 class Decoder:
@@ -294,6 +276,16 @@ class Decoder:
         for index, emb in embeddings.items():
             seq.embeddings[index] = emb
             seq.requested.discard(index)
+
+    def fetch_failed(self, request_id: str, indices: list[int], error: Exception) -> None:
+        """A fetch of embeddings the request was added without failed: raise `error` (failing the request) if
+        it still needs them; else forget the ask, so that a later need (after a preemption) asks again."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return
+        if needs_items(seq, indices):
+            raise error
+        seq.requested.difference_update(indices)
 
     def _ask_for_missing(self, missing: list[tuple[Sequence, list[int]]]) -> None:
         for seq, indices in missing:

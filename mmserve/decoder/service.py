@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mmserve.decoder.decoder import Decoder, DecoderStats
+from mmserve.decoder.decoder import Decoder
 from mmserve.decoder.embedding_cache import EmbeddingCache
+from mmserve.decoder.stats import DecoderStats
 from mmserve.decoder.stream_pacing import StreamPacing
 from mmserve.errors import OverloadedError
 from mmserve.messages import DecodeRequest, EncoderOutput, PreprocessedRequest, RequestOutput, merge_outputs
@@ -281,10 +283,8 @@ class DecoderService:
             if live.ended:  # the request ended while this was in flight
                 return
         except Exception as exc:
-            def fail(error: Exception = exc) -> None:
-                raise error
-
-            self.loop.submit(request_id, fail)  # fails the request: its consumer raises, then aborts it
+            # NOTE: fails the request (its consumer raises, then aborts it) unless it went past those items meanwhile
+            self.loop.submit(request_id, functools.partial(self.decoder.fetch_failed, request_id, indices, exc))
             return
         live.pre = without_encoded_pixels(live.pre, got)
         self.loop.submit(request_id, lambda: self.decoder.provide_embeddings(request_id, {i: got[i] for i in indices}))

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # NOTE: type-only, so the ingress can import this module without torch
-    from mmserve.decoder.decoder import DecoderStats
     from mmserve.decoder.embedding_cache import EmbeddingCacheStats
+    from mmserve.decoder.stats import DecoderStats
     from mmserve.encoder.outputs import EncoderStats
     from mmserve.engine import EngineStats
     from mmserve.preprocess.processor_cache import ProcessorCacheStats

@@ -403,3 +403,21 @@ def test_a_budget_that_may_leave_an_image_waiting_is_warned_of(budget: int, warn
     with caplog.at_level(logging.WARNING, logger="mmserve.decoder.chunking"):
         warn_of_image_budget(spec, DecoderConfig(max_num_batched_tokens=budget, max_num_seqs=8))
     assert ("at least 263" in caplog.text) is warned
+
+
+def test_a_failed_fetch_fails_a_sequence_only_while_the_items_lie_ahead_of_it() -> None:
+    """A sequence that lacked an item's embeddings may have gone past it on a prefix the cache found after
+    its ask: the fetch's failure then only forgets the ask (a preemption that needs them asks again)."""
+    from types import SimpleNamespace
+
+    from mmserve.decoder.decoder import Decoder
+
+    seq = make_seq("r", 40, spans=((8, 8), (24, 8)))
+    seq.requested.update({0, 1})
+    decoder = SimpleNamespace(scheduler=SimpleNamespace(get=lambda rid: seq if rid == "r" else None))
+    seq.num_computed_tokens = 16  # past the first image, before the second
+    Decoder.fetch_failed(decoder, "r", [0], RuntimeError("encoder lost"))  # type: ignore[arg-type]
+    assert seq.requested == {1}
+    with pytest.raises(RuntimeError, match="encoder lost"):
+        Decoder.fetch_failed(decoder, "r", [1], RuntimeError("encoder lost"))  # type: ignore[arg-type]
+    Decoder.fetch_failed(decoder, "gone", [0], RuntimeError("encoder lost"))  # type: ignore[arg-type]

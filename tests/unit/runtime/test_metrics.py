@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mmserve.decoder.decoder import DecoderStats
+from mmserve.decoder.stats import DecoderStats
 from mmserve.encoder.outputs import EncoderStats
 from mmserve.engine import EngineStats
 from mmserve.preprocess.processor_cache import ProcessorCacheStats
