@@ -189,7 +189,7 @@ class Preprocessor:
             timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
             # NOTE: requests that bring the same new image at once process it once: the others wait for it
             (local[source], hit), shared = self._flights.run(source, functools.partial(
-                self._item, data, index, source, kwargs, salt, local.get(source), timeline))
+                self._item, data, index, source, kwargs, salt, local.get(source), timeline), cancelled)
             if shared:
                 timeline.mark("preprocess.image_lookup")  # the wait for another request's processing of it
             hits += hit or shared

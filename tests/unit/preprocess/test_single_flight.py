@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 
 import pytest
 
@@ -87,3 +89,35 @@ def test_runs_one_after_another_each_run_their_work() -> None:
     with pytest.raises(ValueError):
         flight.run("k", lambda: int("x"))
     assert flight.run("k", lambda: 3) == (3, False)  # a failed run leaves nothing behind
+
+
+def test_a_waiter_whose_caller_left_stops_waiting_and_runs_nothing() -> None:
+    calls: list[str] = []
+
+    def waiter() -> int:
+        calls.append("waiter")
+        return 2
+
+    flight: SingleFlight[str, int] = SingleFlight(30)
+    inside, release = threading.Event(), threading.Event()
+
+    def run_first() -> None:
+        def work() -> int:  # NOTE: runs until the waiter has given up
+            inside.set()
+            release.wait(10)
+            return 1
+
+        flight.run("k", work)
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    assert inside.wait(10)
+    gone = [False]
+    timer = threading.Timer(0.2, lambda: gone.__setitem__(0, True))  # the caller leaves while it waits
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(CancelledError):
+        flight.run("k", waiter, cancelled=lambda: gone[0])
+    assert time.monotonic() - started < 5 and calls == []  # not the 30 s wait, and no work of its own
+    release.set()
+    thread.join(10)
