@@ -77,7 +77,8 @@ class StageFactory:
         pacing = StreamPacing(config.stream_interval_ms / 1000, config.stream_messages_per_s,
                               config.stream_interval_max_ms / 1000)
         return DecoderService(decoder, pacing=pacing, max_waiting=config.max_waiting_requests,
-                              embedding_cache_bytes=config.embedding_cache_bytes)
+                              embedding_cache_bytes=config.embedding_cache_bytes,
+                              encode_rows=self.config.encoder.cache_capacity_tokens)
 
     def _block_hasher(self) -> BlockHasher:
         """The prefix cache's hashing, as the decoder builds it (decoder.Decoder)."""

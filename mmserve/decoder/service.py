@@ -6,8 +6,8 @@ own small cache of recent embeddings, else from an in-process encoder or a remot
 the ones a request turns out to need after all (the cache let the blocks go before admission, or a
 preemption), queue the request, stream its outputs, and abort it in the decoder if the consumer
 leaves early. Nothing is held at the encoder once its embeddings are here (the encoder stage's
-contract), so nothing is released at the end. Does not own: scheduling or the model (Decoder) nor
-transport (the Engine and the Ray Decoder deployment both use this).
+contract), so nothing is released at the end. Does not own: scheduling or the model (Decoder), where
+embeddings come from (embedding_source.py), nor transport (the Engine and the Ray Decoder deployment both use this).
 """
 
 from __future__ import annotations
@@ -16,22 +16,20 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mmserve.decoder.decoder import Decoder
 from mmserve.decoder.embedding_cache import EmbeddingCache
+from mmserve.decoder.embedding_source import EmbeddingSource, EncodeFn
 from mmserve.decoder.stats import DecoderStats
 from mmserve.decoder.stream_pacing import StreamPacing
 from mmserve.errors import OverloadedError
-from mmserve.messages import DecodeRequest, EncoderOutput, PreprocessedRequest, RequestOutput, merge_outputs
+from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, merge_outputs
 from mmserve.runtime.shared_cores import SharedCores
 from mmserve.runtime.step_loop import StepLoop
 from mmserve.runtime.timeline import Timeline
-
-EncodeFn = Callable[[PreprocessedRequest], Awaitable[EncoderOutput]]  # -> per-feature embeddings, the encoder's phases
 
 
 def choice_id(request_id: str, index: int) -> str:
@@ -55,7 +53,7 @@ class _Live:
 
 class DecoderService:
     def __init__(self, decoder: Decoder, *, pacing: StreamPacing | None = None, max_waiting: int | None = None,
-                 embedding_cache_bytes: int = 0):
+                 embedding_cache_bytes: int = 0, encode_rows: int | None = None):
         self.decoder = decoder
         self.embeddings = EmbeddingCache(embedding_cache_bytes)  # recent items' embeddings, by content hash
         self.max_waiting = max_waiting  # requests accepted but not running; None = unbounded
@@ -67,6 +65,7 @@ class DecoderService:
         self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder
         decoder.on_missing = self._on_missing
         self.shared_cores = SharedCores()  # encodes in flight on this host's CPU: the steps take fewer threads
+        self.source = EmbeddingSource(self.embeddings, self.shared_cores, encode_rows)
         decoder.runner.threads.beside = self.shared_cores.busy
 
     async def generate(
@@ -235,8 +234,7 @@ class DecoderService:
 
     async def _encode(self, live: _Live, encoder_id: str, indices: list[int], call: str = "decoder.encode_call"
                       ) -> list[Any]:
-        """Embeddings of the features at `indices` (None elsewhere): this service's cache first, then one
-        encoder request for the rest, which the cache then keeps; the encoder call is timed as `call`.
+        """Embeddings of the features at `indices` (None elsewhere), from `self.source`.
 
         NOTE: under `live.encoding`, which a request's choices share: they get embeddings one at a time, the
         later ones from the cache (or the encoder's). A transport may route every call made while serving one
@@ -244,24 +242,8 @@ class DecoderService:
         a chosen replica to the pending call of that id, so a second call in flight under it would wait for ever.
         """
         async with live.encoding:
-            features = live.pre.features
-            embeddings: list[Any] = [None] * len(features)
-            for i in indices:
-                embeddings[i] = self.embeddings.get(features[i].identifier)
-            missing = [i for i in indices if embeddings[i] is None]
-            if missing:
-                assert live.encode is not None
-                sub = replace(live.pre, request_id=encoder_id, features=[features[i] for i in missing])
-                started = time.perf_counter()
-                with self.shared_cores.waiting():
-                    out = await live.encode(sub)
-                self.shared_cores.answered(out.host)
-                # NOTE: the call's round trip and, inside it, the encoder's own phases (the rest is the hop)
-                live.timeline.add(((call, (time.perf_counter() - started) * 1e3), *out.timings))
-                for i, emb in zip(missing, out.embeddings, strict=True):
-                    embeddings[i] = emb
-                    self.embeddings.put(features[i].identifier, emb)
-        return embeddings
+            assert live.encode is not None
+            return await self.source.get(live.pre, live.encode, encoder_id, indices, live.timeline, call)
 
     def _on_missing(self, request_id: str, indices: list[int]) -> None:
         """From the step thread: a running request needs embeddings it was added without."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmserve.config import DecoderConfig, EngineConfig, MediaConfig
+from mmserve.config import DecoderConfig, EncoderConfig, EngineConfig, MediaConfig
 from mmserve.decoder.sampler import Sampler
 from mmserve.engine import Engine
 from mmserve.errors import (
@@ -485,3 +485,19 @@ def test_the_decoder_counts_computed_and_sampled_tokens_each_step(engine):
     assert out.num_cached_tokens == 0 and len(out.token_ids) == 5
     assert after.sampled_tokens - before.sampled_tokens == 5
     assert after.computed_tokens - before.computed_tokens == prompt + 4
+
+
+def test_a_request_whose_images_pass_the_encoder_cache_together_is_encoded_in_calls_that_fit(engine, tiny_ckpt_224):
+    """The encoder cache holds a call's items together until it hands them back: two images of one request in a
+    cache that fits one at a time go in two calls (once refused as a CapacityError), with the same text."""
+    request = replace(chat("two", IMAGE, WIDE, max_tokens=12), cache_salt="fit")
+    [whole] = engine.generate([request])
+    rows = engine.spec.mm_tokens_per_image
+    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048, media=MediaConfig(max_images_per_prompt=2),
+                          encoder=EncoderConfig(cache_capacity_tokens=rows),
+                          decoder=DecoderConfig(embedding_cache_bytes=0, measure_matmul_forms=False))
+    with Engine(config) as small:
+        [split] = small.generate([request])
+        stats = small.stats().encoder
+    assert split.token_ids == whole.token_ids
+    assert stats.queries == 2 and stats.forward_passes == 2  # one image per call
