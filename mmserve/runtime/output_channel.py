@@ -35,7 +35,7 @@ class OutputChannel:
         self._lock = threading.Lock()
         self._waiter: asyncio.Future | None = None  # the taker's, while it waits
         self._last_only = False  # the waiter wants waking only for a last item
-        self.joined = False  # set by the step loop's thread when the request's first action runs (step_loop.py)
+        self.joined = False  # set by the step loop's thread when an action submitted for it runs (step_loop.py)
 
     def put(self, item: Any) -> None:
         """Queue `item`; raises RuntimeError if the consumer's loop has closed."""

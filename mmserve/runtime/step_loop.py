@@ -56,7 +56,8 @@ class StepLoop:
         self.batch_wait_s = batch_wait_s
         self.name = name
         self._channels: dict[str, OutputChannel] = {}  # request id -> its outputs, to its consumer's loop
-        self._actions: list[tuple[str | None, Callable[[], Any]]] = []
+        # (request id, action, its consumer's channel when it was submitted: the one the action joins)
+        self._actions: list[tuple[str | None, Callable[[], Any], OutputChannel | None]] = []
         self._running_actions = False  # taken off the queue by the loop thread and not all run yet (under _lock)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -81,9 +82,10 @@ class StepLoop:
 
         After `stop()` nothing runs: the request fails with StageStopped (an anonymous action is dropped).
         """
+        channel = None if request_id is None else self._channels.get(request_id)
         with self._lock:
             if not self._stopped:
-                self._actions.append((request_id, action))
+                self._actions.append((request_id, action, channel))
                 if self._thread is None:
                     # NOTE: a daemon, so a forgotten loop cannot keep the interpreter alive; the exit
                     # hook joins it before teardown.
@@ -148,8 +150,8 @@ class StepLoop:
                 items = await channel.take(deadline)
                 if not items:  # none came within the interval: the next goes at once
                     items = await channel.take()
-                # NOTE: a failure ends the request, but outputs may follow it (a step that failed every
-                # request, then the request's own add, queued meanwhile, ran): those are not sent
+                # NOTE: a failure ends the request, but outputs may follow it (an action that failed it, e.g. a
+                # late fetch of its embeddings, then a step that ran it before its abort): those are not sent
                 at = next((k for k, item in enumerate(items) if isinstance(item, RequestFailed)), None)
                 failed, items = (None, items) if at is None else (items[at], items[:at])
                 sent = time.monotonic()
@@ -215,7 +217,9 @@ class StepLoop:
         if not actions:
             return False
         try:
-            for request_id, action in actions:
+            for request_id, action, channel in actions:
+                if channel is not None:
+                    channel.joined = True  # NOTE: its own consumer's: an older action under a reused id joins none
                 self._run_action(request_id, action)
         finally:
             with self._lock:
@@ -224,8 +228,6 @@ class StepLoop:
 
     def _run_action(self, request_id: str | None, action: Callable[[], Any]) -> None:
         """Run one action; its exception fails `request_id` (an anonymous action's is logged)."""
-        if request_id is not None and (channel := self._channels.get(request_id)) is not None:
-            channel.joined = True  # from now on the steps' outputs under this id are this consumer's
         try:
             action()
         except Exception as exc:

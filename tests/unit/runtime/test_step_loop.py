@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -48,8 +49,8 @@ def test_outputs_that_queued_up_come_as_one_when_merging() -> None:
 
 @pytest.mark.parametrize(("queued", "sent"), [
     ([out(1, "a", n=1), out(2, "b", n=2), RequestFailed("r", ValueError("boom"))], [[1, 2]]),
-    # a step that failed every request, then the request's own add (queued meanwhile) ran: outputs follow the
-    # failure in the channel, and are not sent
+    # an action that failed the request (a late fetch of its embeddings), then a step that still ran it: outputs
+    # follow the failure in the channel, and are not sent
     ([out(1, "a", n=1), RequestFailed("r", ValueError("boom")), out(2, "b", n=2)], [[1]]),
 ])
 def test_a_failure_delivers_the_outputs_queued_before_it_then_raises(queued: list, sent: list) -> None:
@@ -78,7 +79,7 @@ class NamedFailure(RuntimeError):
 
 
 def test_a_step_failure_naming_its_requests_still_delivers_what_it_finished_for_others() -> None:
-    pending = {"bad", "ok"}
+    pending: set[str] = set()  # the requests added: a step runs once both are
 
     def step() -> list:
         pending.clear()
@@ -86,10 +87,10 @@ def test_a_step_failure_naming_its_requests_still_delivers_what_it_finished_for_
         raise NamedFailure(["bad"], [done])
 
     async def run() -> tuple[list, BaseException | None]:
-        loop = StepLoop(step, lambda: bool(pending), lambda: None)
+        loop = StepLoop(step, lambda: len(pending) == 2, lambda: None)
         for rid in ("bad", "ok"):
             loop.open(rid)
-            loop.submit(rid, lambda: None)  # each request's add: its consumer takes the steps' outputs from here
+            loop.submit(rid, functools.partial(pending.add, rid))  # its add: its consumer takes the steps' outputs
         got = [o async for o in loop.outputs("ok")]
         try:
             async for _ in loop.outputs("bad"):
@@ -295,6 +296,46 @@ def test_a_step_under_way_when_a_request_is_aborted_does_not_hand_its_output_to_
             loop.open("r")  # the same id again, its add queued behind the step under way
             loop.submit("r", lambda: None)
             release.set()
+            return [o.new_text async for o in loop.outputs("r")]
+        finally:
+            loop.stop()
+
+    assert asyncio.run(asyncio.wait_for(run(), 10)) == ["new"]
+
+
+def test_an_older_action_under_a_reused_id_does_not_make_a_new_consumer_take_the_old_requests_outputs() -> None:
+    """An action of the old request (a late fetch's) that the thread took before the id was opened again joins
+    the old consumer only: the step run before the old request's abort does not hand its output to the new one."""
+    live: list[str] = []  # what the stage holds, by the text its step emits for it
+    step_in, step_go = threading.Event(), threading.Event()
+    blocker_in, blocker_go = threading.Event(), threading.Event()
+
+    def step() -> list:
+        if not step_go.is_set():  # the old request's step under way
+            step_in.set()
+            step_go.wait(5)
+        return [RequestOutput("r", [1], text, text == "new", "stop" if text == "new" else None, 5, 1)
+                for text in live]
+
+    def blocker() -> None:  # NOTE: taken in one batch with the stale action; holds it back until the id is reopened
+        blocker_in.set()
+        blocker_go.wait(5)
+
+    async def run() -> list[str]:
+        loop = StepLoop(step, lambda: bool(live), lambda: None)
+        try:
+            loop.open("r")
+            loop.submit("r", lambda: live.append("old"))
+            assert await asyncio.to_thread(step_in.wait, 5)
+            loop.submit(None, blocker)
+            loop.submit("r", lambda: None)  # the old request's late action (e.g. its embeddings arriving)
+            step_go.set()
+            assert await asyncio.to_thread(blocker_in.wait, 5)
+            loop._channels.pop("r")  # the old consumer leaves; its abort and the new request's add are queued
+            loop.open("r")
+            loop.submit(None, lambda: live.remove("old"))
+            loop.submit("r", lambda: live.append("new"))
+            blocker_go.set()
             return [o.new_text async for o in loop.outputs("r")]
         finally:
             loop.stop()
