@@ -24,11 +24,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import PIL
 from PIL import Image
 
 DIGEST_BYTES = 32
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # what the image processor reads
-PROCESSING_LIBRARIES = ("transformers", "pillow", "numpy")  # whose code makes the tiles from the pixels
+# whose code makes the tiles from the pixels (transformers resizes with torchvision where it is installed, else Pillow)
+PROCESSING_LIBRARIES = ("transformers", "numpy", "torch", "torchvision")
 
 
 def processor_fingerprint(model_dir: str | Path) -> str:
@@ -36,16 +38,25 @@ def processor_fingerprint(model_dir: str | Path) -> str:
     the libraries that run them, for the keys' model id.
 
     NOTE: the served name alone does not pin the processing: a rolling upgrade to a checkpoint that resizes
-    otherwise, or to an image with another transformers or Pillow (whose resampling may change), under the
-    same name, would be served the old tiles by the processor cache that its replicas share.
+    otherwise, or to an image with another transformers, Pillow or torchvision (whose resampling may change),
+    under the same name, would be served the old tiles by the processor cache that its replicas share.
     """
     digest = hashlib.blake2b(digest_size=8)
-    for library in PROCESSING_LIBRARIES:
-        digest.update(f"{library}=={importlib.metadata.version(library)}".encode() + b"\x00")
+    versions = {name: _version(name) for name in PROCESSING_LIBRARIES} | {"PIL": PIL.__version__}
+    for library, version in sorted(versions.items()):
+        digest.update(f"{library}=={version}".encode() + b"\x00")
     for name in PROCESSOR_FILES:
         path = Path(model_dir) / name
         digest.update(name.encode() + b"\x00" + (path.read_bytes() if path.is_file() else b"") + b"\x00")
     return digest.hexdigest()
+
+
+def _version(distribution: str) -> str:
+    """The installed version of `distribution`, "absent" where it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def hash_image(image: Image.Image, *, model_id: str, kwargs: Mapping[str, Any],

@@ -19,7 +19,7 @@ import socket
 import stat
 import urllib.parse
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,6 +33,7 @@ from mmserve.preprocess.image_decode import decode_image
 
 T = TypeVar("T")
 MAX_PARALLEL_READS = 8  # reads of one prompt's images at once (the item count is capped by the config)
+POLL_S = 0.1  # how often a prompt's reader asks whether its caller left while a fetch is awaited (s)
 
 
 class MediaLoader:
@@ -47,11 +48,12 @@ class MediaLoader:
         """Decoded RGB image of item `index` (1-based, used in error messages)."""
         return self.decode(self._read(url, index), index)
 
-    def read_all(self, urls: list[str]) -> Iterator[bytes]:
+    def read_all(self, urls: list[str], cancelled: Callable[[], bool] = lambda: False) -> Iterator[bytes]:
         """A prompt's images' bytes in order, read in parallel: a prompt waits for its slowest image, not
-        for the sum. NOTE: after a refusal (or once the reader leaves) the other reads are not waited for, and
-        their fetches are ended at once: a cheap 400 must leave no reads running to their deadline."""
-        if len(urls) <= 1:
+        for the sum. NOTE: after a refusal, once the reader leaves, or once `cancelled()` (asked every
+        POLL_S while a fetch is awaited), the other reads are not waited for, and their fetches are ended at
+        once: a cheap 400, or a caller gone, must leave no reads running to their deadline."""
+        if not any(_fetched(url) for url in urls):  # NOTE: data: and file: reads end by themselves, at once
             yield from (self._read(url, i) for i, url in enumerate(urls, start=1))
             return
         pool = ThreadPoolExecutor(max_workers=min(len(urls), MAX_PARALLEL_READS), thread_name_prefix="media")
@@ -63,7 +65,10 @@ class MediaLoader:
 
         try:
             reads = [pool.submit(read, url, i) for i, url in enumerate(urls, start=1)]
-            for one in reads:
+            for index, one in enumerate(reads, start=1):
+                while not wait([one], timeout=POLL_S).done:
+                    if cancelled():
+                        raise CancelledError(f"the caller left while image {index} was being read")
                 yield one.result()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -88,6 +93,11 @@ class MediaLoader:
             return _read_file_url(url, self.config)
         raise UnsupportedURLError(f"URL scheme {scheme or '(none)'!r} is not supported; "
                                   "use data:, http(s): or an allowed file:")
+
+
+def _fetched(url: object) -> bool:
+    """Whether `url` is read from the network (its read may last up to the fetch deadline)."""
+    return isinstance(url, str) and url.split(":", 1)[0].lower() in ("http", "https")
 
 
 def _named(index: int, work: Callable[[], T]) -> T:

@@ -182,7 +182,7 @@ class Preprocessor:
         items: list[tuple[str, CachedItem]] = []
         local: dict[str, tuple[str, CachedItem]] = {}  # repeats inside one request, even with the cache off
         hits = 0
-        for index, data in enumerate(self.loader.read_all(urls), start=1):
+        for index, data in enumerate(self.loader.read_all(urls, cancelled), start=1):
             if cancelled():  # NOTE: asked once an image is read, before its work; leaving ends the other reads
                 raise CancelledError(f"the caller left before image {index} was processed")
             source = hash_source(data, model_id=self._keys_model, kwargs=kwargs, salt=salt)

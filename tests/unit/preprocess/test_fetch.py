@@ -263,13 +263,30 @@ def test_a_refused_image_ends_its_prompts_other_fetches_at_once(port: int) -> No
     with pytest.raises(MediaError, match="image 1"):
         list(local(fetch_timeout_s=10).read_all(["data:text/plain,x", drip, drip, drip]))
     assert time.monotonic() - start < 1.0
+    assert_reads_end(start)
 
+
+def assert_reads_end(start: float) -> None:
+    """The prompt's read threads are gone soon after `start` (monotonic s), not at their drips' end (3 s)."""
     def reading() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name.startswith("media")]
 
     while reading() and time.monotonic() - start < 5:
         time.sleep(0.02)
     assert not reading() and time.monotonic() - start < 1.5, "the drips were read on to their end (3 s)"
+
+
+@pytest.mark.parametrize("urls", [1, 3])
+def test_a_caller_that_left_ends_its_prompts_fetches_at_once(port: int, urls: int) -> None:
+    """Its reads are not waited for to their end, one image or several (threads, sockets held for nobody)."""
+    from concurrent.futures import CancelledError
+
+    drip = f"http://127.0.0.1:{port}/drip"  # a byte every 50 ms for 3 s
+    start = time.monotonic()
+    with pytest.raises(CancelledError, match="image 1"):
+        list(local(fetch_timeout_s=10).read_all([drip] * urls, cancelled=lambda: time.monotonic() - start > 0.2))
+    assert time.monotonic() - start < 1.0
+    assert_reads_end(start)
 
 
 @pytest.mark.parametrize("ip", ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254",

@@ -112,15 +112,21 @@ def test_an_items_key_follows_the_checkpoints_image_processor_files_under_one_se
     assert keys[0] != keys[1]
 
 
-@pytest.mark.parametrize("library", ["transformers", "pillow"])
+@pytest.mark.parametrize("library", ["transformers", "torchvision", "PIL"])
 def test_an_items_key_follows_the_version_of_the_libraries_that_process_it(
         tiny_ckpt_224: Path, library: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rolling upgrade to an image with another transformers or Pillow may resample otherwise."""
+    """A rolling upgrade to an image with another transformers, torchvision (installed or not) or Pillow may
+    resample otherwise; a library that is not installed counts as such, not as an error."""
     import importlib.metadata
+
+    import PIL
 
     from mmserve.preprocess import hashing
 
     before = hashing.processor_fingerprint(tiny_ckpt_224)
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == library else real(name))
+    if library == "PIL":
+        monkeypatch.setattr(PIL, "__version__", "0.0.1")
+    else:
+        real = importlib.metadata.version
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == library else real(name))
     assert hashing.processor_fingerprint(tiny_ckpt_224) != before
