@@ -265,6 +265,8 @@ class DecoderService:
             if live.ended:  # the request ended while this was in flight
                 return
         except Exception as exc:
+            if live.ended:  # NOTE: its id may already be another request's
+                return
             # NOTE: fails the request (its consumer raises, then aborts it) unless it went past those items meanwhile
             self.loop.submit(request_id, functools.partial(self.decoder.fetch_failed, request_id, indices, exc))
             return

@@ -501,3 +501,24 @@ def test_a_request_whose_images_pass_the_encoder_cache_together_is_encoded_in_ca
         stats = small.stats().encoder
     assert split.token_ids == whole.token_ids
     assert stats.queries == 2 and stats.forward_passes == 2  # one image per call
+
+
+def test_a_late_fetch_failing_after_its_request_ended_leaves_the_id_alone(engine, monkeypatch):
+    """Its id may already be another request's: the failure must not reach the decoder under it."""
+    from mmserve.decoder.service import _Live
+
+    service = engine.decoder_service
+    submitted: list[str | None] = []
+    monkeypatch.setattr(service.loop, "submit", lambda request_id, action: submitted.append(request_id))
+    pre = engine.preprocess(chat("late-gone", data_url(make_image(320, 240, seed=99))))
+
+    async def fetch() -> None:
+        async def encode(_: Any) -> Any:
+            live.ended = True  # the consumer left while the encoder worked
+            raise RuntimeError("encoder lost")
+
+        live = _Live(pre, encode, asyncio.get_running_loop(), asyncio.Lock())
+        await service._fetch(live, [0])
+
+    asyncio.run(fetch())
+    assert submitted == []
