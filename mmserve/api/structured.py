@@ -14,6 +14,7 @@ import contextlib
 import json
 from typing import Any, Literal
 
+from llguidance import gbnf_to_lark
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.api import strict_schema
@@ -103,6 +104,10 @@ class StructuredFields(_Lenient):
             if getattr(so, unserved) is not None:
                 raise with_param(UnsupportedParameterError(f"structured_outputs.{unserved} is not served"),
                                  "structured_outputs")
+        kinds = (so.json_, so.regex, so.choice, so.grammar, so.json_object)
+        if self.structured_outputs is not None and all(kind is None for kind in kinds):  # NOTE: as vLLM: not free text
+            raise with_param(InvalidRequestError("structured_outputs: set one of json, regex, choice, grammar, "
+                                                 "json_object"), "structured_outputs")
         if self.guided_whitespace_pattern is not None:
             raise with_param(UnsupportedParameterError("guided_whitespace_pattern is not served (JSON is written "
                                                        "without free whitespace)"), "guided_whitespace_pattern")
@@ -169,4 +174,12 @@ def _choice(choices: list[str] | None) -> StructuredOutput | None:
 
 
 def _lark(grammar: str | None) -> StructuredOutput | None:
-    return None if grammar is None else StructuredOutput("lark", grammar)
+    """A grammar in Lark (llguidance's) or in GBNF (llama.cpp's, which vLLM's default backend takes), as Lark.
+
+    NOTE: one that does not convert goes on as it came: `check` refuses it with the parser's reason."""
+    if grammar is None:
+        return None
+    if len(grammar) <= MAX_SPEC_CHARS and not gbnf_to_lark.is_lark_syntax(grammar):
+        with contextlib.suppress(Exception):  # NOTE: any failure of the converter: refused by `check` below
+            grammar = gbnf_to_lark.gbnf_to_lark(grammar)
+    return StructuredOutput("lark", grammar)

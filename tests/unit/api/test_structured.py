@@ -56,7 +56,11 @@ def test_each_spelling_reads_into_one_constraint(fields: dict[str, Any], expecte
     ({"guided_json": "{not json"}, "guided_json", "invalid JSON schema"),
     ({"guided_regex": "(unclosed"}, "guided_regex", "invalid regex"),
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "invalid Lark grammar"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar", "invalid Lark grammar"),  # GBNF that does not convert
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    # vLLM refuses it too: an empty constraint is no request for free text
+    ({"structured_outputs": {}}, "structured_outputs", "set one of"),
+    ({"structured_outputs": {"disable_additional_properties": True}}, "structured_outputs", "set one of"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "at most one"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag is not served"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "not served"),
@@ -115,6 +119,22 @@ def test_a_strict_schemas_matcher_refuses_a_key_the_schema_does_not_list() -> No
         assert got is not None
         consumed = llguidance.LLMatcher(vocabulary, grammar_of(got)).try_consume_tokens(text)
         assert (consumed < len(text)) == strict, (strict, consumed)  # strict: stops at the unlisted key
+
+
+def test_a_gbnf_grammar_as_vllms_default_backend_takes_it_is_served_with_its_meaning() -> None:
+    import llguidance.hf
+
+    from mmserve.decoder.constraint import grammar_of
+    from mmserve.models.tiny_checkpoint import build_tokenizer
+
+    got = structured(guided_grammar='root ::= answer\nanswer ::= "yes" | "no"')
+    assert got is not None and got.kind == "lark"
+    tokenizer = build_tokenizer(1024)
+    vocabulary = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    for text, whole in (("yes", True), ("no", True), ("maybe", False)):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        matcher = llguidance.LLMatcher(vocabulary, grammar_of(got))
+        assert (matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()) == whole, text
 
 
 @pytest.mark.parametrize(("schema", "closed_at"), [
