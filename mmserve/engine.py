@@ -33,6 +33,7 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when the request asked
     index: int = 0  # which of the request's `n` choices (choice index)
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended a "stop"
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _completion(pre: PreprocessedRequest, index: int, outputs: list[RequestOutpu
     """One choice's outputs folded into its Completion."""
     whole = merge_outputs(outputs)
     return Completion(pre.request_id, whole.new_text, whole.new_token_ids, whole.finish_reason,
-                      len(pre.prompt_token_ids), whole.num_cached_tokens, whole.logprobs, index)
+                      len(pre.prompt_token_ids), whole.num_cached_tokens, whole.logprobs, index, whole.stop_reason)
 
 
 def new_request_id() -> str:

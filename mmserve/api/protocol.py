@@ -28,8 +28,8 @@ from mmserve.api.errors import ModelNotFoundError, with_param
 from mmserve.api.logprobs import ChoiceLogprobs
 from mmserve.api.structured import StructuredFields
 from mmserve.api.template_fields import TemplateFields
-from mmserve.api.token_ids import TokenIdsOnlyAsked
 from mmserve.api.unserved import UNSERVED, check_served, log_unknown
+from mmserve.api.vllm_fields import VllmFields
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
 from mmserve.messages import ChatRequest, SamplingDefaults, SamplingParams
 
@@ -270,15 +270,16 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class Choice(TokenIdsOnlyAsked):
+class Choice(VllmFields):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None  # "stop" | "length" | "abort"; NOTE: "abort" is vLLM's, not OpenAI's
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended a "stop"; else null
     logprobs: ChoiceLogprobs | None = None  # when the request set `logprobs`
     token_ids: list[int] | None = None  # the output's token ids, with vLLM's `return_token_ids`
 
 
-class ChatCompletionResponse(TokenIdsOnlyAsked):
+class ChatCompletionResponse(VllmFields):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 from mmserve.api.errors import error_body
 from mmserve.api.logprobs import ChoiceLogprobs, choice_logprobs
 from mmserve.api.protocol import AssistantMessage, ChatCompletionResponse, Choice, PromptTokensDetails, Usage
-from mmserve.api.token_ids import TokenIdsOnlyAsked
+from mmserve.api.vllm_fields import VllmFields
 from mmserve.messages import RequestFailed, RequestOutput, TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -37,15 +37,16 @@ class Delta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}  # OpenAI sends `{}`, not nulls
 
 
-class ChunkChoice(TokenIdsOnlyAsked):
+class ChunkChoice(VllmFields):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None  # set on the last content chunk only
+    stop_reason: str | int | None = None  # vLLM's, on the last content chunk only (`Choice.stop_reason`)
     logprobs: ChoiceLogprobs | None = None  # the tokens since the last chunk, when the request set `logprobs`
     token_ids: list[int] | None = None  # the token ids since the last chunk, with vLLM's `return_token_ids`
 
 
-class ChatCompletionChunk(TokenIdsOnlyAsked):
+class ChatCompletionChunk(VllmFields):
     id: str  # the same for every chunk of a response
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -135,7 +136,7 @@ class CompletionBuilder:
             raise RuntimeError(f"response {self.response_id} built before its request finished")
         lasts, asked = self.choices.last, self.prompt_token_ids is not None
         choices = [Choice(index=i, message=AssistantMessage(content="".join(self._texts[i])),
-                          finish_reason=lasts[i].finish_reason,
+                          finish_reason=lasts[i].finish_reason, stop_reason=lasts[i].stop_reason,
                           logprobs=choice_logprobs(self._logprobs[i]) if i in self._logprobs else None,
                           token_ids=self._token_ids[i] if asked else None)
                    for i in sorted(lasts)]
@@ -189,7 +190,8 @@ class ChunkBuilder:
             self._pending[index] = []  # NOTE: a held-back token's log-probs go with the next chunk sent
         logprobs = None if pending is None else choice_logprobs(pending)
         token_ids = None if self._unsent_ids is None else self._unsent_ids.pop(index, [])
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs, token_ids=token_ids)
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs, token_ids=token_ids,
+                             stop_reason=out.stop_reason if out.finished else None)
         chunks = [*opening, self._chunk([choice])]
         if out.finished:
             self._done.add(index)

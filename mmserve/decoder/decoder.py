@@ -242,14 +242,16 @@ class Decoder:
             if not finished:
                 self.scheduler.finish(request_id, "stop")
             state.seq.finish_reason, finished = "stop", True  # NOTE: on the last token allowed too, as vLLM
+        reason = None
         if finished:
             text += state.detokenizer.flush()
             del self._states[request_id]
+            reason = state.seq.stop_reason(token, state.detokenizer.stop_string)
         return self._output(state, [token], text, finish_reason=state.seq.finish_reason if finished else None,
-                            finished=finished, logprobs=None if logprob is None else [logprob])
+                            finished=finished, logprobs=None if logprob is None else [logprob], stop_reason=reason)
 
     def _output(self, state, tokens, text, *, finish_reason, finished: bool = True,
-                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+                logprobs: list[TokenLogprob] | None = None, stop_reason: str | int | None = None) -> RequestOutput:
         seq = state.seq
         return RequestOutput(
             request_id=seq.request_id,
@@ -261,6 +263,7 @@ class Decoder:
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens or 0,
             logprobs=logprobs if logprobs is not None or seq.sampling.logprobs is None else [],
+            stop_reason=stop_reason,
         )
 
     def prefix_hit_tokens(self, block_hashes: list[bytes], num_tokens: int) -> int:

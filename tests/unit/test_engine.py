@@ -177,8 +177,12 @@ def test_stop_string_cuts_text(engine):
     stop = full.text[len(full.text) // 2 :][:3]
     assert stop.strip(), f"need visible text to stop on, got {full.text!r}"
     [cut] = engine.generate([chat("st2", IMAGE, max_tokens=16, ignore_eos=True, stop=(stop,))])
-    assert cut.finish_reason == "stop"
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop  # vLLM's `stop_reason`: what stopped it
     assert cut.text == full.text[: full.text.index(stop)]
+    assert full.stop_reason is None  # "length"
+    token = full.token_ids[3]
+    [by_id] = engine.generate([chat("st3", IMAGE, max_tokens=16, ignore_eos=True, stop_token_ids=(token,))])
+    assert (by_id.finish_reason, by_id.stop_reason, by_id.token_ids[-1]) == ("stop", token, token)
 
 
 def test_a_stop_string_ends_as_a_stop_on_the_last_token_allowed_and_not_before_min_tokens(engine):

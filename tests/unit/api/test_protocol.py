@@ -424,6 +424,16 @@ def test_first_chunk_carries_role_even_without_text() -> None:
     assert builder.chunks(RequestOutput("r", [], "", True, "stop", 3, 3)) == []  # nothing after the end
 
 
+def test_a_stop_reason_goes_on_the_finished_choice_only_as_vllm_sends_it() -> None:
+    stream = ChunkBuilder("c", "m")
+    stream.chunks(RequestOutput("r", [1], "a", False, None, 3, 1))
+    [last] = stream.chunks(RequestOutput("r", [2], "", True, "stop", 3, 2, stop_reason="###"))
+    assert json.loads(last.model_dump_json())["choices"][0]["stop_reason"] == "###"
+    whole = CompletionBuilder("c", "m")
+    whole.add(RequestOutput("r", [2], "a", True, "stop", 3, 1, stop_reason=7))
+    assert json.loads(whole.build().model_dump_json())["choices"][0]["stop_reason"] == 7
+
+
 def test_failures_are_reraised() -> None:
     with pytest.raises(MediaError):
         CompletionBuilder("c", "m").add(RequestFailed("r", MediaError("x")))
