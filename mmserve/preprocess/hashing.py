@@ -1,8 +1,9 @@
 """Content hash of one multimodal item: the key of the ProcessorCache and the encoder cache; and the
 source key of the request's bytes, by which a byte-identical repeat is found before it is decoded.
 
-Owns: what goes into the key (decoded pixels, mode, size, palette, model id with a digest of the checkpoint's
-image-processor files, and the output-changing processor kwargs with their defaults resolved) and its
+Owns: what goes into the key (decoded pixels, mode, size, palette, model id with a fingerprint of the
+checkpoint's image-processor files and of the processing libraries' versions, and the output-changing processor
+kwargs with their defaults resolved) and its
 canonical byte form. Does not own: which
 kwargs change the output or what their defaults are (the model's prompt rule says so), nor caching.
 
