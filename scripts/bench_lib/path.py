@@ -98,8 +98,11 @@ def served(client: Client, msgs: list[dict[str, Any]], max_tokens: int) -> Timed
     start, events, headers = client.stream("/v1/chat/completions", chat_body(msgs, max_tokens))
     chunks = [(t, json.loads(d)) for t, d in events if d != "[DONE]"]
     content = [t for t, c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None]
+    # NOTE: up to the chunk that finishes the choice, as the in-process side's last output: a last token whose
+    # text is empty (or held back) sends that chunk without content, and the span would end a token early
+    end = next((t for t, c in chunks if c["choices"] and c["choices"][0].get("finish_reason")), content[-1])
     tokens = next((c["usage"]["completion_tokens"] for _, c in chunks if c.get("usage")), max_tokens)
-    per_token = (content[-1] - content[0]) * 1e3 / (tokens - 1) if tokens > 1 and len(content) > 1 else None
+    per_token = (end - content[0]) * 1e3 / (tokens - 1) if tokens > 1 and len(content) > 1 else None
     pairs = [item.strip().split(";dur=") for item in headers.get("Server-Timing", headers.get("server-timing", ""))
              .split(",") if ";dur=" in item]
     phases = summed((name, float(dur)) for name, dur in pairs)
