@@ -57,6 +57,10 @@ def test_a_target_over_a_cell_with_failed_requests_fails_and_issue_17s_lines_are
     peer = lines["unique c=8 throughput >= 1.3x transformers serve"]
     assert peer.status == "SKIP" and "transformers: 3 of 16" in peer.detail  # nothing to compare with
     assert any("1.1x in-process Engine" in name for name in lines)
+    results["unique"]["mmserve"][1]["prompt_tokens_mean"] = 300.0  # another prompt than the peer's
+    results["unique"]["transformers"][1]["prompt_tokens_mean"] = 320.0
+    other = {t.name: t for t in targets.evaluate(results, {}, {})}["unique c=1 TTFT p50 <= 1.0x transformers serve"]
+    assert other.status == "SKIP" and "prompts differ" in other.detail
 
 
 def test_the_grammar_cells_decoders_run_in_blocks_and_pair_each_step_with_its_place_in_the_next_block(
