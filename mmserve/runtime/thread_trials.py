@@ -37,6 +37,9 @@ LONGEST_PERIOD = 16384  # the period stops doubling here (steps)
 TIMED_STEPS = 16  # timed steps of one trial, half at each count (steps)
 RUN_LENGTH = 2  # steps at one count in a row within a trial; the last of each run is timed (steps)
 MIN_PAIRS = 4  # pairs of same-size steps a verdict needs (pairs)
+# a trial ends after MIN_PAIRS pairs when the count in use won every one of them by this factor past the verdict's
+# boundary: the rest of the trial would only cost more steps at a count that plainly loses
+DECISIVE = 1.25
 
 
 @dataclass
@@ -93,7 +96,8 @@ class ThreadTrials:
         self._trial_steps += 1
         if self._trial_steps % self.run_length == 0:  # the last of its run: the count settled
             self._trial.append((count, size, seconds))
-        if self._trial_steps < self.trial_steps:
+        decided = self._trial_steps % (2 * self.run_length) == 0 and self._current_won_plainly(current)
+        if self._trial_steps < self.trial_steps and not decided:
             return current
         self.last_ratio = more_over_fewer(self._trial, self.size_tolerance)
         chosen = choose(self.last_ratio, self.counts, current, self.close)
@@ -108,6 +112,20 @@ class ThreadTrials:
             self.changes.append((current, chosen))
             self.period = self.first_period
         return chosen
+
+
+    def _current_won_plainly(self, current: int) -> bool:
+        """Whether the trial so far has MIN_PAIRS pairs (or more) and `current` won each by DECISIVE past the
+        verdict's boundary (`choose`). NOTE: only ever ends a trial that keeps the count: a change needs the
+        whole trial and a second one."""
+        assert self._trial is not None
+        ratios = pair_ratios(self._trial, self.size_tolerance)
+        if len(ratios) < MIN_PAIRS:
+            return False
+        boundary = 1 / (1 + self.close)  # more threads' time over fewer's at which the two counts tie
+        if current == max(self.counts):
+            return all(r * DECISIVE < boundary for r, _ in ratios)
+        return all(r >= boundary * DECISIVE for r, _ in ratios)
 
 
 def choose(ratio: float | None, counts: tuple[int, ...], current: int, close: float) -> int:
@@ -128,14 +146,21 @@ def more_over_fewer(steps: Sequence[tuple[int, int, float]], tolerance: float = 
     other way; weighed by the faster step, so that one step stalled by chance (a pause of the process) moves the
     median by one quick pair's weight at most.
     """
-    weighed: list[tuple[float, float]] = []  # per pair: (more threads' time per token over fewer's, weight in s)
+    weighed = pair_ratios(steps, tolerance)
+    return weighted_median(weighed) if len(weighed) >= MIN_PAIRS else None
+
+
+def pair_ratios(steps: Sequence[tuple[int, int, float]], tolerance: float) -> list[tuple[float, float]]:
+    """Per pair of comparable steps (`pairs`): (the more threads' time per token over the fewer's, the weight:
+    the faster step's time in s)."""
+    weighed: list[tuple[float, float]] = []
     for (count_a, size_a, a), (count_b, size_b, b) in pairs(steps, tolerance):
         (more, more_size), (fewer, fewer_size) = ((a, size_a), (b, size_b)) if count_a > count_b else \
             ((b, size_b), (a, size_a))
         if more > 0 and fewer > 0:
             more_as_fewer = more * fewer_size / more_size  # the more threads' time at the other step's size
             weighed.append((more_as_fewer / fewer, min(more_as_fewer, fewer)))
-    return weighted_median(weighed) if len(weighed) >= MIN_PAIRS else None
+    return weighed
 
 
 def weighted_median(values: Sequence[tuple[float, float]]) -> float:

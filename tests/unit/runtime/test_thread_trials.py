@@ -9,6 +9,7 @@ from mmserve.config import DecoderConfig
 from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, HEAVY, SMALL, StepThreads
 from mmserve.runtime.thread_trials import (
     FIRST_PERIOD,
+    MIN_PAIRS,
     RUN_LENGTH,
     TIMED_STEPS,
     ThreadTrials,
@@ -50,7 +51,7 @@ def test_a_slower_count_is_left_once_a_second_trial_agrees_and_the_trials_then_c
     assert chosen == 2 and trials.changes == [(1, 2)] and trials.period == FIRST_PERIOD and trials.trials == 2
     chosen, used = serve(trials, chosen, FIRST_PERIOD + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
     assert chosen == 2 and trials.trials == 3 and trials.period == 2 * FIRST_PERIOD  # confirmed: rarer
-    assert used.count(1) == TRIAL_STEPS // 2
+    assert used.count(1) == MIN_PAIRS * RUN_LENGTH  # won every pair plainly: the trial ended at its fewest pairs
 
 
 def test_a_count_in_doubt_is_tried_soon_and_once_confirmed_waits_a_whole_period() -> None:
@@ -58,10 +59,23 @@ def test_a_count_in_doubt_is_tried_soon_and_once_confirmed_waits_a_whole_period(
     serve(trials, 2, 5, lambda c: 0.010)
     trials.soon(16)  # e.g. its start-up measurement was taken beside others' work
     _, used = serve(trials, 2, 16 + TRIAL_STEPS, lambda c: 0.010 if c == 2 else 0.016)
-    assert used[:16] == [2] * 16 and used[16:].count(1) == TRIAL_STEPS // 2  # the trial 16 steps on
+    assert used[:16] == [2] * 16 and used[16:].count(1) == MIN_PAIRS * RUN_LENGTH  # the trial 16 steps on
     assert trials.trials == 1 and trials.period == FIRST_PERIOD  # confirmed: not 32, the usual first period
     trials.soon(10**6)
     assert trials.period == FIRST_PERIOD  # never later than it was
+
+
+@pytest.mark.parametrize(("current", "other_s", "full"), [
+    (2, 0.016, False),  # two threads 1.6x faster: plain after MIN_PAIRS pairs
+    (2, 0.0115, True),  # 1.15x: within DECISIVE of the boundary, the whole trial runs
+    (1, 0.016, True),  # the count in use loses: the whole trial, and a second one to check
+])
+def test_a_trial_ends_early_only_to_keep_a_count_that_wins_every_pair_plainly(current: int, other_s: float,
+                                                                             full: bool) -> None:
+    trials = ThreadTrials((1, 2), close=0.05, first_period=64)  # NOTE: no second trial within the steps served
+    _, used = serve(trials, current, 64 + TRIAL_STEPS, lambda c: 0.010 if c == 2 else other_s)
+    tried = used[64:].count(1 if current == 2 else 2)
+    assert tried == (TRIAL_STEPS // 2 if full else MIN_PAIRS * RUN_LENGTH)
 
 
 def test_the_step_right_after_a_switch_does_not_decide() -> None:
