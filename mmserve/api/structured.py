@@ -27,6 +27,7 @@ _ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object, as OpenAI de
 # NOTE: a constraint is compiled at the edge, on its event loop, and its cost grows faster than its text:
 # these bound it (the figures: docs/reliability.md)
 MAX_SPEC_CHARS = 1 << 20  # characters of one schema, regex, grammar or choice list's JSON
+MAX_GBNF_CHARS = 1 << 16  # characters of a GBNF grammar converted to Lark (a longer one is refused as Lark)
 # NOTE: llguidance's parser holds at most 2,000 items in a row: a list of more compiled, then failed at its first
 # token in the decoder
 MAX_CHOICES = 1_900  # strings of one choice list
@@ -176,10 +177,12 @@ def _choice(choices: list[str] | None) -> StructuredOutput | None:
 def _lark(grammar: str | None) -> StructuredOutput | None:
     """A grammar in Lark (llguidance's) or in GBNF (llama.cpp's, which vLLM's default backend takes), as Lark.
 
-    NOTE: one that does not convert goes on as it came: `check` refuses it with the parser's reason."""
+    NOTE: one that does not convert goes on as it came: `check` refuses it with the parser's reason. The
+    converter is Python, holding the GIL for ~2 µs a character (the ingress's event loop waits meanwhile): GBNF
+    is converted up to MAX_GBNF_CHARS."""
     if grammar is None:
         return None
-    if len(grammar) <= MAX_SPEC_CHARS and not gbnf_to_lark.is_lark_syntax(grammar):
+    if len(grammar) <= MAX_GBNF_CHARS and not gbnf_to_lark.is_lark_syntax(grammar):
         with contextlib.suppress(Exception):  # NOTE: any failure of the converter: refused by `check` below
             grammar = gbnf_to_lark.gbnf_to_lark(grammar)
     return StructuredOutput("lark", grammar)

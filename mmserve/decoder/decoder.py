@@ -81,6 +81,9 @@ class Decoder:
         self.runner = ModelRunner(model, spec, self.kv, self.scheduler.kv.kinds, device=device,
                                   threads=StepThreads(device, config), kept=kept)
         self.sampler = Sampler(spec.never_sampled, spec.eos_token_ids)
+        # NOTE: as vLLM, the checkpoint's end ids other than the tokenizer's own end count as stop token ids (Gemma
+        # 3's <end_of_turn>): a choice they end reports them as its `stop_reason`
+        self._named_ends = frozenset(spec.eos_token_ids) - {getattr(tokenizer, "eos_token_id", None)}
         self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids, never=spec.never_sampled)
         self.grammar_step = GrammarStep(self.grammars, device)
         self._states: dict[str, _OutputState] = {}
@@ -246,7 +249,7 @@ class Decoder:
         if finished:
             text += state.detokenizer.flush()
             del self._states[request_id]
-            reason = state.seq.stop_reason(token, state.detokenizer.stop_string)
+            reason = state.seq.stop_reason(token, state.detokenizer.stop_string, self._named_ends)
         return self._output(state, [token], text, finish_reason=state.seq.finish_reason if finished else None,
                             finished=finished, logprobs=None if logprob is None else [logprob], stop_reason=reason)
 

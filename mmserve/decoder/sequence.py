@@ -106,11 +106,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def stop_reason(self, last_token: int, stop_string: str | None) -> str | int | None:
-        """vLLM's `stop_reason` once finished: the stop string found, else the request's own stop token id that
-        ended it, else None (the model's end, a grammar's, or a finish other than "stop")."""
+    def stop_reason(self, last_token: int, stop_string: str | None, named_ends: frozenset[int] = frozenset()
+                    ) -> str | int | None:
+        """vLLM's `stop_reason` once finished: the stop string found, else the stop token id that ended it (the
+        request's own, or one of `named_ends` unless it ignores the model's end), else None (the tokenizer's end,
+        a grammar's, or a finish other than "stop")."""
         if self.finish_reason != "stop":
             return None
         if stop_string is not None:
             return stop_string
-        return last_token if last_token in self.sampling.stop_token_ids else None
+        named = last_token in named_ends and not self.sampling.ignore_eos
+        return last_token if last_token in self.sampling.stop_token_ids or named else None

@@ -185,6 +185,20 @@ def test_stop_string_cuts_text(engine):
     assert (by_id.finish_reason, by_id.stop_reason, by_id.token_ids[-1]) == ("stop", token, token)
 
 
+def test_the_checkpoints_end_of_turn_is_named_as_the_stop_reason_and_the_tokenizers_end_is_not(engine):
+    """As vLLM: generation_config's end ids other than the tokenizer's own count as stop token ids."""
+    from mmserve.decoder.sequence import Sequence
+
+    named = engine.decoder._named_ends
+    tokenizer_end = engine.decoder.tokenizer.eos_token_id
+    assert named and tokenizer_end not in named and set(named) <= set(engine.spec.eos_token_ids)
+    turn = min(named)
+    seq = Sequence("r", [5, 6], SamplingParams(max_tokens=4), finish_reason="stop")
+    assert seq.stop_reason(turn, None, named) == turn and seq.stop_reason(tokenizer_end, None, named) is None
+    ignoring = Sequence("r", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True), finish_reason="stop")
+    assert ignoring.stop_reason(turn, None, named) is None
+
+
 def test_a_stop_string_ends_as_a_stop_on_the_last_token_allowed_and_not_before_min_tokens(engine):
     """As vLLM: a stop string completed by the last token max_tokens allows is still a stop, and one that
     completes within the first min_tokens tokens does not end the text (one that ends later does)."""
