@@ -31,7 +31,7 @@ from deployments.handles import awaited, cancel, hold
 from deployments.metrics_hub import HUB_TIMEOUT_S, MetricsReporter
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api.admission import AdmissionMiddleware, bound
-from mmserve.api.body import check_declared_size, parse_json
+from mmserve.api.body import parse_json
 from mmserve.api.deadline import Deadline
 from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, check_model
@@ -159,7 +159,6 @@ class Ingress:
         self.reporter.ensure_started()
         timing = ServerTiming(self.stage_timing)
         try:
-            check_declared_size(request.headers.get("content-length"), self.max_body_bytes)
             raw = await deadline.wait(failures.read_body(request, self.max_body_bytes))  # a slow drip too
             body = ChatCompletionRequest.model_validate(parse_json(raw))
             served = await deadline.wait(self._served_model())

@@ -22,9 +22,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from deployments.retry import unwrapped
-from mmserve.api.body import read_bounded
+from mmserve.api.body import check_declared_size, drain, read_bounded
 from mmserve.api.errors import error_body, error_headers, route_error_body
-from mmserve.errors import OverloadedError, ReplicaLostError
+from mmserve.errors import OverloadedError, PayloadTooLargeError, ReplicaLostError
 from mmserve.messages import RequestFailed
 from mmserve.runtime.ingress_metrics import RequestStatus
 
@@ -47,9 +47,16 @@ async def route_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request's body, up to `max_bytes` (mmserve.api.body); ClientGone if its client leaves meanwhile."""
+    """The request's body, up to `max_bytes` (mmserve.api.body: PayloadTooLargeError past it, once what is left
+    of a body not far past it has been read and dropped); ClientGone if its client leaves meanwhile."""
+    declared, chunks = request.headers.get("content-length"), request.stream()
     try:
-        return await read_bounded(request.stream(), max_bytes)
+        try:
+            check_declared_size(declared, max_bytes)
+            return await read_bounded(chunks, max_bytes)
+        except PayloadTooLargeError:
+            await drain(chunks, declared, max_bytes)
+            raise
     except CLIENT_LEFT as exc:
         raise ClientGone(f"the client left while its body was read ({type(exc).__name__})") from None
 

@@ -1,7 +1,8 @@
 """A request body as the HTTP edge reads it: bounded in size, then JSON.
 
 Owns: refusing a body over the configured size (413, before reading it when its Content-Length says
-so, else as soon as the bytes read pass the bound) and decoding JSON with a 400 naming what is wrong
+so, else as soon as the bytes read pass the bound; the rest of a body not far past it read and dropped
+first, `drain`) and decoding JSON with a 400 naming what is wrong
 (not JSON, not UTF-8, nested too deep, text that is not valid Unicode). Does not own: what the JSON must
 hold (protocol.py) nor the socket (the ingress hands in the body's chunks).
 """
@@ -14,6 +15,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from mmserve.errors import InvalidRequestError, PayloadTooLargeError
+
+DRAIN_BYTES = 1 << 20  # bytes of a refused body still read before its 413 (bytes)
 
 
 def check_declared_size(content_length: str | None, max_bytes: int) -> None:
@@ -32,6 +35,23 @@ async def read_bounded(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
             raise PayloadTooLargeError(f"the request body is over {max_bytes} bytes, the limit")
         parts.append(chunk)
     return b"".join(parts)
+
+
+async def drain(chunks: AsyncIterator[bytes], declared: str | None, max_bytes: int, limit: int = DRAIN_BYTES) -> None:
+    """Read and drop what is left of a body refused for passing `max_bytes`, unless it declares (Content-Length
+    `declared`) more than `limit` bytes past that bound; at most `limit` bytes more are read.
+
+    NOTE: a server that answers and closes with a body's bytes unread resets the connection, and a client
+    still sending sees the reset, not the 413 (nginx's lingering close reads on for the same reason). A body
+    far past the limit is not read: its sender gets the reset.
+    """
+    if declared is not None and declared.strip().isdigit() and int(declared) - max_bytes > limit:
+        return
+    drained = 0
+    async for chunk in chunks:
+        drained += len(chunk)
+        if drained > limit:
+            return
 
 
 def parse_json(raw: bytes) -> Any:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mmserve.api.body import check_declared_size, parse_json, read_bounded
+from mmserve.api.body import check_declared_size, drain, parse_json, read_bounded
 from mmserve.api.errors import error_body, error_headers
 from mmserve.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, PayloadTooLargeError
 
@@ -28,6 +28,27 @@ def test_a_body_over_the_bound_is_refused_by_header_or_as_it_arrives() -> None:
     assert asyncio.run(read_bounded(chunks(b"a" * 60, b"b" * 40), 100)) == b"a" * 60 + b"b" * 40
     with pytest.raises(PayloadTooLargeError, match="over 100 bytes"):
         asyncio.run(read_bounded(chunks(b"a" * 60, b"b" * 41), 100))
+
+
+@pytest.mark.parametrize(("declared", "left", "read"), [
+    ("150", [b"x" * 50], 50),  # a little past the bound: read to its end before the 413
+    (None, [b"x" * 30] * 3, 90),  # chunked, a little past: the same
+    (None, [b"x" * 30] * 10, 210),  # chunked, far past: read just past the limit's worth more, then no further
+    ("100000", [b"x" * 30] * 10, 0),  # declared far past: not read at all (its sender sees the reset)
+])
+def test_the_rest_of_a_refused_body_not_far_past_the_bound_is_read_first(declared: str | None, left: list[bytes],
+                                                                         read: int) -> None:
+    """A server that answers a 413 and closes with bytes unread resets the connection, and a client still
+    sending gets the reset instead of the 413."""
+    taken: list[int] = []
+
+    async def rest() -> AsyncIterator[bytes]:
+        for part in left:
+            taken.append(len(part))
+            yield part
+
+    asyncio.run(drain(rest(), declared, 100, limit=200))
+    assert sum(taken) == read
 
 
 @pytest.mark.parametrize(("raw", "says"), [
