@@ -9,6 +9,8 @@ hold (protocol.py) nor the socket (the ingress hands in the body's chunks).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -17,6 +19,7 @@ from typing import Any
 from mmserve.errors import InvalidRequestError, PayloadTooLargeError
 
 DRAIN_BYTES = 1 << 20  # bytes of a refused body still read before its 413 (bytes)
+DRAIN_S = 5.0  # the longest a refused body is waited for before its 413 (s)
 
 
 def check_declared_size(content_length: str | None, max_bytes: int) -> None:
@@ -39,7 +42,7 @@ async def read_bounded(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
 
 async def drain(chunks: AsyncIterator[bytes], declared: str | None, max_bytes: int, limit: int = DRAIN_BYTES) -> None:
     """Read and drop what is left of a body refused for passing `max_bytes`, unless it declares (Content-Length
-    `declared`) more than `limit` bytes past that bound; at most `limit` bytes more are read.
+    `declared`) more than `limit` bytes past that bound; at most `limit` bytes more are read, for DRAIN_S at most.
 
     NOTE: a server that answers and closes with a body's bytes unread resets the connection, and a client
     still sending sees the reset, not the 413 (nginx's lingering close reads on for the same reason). A body
@@ -48,10 +51,12 @@ async def drain(chunks: AsyncIterator[bytes], declared: str | None, max_bytes: i
     if declared is not None and declared.strip().isdigit() and int(declared) - max_bytes > limit:
         return
     drained = 0
-    async for chunk in chunks:
-        drained += len(chunk)
-        if drained > limit:
-            return
+    with contextlib.suppress(TimeoutError):  # NOTE: a body declared and not sent gets its 413 all the same
+        async with asyncio.timeout(DRAIN_S):
+            async for chunk in chunks:
+                drained += len(chunk)
+                if drained > limit:
+                    return
 
 
 def parse_json(raw: bytes) -> Any:

@@ -22,7 +22,7 @@ from mmserve.errors import (
     TooManyItemsError,
     UnsupportedURLError,
 )
-from mmserve.messages import ChatRequest, SamplingParams
+from mmserve.messages import ChatRequest, SamplingParams, StructuredOutput
 from mmserve.runtime.shared_cores import HOST
 from tests.unit.test_parity import data_url, make_image
 
@@ -197,6 +197,10 @@ def test_the_checkpoints_end_of_turn_is_named_as_the_stop_reason_and_the_tokeniz
     assert seq.stop_reason(turn, None, named) == turn and seq.stop_reason(tokenizer_end, None, named) is None
     ignoring = Sequence("r", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True), finish_reason="stop")
     assert ignoring.stop_reason(turn, None, named) is None
+    # a grammar's end, which vLLM lets end only on the tokenizer's end token: named by none
+    constrained = Sequence("r", [5, 6], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "a")),
+                           finish_reason="stop")
+    assert constrained.stop_reason(turn, None, named) is None
 
 
 def test_a_stop_string_ends_as_a_stop_on_the_last_token_allowed_and_not_before_min_tokens(engine):

@@ -51,6 +51,24 @@ def test_the_rest_of_a_refused_body_not_far_past_the_bound_is_read_first(declare
     assert sum(taken) == read
 
 
+def test_a_refused_body_that_never_comes_is_waited_for_a_moment_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Declared a little past the bound and never sent: the 413 goes after DRAIN_S, not at the deadline."""
+    from mmserve.api import body
+
+    monkeypatch.setattr(body, "DRAIN_S", 0.1)
+
+    async def never() -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()
+        yield b""
+
+    async def timed() -> float:
+        started = asyncio.get_running_loop().time()
+        await drain(never(), "150", 100, limit=200)
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(asyncio.wait_for(timed(), 5)) < 2
+
+
 @pytest.mark.parametrize(("raw", "says"), [
     (b"", "empty"),
     (b"  \n", "empty"),
