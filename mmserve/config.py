@@ -81,8 +81,8 @@ class ProcessorCacheConfig(_Bounded):
 @dataclass(frozen=True)
 class EncoderConfig(_Bounded):
     cache_capacity_tokens: int = at_least(1, 16384)  # embedding rows the encoder cache may hold (rows)
-    # embedding rows encoded in one encoder step (rows); an item with more is its step's only miss. NOTE: as the
-    # shipped Serve configs: room for a GPU's default batch (max_batch_items) of 256-row crops; 2048 held it to 8
+    # embedding rows encoded in one encoder step (rows); an item with more is its step's only miss. NOTE: the
+    # shipped Serve configs' value: room for a GPU's default batch (max_batch_items, 16) of 256-row crops
     compute_budget_tokens: int = at_least(1, 4096)
     max_batch_items: int | None = at_least(1, None)  # crops per vision forward and step; None = by device
     batch_wait_ms: float | None = at_least(0, None)  # ms the first request of a batch waits; None = by device

@@ -22,10 +22,16 @@ DRAIN_BYTES = 1 << 20  # bytes of a refused body still read before its 413 (byte
 DRAIN_S = 5.0  # the longest a refused body is waited for before its 413 (s)
 
 
+def declared_size(content_length: str | None) -> int | None:
+    """The body's size by its Content-Length header (bytes); None when absent (chunked) or not a number (the
+    HTTP server refuses that itself)."""
+    return int(content_length) if content_length is not None and content_length.strip().isdigit() else None
+
+
 def check_declared_size(content_length: str | None, max_bytes: int) -> None:
     """Raise PayloadTooLargeError if the Content-Length header already says the body is too big."""
-    if content_length is not None and content_length.strip().isdigit() and int(content_length) > max_bytes:
-        raise PayloadTooLargeError(f"the request body is {int(content_length)} bytes; the limit is {max_bytes}")
+    if (size := declared_size(content_length)) is not None and size > max_bytes:
+        raise PayloadTooLargeError(f"the request body is {size} bytes; the limit is {max_bytes}")
 
 
 async def read_bounded(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
@@ -48,7 +54,7 @@ async def drain(chunks: AsyncIterator[bytes], declared: str | None, max_bytes: i
     still sending sees the reset, not the 413 (nginx's lingering close reads on for the same reason). A body
     far past the limit is not read: its sender gets the reset.
     """
-    if declared is not None and declared.strip().isdigit() and int(declared) - max_bytes > limit:
+    if (size := declared_size(declared)) is not None and size - max_bytes > limit:
         return
     drained = 0
     with contextlib.suppress(TimeoutError):  # NOTE: a body declared and not sent gets its 413 all the same

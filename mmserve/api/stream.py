@@ -191,7 +191,7 @@ class ChunkBuilder:
         logprobs = None if pending is None else choice_logprobs(pending)
         token_ids = None if self._unsent_ids is None else self._unsent_ids.pop(index, [])
         choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs, token_ids=token_ids,
-                             stop_reason=out.stop_reason if out.finished else None)
+                             stop_reason=out.stop_reason)  # NOTE: set on a finished output only (the decoder's)
         chunks = [*opening, self._chunk([choice])]
         if out.finished:
             self._done.add(index)

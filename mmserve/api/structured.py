@@ -178,8 +178,8 @@ def _lark(grammar: str | None) -> StructuredOutput | None:
     """A grammar in Lark (llguidance's) or in GBNF (llama.cpp's, which vLLM's default backend takes), as Lark.
 
     NOTE: one that does not convert goes on as it came: `check` refuses it with the parser's reason. The
-    converter is Python, holding the GIL for ~2 µs a character (the ingress's event loop waits meanwhile): GBNF
-    is converted up to MAX_GBNF_CHARS."""
+    converter is Python, holding the GIL for ~2 µs a character (off the ingress's event loop, which still waits
+    for the GIL meanwhile): GBNF is converted up to MAX_GBNF_CHARS."""
     if grammar is None:
         return None
     if len(grammar) <= MAX_GBNF_CHARS and not gbnf_to_lark.is_lark_syntax(grammar):

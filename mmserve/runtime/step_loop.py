@@ -10,8 +10,8 @@ Failure contract: an action's exception fails its request only. A step's excepti
 `request_ids` attribute fails those requests only (the stage has already dropped them), and the outputs it
 carries (`outputs`: what the step finished for others) are delivered as a step's would be; any other
 step exception fails every waiting request and calls `abort_all`, and the loop carries on. A step's outputs
-and failures reach a consumer only once its request's own action (its add) has run: an id opened again right
-after an abort does not receive what a step already under way emits for the old request.
+and failures reach a consumer only once an action submitted for its channel (its add) has run: an id opened
+again right after an abort does not receive what a step or an older action of the old request brings.
 
 Lifetime: `stop()` ends the thread after the step under way and joins it; requests still waiting then
 fail with `StageStopped`, and later submissions fail at once. A loop its owner never stopped is

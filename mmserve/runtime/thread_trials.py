@@ -113,7 +113,6 @@ class ThreadTrials:
             self.period = self.first_period
         return chosen
 
-
     def _current_won_plainly(self, current: int) -> bool:
         """Whether the trial so far has MIN_PAIRS pairs (or more) and `current` won each by DECISIVE past the
         verdict's boundary (`choose`). NOTE: only ever ends a trial that keeps the count: a change needs the
