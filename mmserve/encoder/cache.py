@@ -19,6 +19,12 @@ class EncoderCache:
     def get(self, mm_hash: str) -> torch.Tensor | None:
         return self._tensors.get(mm_hash)
 
+    def get_all(self, hashes: Iterable[str]) -> list[torch.Tensor] | None:
+        """Each entry's tensor, in order, when all are here; else None. Safe beside the thread that puts and drops:
+        one dict lookup per entry, and an entry's tensor is never written again once put."""
+        found = [self._tensors.get(mm_hash) for mm_hash in hashes]
+        return None if any(t is None for t in found) else found  # type: ignore[return-value]
+
     def put(self, mm_hash: str, embeddings: torch.Tensor) -> None:
         if embeddings.dim() != 2:
             raise ValueError(f"expected (num_embeds, hidden) embeddings, got shape {tuple(embeddings.shape)}")

@@ -101,6 +101,12 @@ class EncoderCacheManager:
         self._peak_cached = max(self._peak_cached, self.num_cached_tokens)
         self._add_ref(request_id, mm_hash)
 
+    def touch(self, mm_hash: str) -> None:
+        """An unreferenced entry becomes the newest of the freeable, the last to be evicted (a request found it
+        and was served without holding it); a referenced or unknown one is left as it is."""
+        if mm_hash in self._freeable:
+            self._freeable.move_to_end(mm_hash)
+
     def free_request(self, request_id: str) -> None:
         """Drop every reference of `request_id`; entries left unreferenced stay cached (freeable)."""
         for mm_hash in self._by_request.pop(request_id, {}):

@@ -1,7 +1,8 @@
 """The encoder stage behind an async API: many concurrent callers, one stepping thread.
 
 Owns: turning `encode(request)` calls into queued stage actions, batching arrivals within a short
-window, handing back each request's embeddings, and early encodes (`encode_early`: items encoded into the
+window, handing back each request's embeddings (at once, without waiting for the step under way, when all are
+cached), and early encodes (`encode_early`: items encoded into the
 cache ahead of the request that will ask for them). Does not own: caching or encoding (EncoderStage)
 nor transport (the in-process Engine calls it directly; the Ray Encoder deployment via a handle).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from mmserve.encoder.outputs import Resolver, inline_pixels
 from mmserve.encoder.stage import EncoderStage
@@ -38,6 +40,10 @@ class EncoderService:
         """
         if not features:
             return EncoderOutput(request_id, [])
+        if not early and not self.loop.has_consumer(request_id):  # NOTE: a live id's second call is refused below
+            served = self._from_cache(request_id, features)
+            if served is not None:
+                return served
         self.loop.open(request_id)
         self.loop.submit(request_id, lambda: self.stage.add_request(request_id, features, self.resolve, early))
         try:
@@ -52,6 +58,19 @@ class EncoderService:
             self.abort(request_id)
             raise
         raise RuntimeError(f"encoder stage ended request {request_id} without embeddings")
+
+    def _from_cache(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput | None:
+        """The request answered from the cache alone, without a turn of the step thread (which may be inside a
+        forward for others); None when an item is missing. Its lookups are booked on the step thread later."""
+        started = time.perf_counter()
+        embeddings = self.stage.cached(features)
+        if embeddings is None:
+            return None
+        self.loop.submit(None, lambda: self.stage.note_served(features))
+        dtype = str(embeddings[0].dtype).removeprefix("torch.")
+        timings = (("encoder.stage", (time.perf_counter() - started) * 1e3),)
+        return EncoderOutput(request_id, embeddings, dtype=dtype, timings=timings,
+                             host=cpu_host(self.stage.runner.device.type))
 
     def encode_early(self, request_id: str, features: list[MultiModalFeatureSpec]) -> bool:
         """Start encoding `features` into the cache for a request still on its way here (its own `encode`

@@ -60,6 +60,7 @@ class EncoderStage:
         self._queries = 0
         self._hits = 0
         self._early_found = 0
+        self._served = 0  # lookups of requests served by `cached`, all hits
 
     @classmethod
     def build(
@@ -111,6 +112,29 @@ class EncoderStage:
 
     def has_pending(self) -> bool:
         return bool(self._pending)
+
+    # ---- requests served from the cache alone ----
+
+    def cached(self, features: list[MultiModalFeatureSpec]) -> list[torch.Tensor] | None:
+        """Every item's embeddings when all are cached and none awaits the request an early encode made it for
+        (that one's step is timed for it by `step`); else None. Safe from a thread other than the stepping one:
+        it reads the cache and the early entries' keys only (`EncoderCache.get_all`), and counts its lookups as
+        hits; `note_served` then books its entries' use. Called from one thread at a time.
+
+        NOTE: such a request is served at once instead of after the forward under way and the misses queued
+        before it (strict FIFO is for what needs a forward)."""
+        if any(spec.identifier in self._early for spec in features):
+            return None
+        found = self.cache.get_all(spec.identifier for spec in features)
+        if found is not None:
+            self._served += len(found)  # NOTE: its own counter: one writer (the callers' one thread), none lost
+        return found
+
+    def note_served(self, features: list[MultiModalFeatureSpec]) -> None:
+        """Each entry a `cached` request got becomes the newest of the unreferenced, as a request's hit and
+        hand-out by a step would leave it. On the stepping thread."""
+        for spec in features:
+            self.manager.touch(spec.identifier)
 
     # ---- one step ----
 
@@ -279,8 +303,8 @@ class EncoderStage:
 
     def stats(self) -> EncoderStats:
         return EncoderStats(
-            queries=self._queries,
-            hits=self._hits,
+            queries=self._queries + self._served,
+            hits=self._hits + self._served,
             forward_passes=self.runner.forward_passes,
             items_encoded=self.runner.items_encoded,
             images_encoded=self.runner.images_encoded,

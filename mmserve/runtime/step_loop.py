@@ -77,6 +77,10 @@ class StepLoop:
             raise ValueError(f"request {request_id} already has a consumer in {self.name}")
         self._channels[request_id] = OutputChannel(asyncio.get_running_loop())
 
+    def has_consumer(self, request_id: str) -> bool:
+        """Whether `request_id` has a consumer here (opened, its outputs not closed)."""
+        return request_id in self._channels
+
     def submit(self, request_id: str | None, action: Callable[[], Any]) -> None:
         """Run `action` in the loop thread before the next step; its exception fails `request_id`.
 

@@ -34,6 +34,20 @@ def test_unreferenced_entries_evicted_fifo_in_free_order() -> None:
     assert "d" in m and m.num_cached == 1
 
 
+def test_a_touched_entry_is_evicted_last_and_a_referenced_one_is_left_alone() -> None:
+    m = EncoderCacheManager(capacity_tokens=9, compute_budget_tokens=9)
+    for rid, mm_hash in (("r1", "a"), ("r2", "b"), ("r3", "c")):
+        _alloc(m, rid, mm_hash, 3)
+    m.free_request("r1")
+    m.free_request("r2")
+    m.touch("a")  # served from the cache without a reference
+    m.touch("c")  # referenced (r3): not freeable, nothing to move
+    m.touch("zz")  # unknown: ignored
+    assert m.freeable_order() == ["b", "a"] and m.refcount("c") == 1
+    assert m.can_allocate(3, compute_budget_left=9)
+    assert m.take_freed() == ["b"]
+
+
 def test_referenced_entries_are_never_evicted() -> None:
     m = EncoderCacheManager(capacity_tokens=10, compute_budget_tokens=10)
     _alloc(m, "r1", "a", 6)

@@ -1,4 +1,5 @@
-"""EncoderService's early encodes: started only on an idle stage, found by the request's own call."""
+"""EncoderService: early encodes (started only on an idle stage, found by the request's own call), requests served
+from the cache at once, ids, callers that leave."""
 
 from __future__ import annotations
 
@@ -135,6 +136,67 @@ def test_a_request_id_is_free_again_as_soon_as_its_call_returned() -> None:
             (first,) = (await service.encode("again", [_spec("h", _item(1))])).embeddings
             (second,) = (await service.encode("again", [_spec("h", _item(1))])).embeddings  # no turn in between
             assert torch.equal(first, second)
+        finally:
+            service.stop()
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_items_are_cached_is_served_during_a_forward_for_others() -> None:
+    """Strict FIFO is for what needs a forward: a request all of whose items are cached does not wait for the
+    forward under way (one crop takes ~200 ms on a CPU) nor for misses queued before it."""
+    inside, release, slow = held_vision()
+
+    async def run() -> None:
+        store = Store()
+        store.items.update(k=_item(1), j=_item(2), m=_item(3))
+        service = EncoderService(_stage(slow), resolve=store.resolve)
+        stage = service.stage
+        try:
+            release.set()
+            (first,) = (await service.encode("r0", [_spec("h", "k")])).embeddings  # now cached
+            release.clear()
+            inside.clear()
+            busy = asyncio.ensure_future(service.encode("r1", [_spec("g", "j")]))  # a miss, in its forward
+            while not inside.is_set():
+                await asyncio.sleep(0.005)
+            queued = asyncio.ensure_future(service.encode("r2", [_spec("f", "m")]))  # a miss behind it
+            await asyncio.sleep(0.02)
+            served = await asyncio.wait_for(service.encode("r3", [_spec("h", "k"), _spec("h", "k")]), 1)
+            assert not busy.done() and not queued.done()
+            assert [e.data_ptr() for e in served.embeddings] == [first.data_ptr()] * 2  # the cache's own tensor
+            assert served.dtype == "float32" and [name for name, _ in served.timings] == ["encoder.stage"]
+            release.set()
+            await asyncio.wait_for(asyncio.gather(busy, queued), 10)
+            stats = stage.stats()
+            assert (stats.queries, stats.hits, stats.forward_passes) == (5, 2, 3)  # its lookups booked as hits
+            assert stage.manager.referencing_requests() == []
+            assert stage.manager.freeable_order()[-1] != "h"  # r1's and r2's items were freed after it...
+            assert stage.manager.freeable_order().index("h") > 0  # ...but it moved past r0's turn: touched
+        finally:
+            release.set()
+            service.stop()
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_items_are_partly_cached_or_made_early_takes_the_step() -> None:
+    async def run() -> None:
+        store = Store()
+        store.items.update(k=_item(1), j=_item(2))
+        service = EncoderService(_stage(), resolve=store.resolve)
+        try:
+            await service.encode("r0", [_spec("h", "k")])
+            await service.encode("r1", [_spec("h", "k"), _spec("g", "j")])  # one miss: the step's
+            assert service.stage.stats().forward_passes == 2
+            assert service.encode_early("r2/early", [_spec("e", "k")])
+            while service.stage.stats().forward_passes < 3:
+                await asyncio.sleep(0.005)
+            while service.loop.busy():
+                await asyncio.sleep(0.005)
+            assert service.stage.cached([_spec("e", "k")]) is None  # made early for a request still to come
+            await service.encode("r2", [_spec("e", "k")])
+            assert service.stage.stats().early_found == 1
         finally:
             service.stop()
 
