@@ -95,13 +95,13 @@ class ProcessorCacheStore:
         """The entry with content hash `key`; with `source`, the second look of that source's query (a hit
         remembers it)."""
         self.reporter.ensure_started()
-        item = self.cache.get(key) if source is None else self.cache.get_linked(key, source)
+        item = self.cache.get(key, hit=False) if source is None else self.cache.get_linked(key, source, hit=False)
         return StoreLookup(self.epoch, await self.keeper.kept(key, item, counted=True), key)
 
     async def lookup_source(self, source: str) -> StoreLookup:
         """The entry the bytes with source key `source` gave, and its content hash."""
         self.reporter.ensure_started()
-        found = self.cache.get_source(source)
+        found = self.cache.get_source(source, hit=False)
         if found is None or (kept := await self.keeper.kept(*found, counted=True)) is None:
             return StoreLookup(self.epoch, None)
         return StoreLookup(self.epoch, kept, found[0])

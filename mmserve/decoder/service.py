@@ -277,8 +277,10 @@ class DecoderService:
         return self.loop.busy()
 
     def stats(self) -> DecoderStats:
-        """The decoder's figures and this service's cache of embeddings."""
-        return replace(self.decoder.stats(), embedding_cache=self.embeddings.stats())
+        """The decoder's figures, with the requests still arriving among the waiting (as `max_waiting_requests`
+        counts them), and this service's cache of embeddings."""
+        stats = self.decoder.stats()
+        return replace(stats, waiting=stats.waiting + self._arriving, embedding_cache=self.embeddings.stats())
 
     def check_health(self, stuck_after_s: float | None = None) -> None:
         self.loop.check_health(stuck_after_s)

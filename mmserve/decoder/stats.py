@@ -13,7 +13,7 @@ from mmserve.decoder.embedding_cache import EmbeddingCacheStats
 @dataclass(frozen=True)
 class DecoderStats:
     running: int  # sequences holding KV blocks (requests)
-    waiting: int  # sequences queued or preempted (requests)
+    waiting: int  # sequences queued or preempted, and requests hashed or awaiting embeddings before that (requests)
     free_blocks: int  # KV pages in the pool (pages: one layer's block each)
     total_blocks: int  # KV pages overall (pages)
     steps: int  # forwards run since start (steps)

@@ -114,25 +114,30 @@ class ProcessorCache:
     def from_config(cls, config: ProcessorCacheConfig, storage: CacheStorage | None = None) -> ProcessorCache:
         return cls(config.capacity_bytes, storage)
 
-    def get_handle(self, key: str, *, counted: bool = True) -> Any | None:
+    def get_handle(self, key: str, *, counted: bool = True, hit: bool = True) -> Any | None:
         """The storage handle for `key` (marking it most recently used), or None on a miss; `counted`
-        False for the second look of a query already counted."""
+        False for the second look of a query already counted; `hit` False when the caller counts the hit
+        itself (`count_hit`) once it knows the item can be read.
+
+        NOTE: a hit is never taken back: the counters are exported as Prometheus counters, which must not go
+        down (a decrease reads as a restart, and `rate()` adds the whole count again)."""
         with self._lock:
             self._queries += counted
             entry = self._index.get(key)
             if entry is None:
                 return None
-            self._hits += 1
+            self._hits += hit
             self._index.move_to_end(key)
             return entry.handle
 
-    def unhit(self) -> None:
-        """Take back one counted hit whose item the caller then found gone: that query missed after all."""
+    def count_hit(self) -> None:
+        """Count the hit of a lookup made with `hit=False` whose item the caller could read."""
         with self._lock:
-            self._hits = max(0, self._hits - 1)
+            self._hits += 1
 
-    def get_source(self, source: str) -> tuple[str, CachedItem] | None:
-        """(content hash, item) last stored or found under the source key `source`; counts a query."""
+    def get_source(self, source: str, *, hit: bool = True) -> tuple[str, CachedItem] | None:
+        """(content hash, item) last stored or found under the source key `source`; counts a query (and its
+        hit unless `hit` is False: see `get_handle`)."""
         with self._lock:
             key = self._sources.get(source)
             if key is not None and key not in self._index:  # its item was evicted meanwhile
@@ -142,13 +147,13 @@ class ProcessorCache:
                 self._queries += 1
                 return None
             self._sources.move_to_end(source)
-        handle = self.get_handle(key)
+        handle = self.get_handle(key, hit=hit)
         return None if handle is None else (key, self._storage.get(handle))
 
-    def get_linked(self, key: str, source: str) -> CachedItem | None:
+    def get_linked(self, key: str, source: str, *, hit: bool = True) -> CachedItem | None:
         """The second look of the query `get_source(source)` missed: by content hash (not counted again as a
-        query); a hit remembers `source` for the next time."""
-        handle = self.get_handle(key, counted=False)
+        query); a hit remembers `source` for the next time (and is counted unless `hit` is False)."""
+        handle = self.get_handle(key, counted=False, hit=hit)
         if handle is None:
             return None
         self.link(source, key)
@@ -180,8 +185,8 @@ class ProcessorCache:
             entry = self._index.get(key)
         return None if entry is None else self._storage.get(entry.handle)
 
-    def get(self, key: str) -> CachedItem | None:
-        handle = self.get_handle(key)
+    def get(self, key: str, *, hit: bool = True) -> CachedItem | None:
+        handle = self.get_handle(key, hit=hit)
         return None if handle is None else self._storage.get(handle)
 
     def store(self, key: str, item: ProcessedItem, source: str | None = None) -> ProcessedItem:

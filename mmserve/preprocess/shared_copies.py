@@ -77,7 +77,13 @@ class Keeper:
                    wait_s: float | None = KEEP_WAIT_S) -> StoredItem | None:
         """`item` (the entry for `key`) as the store's own copy, made now if it is still its maker's; None on a
         miss, if the maker's object is gone (the entry is dropped), or if the copy takes over `wait_s` (it goes
-        on). `counted`: the lookup counted a hit, taken back when the answer is a miss."""
+        on). `counted`: a request's lookup (made with `hit=False`), whose hit is counted here when it is one."""
+        found = await self._kept(key, item, wait_s)
+        if found is not None and counted:
+            self.cache.count_hit()
+        return found
+
+    async def _kept(self, key: str, item: CachedItem | None, wait_s: float | None) -> StoredItem | None:
         if not isinstance(item, StoredItem):
             return None
         if item.kept:
@@ -90,8 +96,6 @@ class Keeper:
                 kept = await asyncio.wait_for(asyncio.shield(copy.future), wait_s)
             except TimeoutError:
                 copy.late, kept = True, None
-        if kept is None and counted:
-            self.cache.unhit()
         return kept
 
     def made_by(self, maker: str) -> list[str]:

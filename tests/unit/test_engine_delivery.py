@@ -57,6 +57,31 @@ def test_a_full_waiting_queue_refuses_at_once_and_the_rest_complete(tiny_ckpt_22
         assert after.finish_reason in ("stop", "length")
 
 
+def test_a_request_awaiting_its_embeddings_counts_among_the_waiting(engine, monkeypatch):
+    """As `decoder.max_waiting_requests` counts it: the gauge of waiting requests is not 0 while the encoder is
+    the bottleneck and the decoder refuses for its waiting requests."""
+    async def run() -> None:
+        gate, real = asyncio.Event(), engine.encoder_service.encode
+
+        async def held(request_id: str, features: Any, early: bool = False) -> Any:
+            await gate.wait()
+            return await real(request_id, features, early)
+
+        monkeypatch.setattr(engine.encoder_service, "encode", held)
+        before = engine.stats().decoder.waiting
+        new_image = data_url(make_image(320, 240, seed=4711))  # not in any cache: its embeddings are asked for
+        task = asyncio.ensure_future(collect(engine, chat("w1", new_image, max_tokens=2)))
+        async with asyncio.timeout(30):
+            while engine.stats().decoder.waiting == before:
+                await asyncio.sleep(0.005)
+        assert engine.stats().decoder.waiting == before + 1 and not task.done()
+        gate.set()
+        outs = await asyncio.wait_for(task, 30)
+        assert outs[-1].finished and engine.stats().decoder.waiting == before
+
+    asyncio.run(run())
+
+
 # a new image's in process, where the cache answers each lookup at once: the work after each lookup
 IMAGE_PHASES = ("preprocess.image_read", "preprocess.image_lookup", "preprocess.image_decode", "preprocess.image_hash",
                 "preprocess.image_lookup", "preprocess.image_process", "preprocess.image_store")
