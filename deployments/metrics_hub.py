@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -36,8 +37,9 @@ class MetricsHub:
     def __init__(self) -> None:
         self.board = MetricsBoard()
 
-    def report(self, source: str, snapshot: MetricsSnapshot, final: bool = False) -> None:
-        self.board.report(source, snapshot, final)
+    def report(self, source: str, snapshot: MetricsSnapshot, final: bool = False, seq: int | None = None,
+               began: float | None = None) -> None:
+        self.board.report(source, snapshot, final, seq=seq, began=began)
 
     def collect(self) -> MetricsSnapshot:
         return self.board.collect()
@@ -51,6 +53,8 @@ class MetricsReporter:
         self.source = f"{deployment}#{context.replica_id.unique_id}"
         self.hub, self.snapshot, self.interval_s = hold(hub), snapshot, interval_s
         self.mirror = _RayMirror(deployment)
+        self.began = time.time()  # when its counts began, near enough: no request is served before (s, wall clock)
+        self._seq = 0  # pushes made; each carries its number, so that the hub drops one that lands late
         self._task: asyncio.Task | None = None
         # NOTE: one push at a time (the loop's and a GET /metrics' may overlap): the mirror turns successive
         # snapshots into increments, and an older one applied after a newer one counted the gap twice
@@ -87,7 +91,9 @@ class MetricsReporter:
         """This replica's snapshot to the hub (TimeoutError past HUB_TIMEOUT_S), then into Ray's metrics."""
         async with self._pushing:
             snapshot = merge([self.snapshot(), resident_memory_snapshot(self.source)])
-            await asyncio.wait_for(awaited(self.hub.report.remote(self.source, snapshot, final)), HUB_TIMEOUT_S)
+            self._seq += 1
+            sent = self.hub.report.remote(self.source, snapshot, final, seq=self._seq, began=self.began)
+            await asyncio.wait_for(awaited(sent), HUB_TIMEOUT_S)
             self.mirror.update(snapshot)
 
     async def _loop(self) -> None:

@@ -9,6 +9,7 @@ one from a method call); `merge` over replicas. Does not own: what the ingress o
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # NOTE: type-only, so the ingress can import this module with
     from mmserve.engine import EngineStats
     from mmserve.preprocess.processor_cache import ProcessorCacheStats
 
+log = logging.getLogger(__name__)
 MetricKind = Literal["counter", "gauge", "histogram"]
 LabelValues = tuple[str, ...]
 
@@ -190,7 +192,8 @@ def encoder_snapshot(stats: EncoderStats) -> MetricsSnapshot:
 def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
     return snapshot_of(
         gauge("mmserve_decoder_running_requests", "Sequences holding KV blocks.", stats.running),
-        gauge("mmserve_decoder_waiting_requests", "Sequences queued or preempted.", stats.waiting),
+        gauge("mmserve_decoder_waiting_requests",
+              "Sequences queued or preempted, and requests awaiting their embeddings before that.", stats.waiting),
         gauge("mmserve_decoder_kv_blocks_free", "Free KV cache pages (one layer's block each).", stats.free_blocks),
         gauge("mmserve_decoder_kv_blocks", "KV cache pages overall (blocks x layers).", stats.total_blocks),
         gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
@@ -233,18 +236,49 @@ def engine_snapshot(stats: EngineStats) -> MetricsSnapshot:
 
 
 def merge(snapshots: Iterable[MetricsSnapshot]) -> MetricsSnapshot:
-    """Sum over replicas: counters, gauges (running, waiting and bytes add up) and histogram buckets."""
+    """Sum over replicas: counters, gauges (running, waiting and bytes add up) and histogram buckets.
+
+    NOTE: a metric whose kind or labels differ between snapshots (two versions side by side in a rolling
+    update) is taken from the later snapshot alone, logged: refusing would fail every scrape until the old
+    version's counts were retired, and the later snapshots are the newer replicas' (and the gone ones' sum first).
+    """
     merged: dict[str, Metric] = {}
     for snap in snapshots:
         for name, metric in snap.metrics.items():
             seen = merged.get(name)
+            if seen is not None and (seen.kind, seen.labels) != (metric.kind, metric.labels):
+                log.warning("metric %s is a %s%s in one replica and a %s%s in another: the latter kept",
+                            name, seen.kind, seen.labels, metric.kind, metric.labels)
+                seen = None
             merged[name] = metric if seen is None else _add(seen, metric)
     return MetricsSnapshot(merged)
 
 
+def since(snapshot: MetricsSnapshot, base: MetricsSnapshot) -> MetricsSnapshot:
+    """`snapshot`'s counts since `base` (an earlier snapshot of the same source): counters and histograms less
+    the base's (never below zero), gauges as they are; a metric whose kind or labels changed is kept whole."""
+    out: dict[str, Metric] = {}
+    for name, metric in snapshot.metrics.items():
+        old = base.metrics.get(name)
+        if metric.kind == "gauge" or old is None or (old.kind, old.labels) != (metric.kind, metric.labels):
+            out[name] = metric
+            continue
+        values = {key: value if key not in old.values else _less(value, old.values[key])
+                  for key, value in metric.values.items()}
+        out[name] = Metric(metric.name, metric.kind, metric.help, metric.labels, values)
+    return MetricsSnapshot(out)
+
+
+def _less(value: Value, base: Value) -> Value:
+    if isinstance(value, HistogramValue) and isinstance(base, HistogramValue) and base.bounds == value.bounds:
+        counts = tuple(max(0, a - b) for a, b in zip(value.counts, base.counts, strict=True))
+        return HistogramValue(value.bounds, counts, max(0.0, value.sum - base.sum))
+    if isinstance(value, float | int) and isinstance(base, float | int):
+        return max(0.0, value - base)
+    return value
+
+
 def _add(a: Metric, b: Metric) -> Metric:
-    if (a.kind, a.labels) != (b.kind, b.labels):
-        raise ValueError(f"{a.name}: cannot merge {a.kind}{a.labels} with {b.kind}{b.labels}")
     values = dict(a.values)
     for key, value in b.values.items():
         old = values.get(key)

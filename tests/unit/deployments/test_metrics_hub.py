@@ -43,7 +43,7 @@ def test_overlapping_pushes_mirror_each_increment_once(monkeypatch: pytest.Monke
         def __init__(self) -> None:
             self.delays = iter([0.05, 0.0, 0.0])
 
-        async def _report(self, source: str, snapshot: MetricsSnapshot, final: bool = False) -> None:
+        async def _report(self, source: str, snapshot: MetricsSnapshot, final: bool = False, **order: Any) -> None:
             await asyncio.sleep(next(self.delays))
 
         @property
@@ -54,6 +54,7 @@ def test_overlapping_pushes_mirror_each_increment_once(monkeypatch: pytest.Monke
     reporter.source, reporter.hub = "Decoder#1", Hub()
     reporter.snapshot = lambda: snapshot_of(Metric("mmserve_requests_total", "counter", "", (), {(): next(total)}))
     reporter.mirror, reporter._pushing = metrics_hub._RayMirror("Decoder"), asyncio.Lock()
+    reporter._seq, reporter.began = 0, 0.0
 
     async def run() -> None:
         await asyncio.gather(reporter.push(), reporter.push())
@@ -69,7 +70,7 @@ class SilentHub:
     def __init__(self) -> None:
         self.answering, self.reports = False, list[tuple[str, bool]]()
 
-    async def _report(self, source: str, snapshot: MetricsSnapshot, final: bool = False) -> None:
+    async def _report(self, source: str, snapshot: MetricsSnapshot, final: bool = False, **order: Any) -> None:
         if not self.answering:
             await asyncio.Event().wait()
         self.reports.append((source, final))
@@ -84,6 +85,7 @@ def _reporter(hub: Any) -> metrics_hub.MetricsReporter:
     reporter.source, reporter.hub, reporter._task = "Ingress#1", hub, None
     reporter.snapshot = lambda: _snap(1, 0)
     reporter.mirror, reporter._pushing = metrics_hub._RayMirror("Ingress"), asyncio.Lock()
+    reporter._seq, reporter.began = 0, 0.0
     return reporter
 
 

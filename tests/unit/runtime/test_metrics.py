@@ -24,6 +24,8 @@ from mmserve.runtime.metrics import (
     merge,
     preprocess_snapshot,
     processor_cache_snapshot,
+    since,
+    snapshot_of,
 )
 from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 
@@ -198,11 +200,23 @@ def test_shared_cache_reported_apart_from_replicas() -> None:
     assert merged.value("mmserve_processor_cache_bytes") == 70
 
 
-def test_merge_refuses_mismatches() -> None:
+def test_a_metric_whose_labels_differ_between_replicas_is_taken_from_the_later_one(caplog) -> None:
+    """Two versions side by side in a rolling update must not fail every scrape."""
     a = MetricsSnapshot({"x_total": Metric("x_total", "counter", "h", (), {(): 1.0})})
-    b = MetricsSnapshot({"x_total": Metric("x_total", "counter", "h", ("k",), {("v",): 1.0})})
-    with pytest.raises(ValueError, match="cannot merge"):
-        merge([a, b])
+    b = MetricsSnapshot({"x_total": Metric("x_total", "counter", "h", ("k",), {("v",): 2.0})})
+    c = MetricsSnapshot({"x_total": Metric("x_total", "counter", "h", ("k",), {("v",): 3.0})})
+    merged = merge([a, b, c])
+    assert merged.metrics["x_total"].labels == ("k",) and merged.value("x_total", "v") == 5.0
+    assert "x_total" in caplog.text
+
+
+def test_since_subtracts_counts_and_keeps_gauges() -> None:
+    def snap(n: float, gauge: float, counts: tuple[int, ...]) -> MetricsSnapshot:
+        return snapshot_of(Metric("x_total", "counter", "h", (), {(): n}), Metric("g", "gauge", "h", (), {(): gauge}),
+                           Metric("h_seconds", "histogram", "h", (), {(): HistogramValue((1.0,), counts, 3.0 * n)}))
+    later = since(snap(10, 4, (5, 7)), snap(4, 9, (2, 3)))
+    assert later.value("x_total") == 6 and later.value("g") == 4
+    assert later.value("h_seconds") == HistogramValue((1.0,), (3, 4), 18.0)
 
 
 def test_histograms_of_other_bounds_merge_on_the_bounds_they_share() -> None:

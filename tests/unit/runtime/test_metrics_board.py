@@ -41,6 +41,30 @@ def test_a_source_that_says_it_is_going_is_retired_at_once_with_its_last_counts(
     assert board.collect().value("mmserve_requests_total") == 13
 
 
+def test_a_report_that_lands_after_a_later_one_is_dropped() -> None:
+    """A push that timed out may still reach the hub after the next one: counters must not go back."""
+    board = MetricsBoard()
+    board.report("Decoder#a", _snap(5, 2), seq=2)
+    board.report("Decoder#a", _snap(4, 3), seq=1)
+    assert board.collect().value("mmserve_requests_total") == 5
+    board.report("Decoder#a", _snap(6, 1), seq=3)
+    assert board.collect().value("mmserve_requests_total") == 6
+
+
+def test_a_replaced_board_counts_older_sources_from_their_first_report_there() -> None:
+    """A hub replaced (an edit of the app's arguments replaces every replica) starts its counters again from zero,
+    as a restarted exporter does, instead of falling and then jumping back by every replica's lifetime count."""
+    board = MetricsBoard(began=1000.0)
+    board.report("Decoder#old", _snap(500, 2), began=900.0)  # counting since before this board
+    board.report("Decoder#new", _snap(3, 1), began=1001.0)  # started after it: all of its counts are new here
+    merged = board.collect()
+    assert merged.value("mmserve_requests_total") == 3 and merged.value("mmserve_decoder_running_requests") == 3
+    board.report("Decoder#old", _snap(510, 1), began=900.0)
+    assert board.collect().value("mmserve_requests_total") == 13
+    board.report("Decoder#old", _snap(512, 0), final=True, began=900.0)  # retired with its counts here
+    assert board.collect().value("mmserve_requests_total") == 15
+
+
 def test_reports_and_collects_from_many_threads_at_once_neither_fail_nor_count_twice() -> None:
     import sys
     import threading
