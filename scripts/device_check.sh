@@ -2,13 +2,16 @@
 # The checks that need a GPU, as one command for a lent device machine (issue 16's device part), in two parts
 # for one call each (`bash scripts/device_check.sh tiny`, then `... 4b`; no argument runs both):
 #   tiny (~5 min on an H100 after the machine's start):
+#   - every decoder step waits for the device once (tests/unit/test_cuda_step.py), first: a broken CUDA path shows
+#     within a minute,
 #   - the parity suite against transformers with the engine on CUDA (tiny checkpoints; the oracle on the CPU),
-#   - every decoder step waits for the device once (tests/unit/test_cuda_step.py),
-#   - the meta-device tests and the sampler's and attention's accelerator paths, run on the GPU's host;
+#   - the attention's batched groups on CUDA in float32 and bfloat16 (the served dtype's kernels) against a
+#     dense float32 reference;
 #   4b (~7 min; 17 GB of disk in the checkpoint cache, ~40 GB of GPU memory at its peak):
 #   - a random-weight checkpoint of gemma-3-4b's sizes, built (scripts/bench_lib/checkpoint.py),
-#   - parity on it, all cases batched and chunked, its oracle on the GPU too (float32, TF32 off),
-#   - the step benchmark on it in bfloat16, both systems on the GPU (scripts/bench_step.py).
+#   - the step benchmark on it in bfloat16, both systems on the GPU (scripts/bench_step.py),
+#   - parity on it, all cases batched and chunked, its oracle on the GPU too (float32, TF32 off).
+# Each part runs under a time limit of its own, so that a hang costs that part only; each test under 240 s.
 # Logs go to $OUT (or ./device-out).
 #
 # The device image has torch, transformers, safetensors, tokenizers, pillow and numpy, not llguidance:
@@ -23,7 +26,7 @@ cd "$(dirname "$0")/.."
 part=${1:-all}
 case "$part" in
   tiny|4b|4b-parity|4b-step|all) ;;
-  *) echo "unknown part '$part': tiny, 4b (4b-parity then 4b-step), or all" >&2; exit 2 ;;
+  *) echo "unknown part '$part': tiny, 4b (4b-step then 4b-parity), or all" >&2; exit 2 ;;
 esac
 out=${OUT:-device-out}
 mkdir -p "$out"
@@ -37,18 +40,24 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$out/env.log"
+# NOTE: every test and the benchmark import the grammar engine: without it all would fail after their loads
+python3 -c "import llguidance" 2>> "$out/env.log" || { echo "llguidance is missing: carry .whl (above)" | tee -a "$out/env.log"; exit 1; }
 stamp() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$out/parts.log"; }
+tests() {  # tests() LIMIT_S LOG ARGS...: pytest under a wall-clock limit, each test under 240 s
+  local limit=$1 log=$2; shift 2
+  timeout -k 10 "$limit" python3 -m pytest -q -p no:cacheprovider -o addopts="" -o timeout=240 "$@" 2>&1 | tee "$out/$log"
+}
 status=0
 if [ "$part" = tiny ] || [ "$part" = all ]; then
   stamp tiny
+  tests 120 cuda-step.log tests/unit/test_cuda_step.py || status=1
   # NOTE: the matmul-form and weight-layout cases are the CPU's (oneDNN packing); everything else runs on CUDA
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_cuda_step.py tests/unit/test_parity.py \
-    tests/unit/test_prefix_parity.py -k "not matmul_form and not relaid" 2>&1 | tee "$out/parity.log" || status=1
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_meta_device.py \
-    tests/unit/decoder/test_sampler.py tests/unit/decoder/test_attention_groups.py 2>&1 | tee "$out/host.log" || status=1
+  tests 300 parity.log tests/unit/test_parity.py tests/unit/test_prefix_parity.py \
+    -k "not matmul_form and not relaid" || status=1
+  tests 60 attention.log tests/unit/decoder/test_attention_groups.py -k test_device || status=1
 fi
-# NOTE: 4b in one call may pass a call's 10 minutes on a bare machine (the build writes 17 GB): then 4b-parity and
-# 4b-step in two calls of one warm machine, the second reusing the checkpoint the first built
+# NOTE: 4b in one call may pass a call's 10 minutes on a bare machine (the build writes 17 GB): then 4b-step and
+# 4b-parity in two calls of one warm machine (it is given back after 30 s idle), the second reusing the checkpoint
 if [ "$part" != tiny ]; then
   stamp "4b: the checkpoint"
   # ${TEXT_LAYERS:-}: fewer decoder layers, for a dry run on a CPU (6 keeps one full-attention layer)
@@ -57,15 +66,15 @@ if [ "$part" != tiny ]; then
 print(bench_checkpoint('gemma-3-4b'$layers))" 2> "$out/build-4b.log" | tail -n 1) && [ -d "$ckpt" ] \
     || { cat "$out/build-4b.log"; exit 1; }
 fi
-if [ "$part" = 4b ] || [ "$part" = 4b-parity ] || [ "$part" = all ]; then
-  stamp "4b: parity"
-  MMSERVE_TEST_PARITY_CHECKPOINT=$ckpt python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-    tests/unit/test_parity.py -k "concurrent or chunked" 2>&1 | tee "$out/parity-4b.log" || status=1
-fi
 if [ "$part" = 4b ] || [ "$part" = 4b-step ] || [ "$part" = all ]; then
   stamp "4b: the step benchmark"
-  python3 scripts/bench_step.py --checkpoint gemma-3-4b ${TEXT_LAYERS:+--text-layers $TEXT_LAYERS} \
+  timeout -k 10 360 python3 scripts/bench_step.py --checkpoint gemma-3-4b ${TEXT_LAYERS:+--text-layers $TEXT_LAYERS} \
     --device "$MMSERVE_TEST_DEVICE" --dtype bfloat16 --rounds 1 --out "$out" 2>&1 | tee "$out/step-4b.log" || status=1
+fi
+if [ "$part" = 4b ] || [ "$part" = 4b-parity ] || [ "$part" = all ]; then
+  stamp "4b: parity"
+  MMSERVE_TEST_PARITY_CHECKPOINT=$ckpt tests 300 parity-4b.log tests/unit/test_parity.py -k "concurrent or chunked" \
+    || status=1
 fi
 stamp done
 exit $status

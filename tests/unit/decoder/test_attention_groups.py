@@ -16,6 +16,7 @@ from mmserve.decoder.block_pool import BlockPool
 from mmserve.decoder.kv_blocks import KVBlockManager
 from mmserve.decoder.kv_cache import KVCache
 from mmserve.models.base import FULL, SLIDING, AttentionPattern, ModelSpec
+from tests.device import TEST_DEVICE
 from tests.numerics import assert_close_ulps
 
 WINDOW, BLOCK = 5, 4
@@ -62,31 +63,54 @@ def test_decodes_share_one_group_and_each_prefill_chunk_has_its_own() -> None:
 def test_grouped_attention_equals_each_sequence_alone(expanded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE: `repeated_heads` is an accelerator's form of a masked GQA chunk (`expands_masked_gqa`), run here
     monkeypatch.setattr(attention, "expands_masked_gqa", lambda device: expanded)
+    for out, expected in _grouped_against_alone(torch.device("cpu"), torch.float32):
+        # NOTE: batched, padded and sliced against dense: other SDPA kernels sum the softmax and the
+        # weighted values (<= 9 keys, O(1) values) in another order; a few roundings each, 32 ulps.
+        assert_close_ulps(out, expected, ulps=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_grouped_attention_on_the_test_device_in_each_dtype(dtype: torch.dtype) -> None:
+    """The served dtype's kernels (on a GPU: flash attention for unmasked chunks, the memory-efficient one with
+    additive masks over strided pages) against the float32 dense reference on the CPU."""
+    device = torch.device(TEST_DEVICE)
+    # NOTE: bfloat16 keeps 8 significant bits: its inputs alone are off by 2^-9 relative, values O(1)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (4e-2, 2e-2)
+    for out, expected in _grouped_against_alone(device, dtype):
+        torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
+
+
+def _grouped_against_alone(device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(the batched step's output, the dense float32 reference on the CPU) of each sequence of SEQS and layer:
+    their keys, values and queries drawn in float32 on the CPU, the step run on `device` in `dtype`."""
     gen = torch.Generator().manual_seed(0)
-    kv, manager = _cache()
+    kv, manager = _cache(device, dtype)
     steps, history = [], []
     for start, n, images in SEQS:
         runs = runs_of(start + n, images) if images is not None else None
         steps.append(_step(manager, start, n, runs))
         keys = torch.randn(2, start + n, KV_HEADS, DIM, generator=gen)  # (layers, positions, kv, d)
         values = torch.randn(2, start + n, KV_HEADS, DIM, generator=gen)
+        # NOTE: the reference sees the values the cache holds (rounded to `dtype`), so only the kernels differ
+        keys, values = keys.to(dtype).float(), values.to(dtype).float()
         history.append((keys, values))
         _write_past(kv, manager, steps[-1], keys, values)
     t = sum(n for _, n, _ in SEQS)
-    q = torch.randn(t, HEADS, DIM, generator=gen)  # (T, heads, head_dim)
-    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"), torch.float32)
+    q = torch.randn(t, HEADS, DIM, generator=gen).to(dtype).float()  # (T, heads, head_dim)
+    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, device, dtype)
+    pairs = []
     for layer, kind in enumerate(PATTERN.layer_kinds):
         new_k = torch.cat([k[layer, s.start :] for s, (k, _) in zip(steps, history, strict=True)])
         new_v = torch.cat([v[layer, s.start :] for s, (_, v) in zip(steps, history, strict=True)])
-        out = paged_attention(q, new_k, new_v, kv, meta, layer, PATTERN).view(t, HEADS, DIM)  # (T, heads, head_dim)
+        q_on, k_on, v_on = (x.to(device=device, dtype=dtype) for x in (q, new_k, new_v))
+        out = paged_attention(q_on, k_on, v_on, kv, meta, layer, PATTERN)
+        out = out.view(t, HEADS, DIM)  # (T, heads, head_dim)
         offset = 0
         for s, (keys, values) in zip(steps, history, strict=True):
             rows = slice(offset, offset + s.num_new)
-            expected = _reference(q[rows], keys[layer], values[layer], s, kind)
-            # NOTE: batched, padded and sliced against dense: other SDPA kernels sum the softmax and the
-            # weighted values (<= 9 keys, O(1) values) in another order; a few roundings each, 32 ulps.
-            assert_close_ulps(out[rows], expected, ulps=32)
+            pairs.append((out[rows], _reference(q[rows], keys[layer], values[layer], s, kind)))
             offset += s.num_new
+    return pairs
 
 
 def test_a_lone_decode_equals_the_dense_reference_at_every_position() -> None:
@@ -116,8 +140,9 @@ def test_a_sliding_layer_reads_only_its_window_far_into_a_sequence() -> None:
     assert hi - lo == WINDOW and sliding.pages[0].shape[0] <= 2 and sliding.mask is None
 
 
-def _cache() -> tuple[KVCache, KVBlockManager]:
-    kv = KVCache(SPEC, DecoderConfig(block_size=BLOCK, num_blocks=32), dtype=torch.float32, device=torch.device("cpu"))
+def _cache(device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> tuple[KVCache, KVBlockManager]:
+    config = DecoderConfig(block_size=BLOCK, num_blocks=32)
+    kv = KVCache(SPEC, config, dtype=dtype, device=device or torch.device("cpu"))
     return kv, KVBlockManager(BlockPool(kv.num_pages), PATTERN, BLOCK)
 
 
