@@ -124,7 +124,10 @@ def _check_options(parsed: ParsedMessages, options: TemplateOptions) -> None:
                                   "add_generation_prompt to false to continue the final message",
                                   param="continue_final_message")
     content = parsed.template_messages[-1]["content"]
-    if not isinstance(content, str) and not any(part["type"] == "text" for part in content):
+    texts = [content] if isinstance(content, str) else [part["text"] for part in content if part["type"] == "text"]
+    # NOTE: blank text too: the template trims it, and the cut after it would take the turn header's newline with
+    # it (transformers refuses an empty string, and with blank text ends the prompt inside the header as well)
+    if not any(text.strip() for text in texts):
         raise InvalidRequestError("continue_final_message needs text in the final message to continue",
                                   param="continue_final_message")
 

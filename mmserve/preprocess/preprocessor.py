@@ -71,6 +71,7 @@ class Preprocessor:
         self.image_processor = self.processor.image_processor
         self.rule = rule
         self.template = ChatTemplate(self.processor, rule.reserved_strings)
+        self._processor_keys = frozenset(rule.resolve_kwargs({}))  # the image processor's output-changing kwargs
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.rule.image_token))
         self.media = media
         self.loader = loader or MediaLoader(media)
@@ -106,9 +107,7 @@ class Preprocessor:
         if n_items > self.media.max_images_per_prompt:
             raise TooManyItemsError(f"{n_items} images in one prompt; the limit is "
                                     f"{self.media.max_images_per_prompt}")
-        if not isinstance(req.mm_processor_kwargs, dict):
-            raise InvalidRequestError("mm_processor_kwargs must be an object")
-        kwargs = self.rule.resolve_kwargs(req.mm_processor_kwargs)
+        kwargs = self.rule.resolve_kwargs(self._processor_kwargs(req))
         text = self._render(parsed, n_items, req.template)
         if len(text) > self.max_prompt_chars:
             raise PromptTooLongError(f"the prompt is {len(text)} characters; the limit is {self.max_prompt_chars}",
@@ -131,6 +130,18 @@ class Preprocessor:
                                    block_hashes=hashes, timings=timeline.phases)
 
     # --- steps -------------------------------------------------------------------------------
+
+    def _processor_kwargs(self, req: ChatRequest) -> dict[str, Any]:
+        """`mm_processor_kwargs`, with the image processor's keys sent in `chat_template_kwargs` that the template
+        does not read (transformers' `apply_chat_template` passes such keys on to the processor, and a client of
+        `transformers serve` sends `do_pan_and_scan` there); `mm_processor_kwargs` wins where both set one.
+
+        NOTE: vLLM drops them; dropped, they gave a client who asked for crops none and no error."""
+        if not isinstance(req.mm_processor_kwargs, dict):
+            raise InvalidRequestError("mm_processor_kwargs must be an object")
+        given = req.template.kwargs if isinstance(req.template.kwargs, dict) else {}
+        passed = {k: v for k, v in given.items() if k in self._processor_keys and k not in self.template.variables}
+        return {**passed, **req.mm_processor_kwargs}
 
     def _with_bad_words(self, sampling: SamplingParams) -> SamplingParams:
         """`sampling` with its bad words spelled in tokens, as vLLM does: each word as written (leading spaces

@@ -58,6 +58,10 @@ def test_continuing_needs_the_generation_prompt_off_and_text_to_continue(process
     with pytest.raises(InvalidRequestError, match="needs text") as info:
         render(processor, only_image, CONTINUE)
     assert info.value.param == "continue_final_message"
+    blank_parts = [{"type": "text", "text": " "}, {"type": "text", "text": "\n"}]
+    for blank in ("", "  \n", blank_parts):  # NOTE: the cut took the header's newline: "...<start_of_turn>model"
+        with pytest.raises(InvalidRequestError, match="needs text"):
+            render(processor, [*ASK, {"role": "assistant", "content": blank}], CONTINUE)
 
 
 def test_a_continued_message_may_not_join_texts_into_a_control_token(processor: Any) -> None:

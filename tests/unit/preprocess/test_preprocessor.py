@@ -28,7 +28,7 @@ from mmserve.errors import (
     TooManyItemsError,
     UnsupportedURLError,
 )
-from mmserve.messages import ChatRequest, ProcessedItem, SamplingParams
+from mmserve.messages import ChatRequest, ProcessedItem, SamplingParams, TemplateOptions
 from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.pixels import DEFER_TO_ENCODER, PixelNormalization
 from mmserve.preprocess.image_runs import image_token_runs
@@ -461,6 +461,17 @@ def test_prompt_too_long_only_with_crops(tiny_ckpt_224: Path) -> None:
     pp.process(one_image(WIDE))
     with pytest.raises(PromptTooLongError):
         pp.process(one_image(WIDE, mm_processor_kwargs={"do_pan_and_scan": True}))
+
+
+def test_processor_keys_in_chat_template_kwargs_reach_the_processor_as_transformers_passes_them(
+        pre224: Preprocessor) -> None:
+    """A client of `transformers serve` sends do_pan_and_scan in chat_template_kwargs; mm_processor_kwargs wins."""
+    asked = pre224.process(one_image(WIDE, mm_processor_kwargs={"do_pan_and_scan": True}))
+    via_template = pre224.process(one_image(WIDE, template=TemplateOptions(kwargs={"do_pan_and_scan": True})))
+    assert via_template.prompt_token_ids == asked.prompt_token_ids and asked.features[0].data.num_tiles > 1
+    overruled = pre224.process(one_image(WIDE, mm_processor_kwargs={"do_pan_and_scan": False},
+                                         template=TemplateOptions(kwargs={"do_pan_and_scan": True})))
+    assert overruled.features[0].data.num_tiles == 1
 
 
 def test_sampling_is_validated(pre224: Preprocessor) -> None:
