@@ -194,10 +194,21 @@ class SharedProcessorCache:
     def store(self, key: str, item: ProcessedItem, source: str) -> StoredItem:
         ref = ray.put(item)  # owned by this replica; the request carries it on at once
         stored = StoredItem(ref=ref, num_tiles=item.num_tiles, nbytes=item.nbytes)
-        # NOTE: not awaited: the store indexes it on arrival (and copies it on its first hit there)
-        self._store.send("adopt", key, [ref], item.num_tiles, item.nbytes, source, self._maker)
+        self._adopt(key, stored, source)
         self.own.put(key, stored, source)
         return stored
+
+    def _adopt(self, key: str, stored: StoredItem, source: str | None) -> None:
+        """Have the store index an item this replica made; not awaited: the store indexes it on arrival (and
+        copies it on its first hit there).
+
+        NOTE: not while the store is taken as down, and each call given up after a lookup's timeout: calls to a
+        store being replaced queue, each pinning its pixels for as long as the outage lasts. A replaced store is
+        refilled with every item this replica holds once it answers (`_notice`)."""
+        if monotonic() < self._down_until:
+            return
+        self._store.submit("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes, source, self._maker,
+                           timeout_s=LOOKUP_TIMEOUT_S)
 
     def _ask(self, method: str, *args: Any, pick: Callable[[StoreLookup], Any] = _key_and_item) -> Future[Any]:
         """The store's answer, through `pick`, as a future; a store that is down or slow answers None (a
@@ -248,8 +259,7 @@ class SharedProcessorCache:
         for key in keys:
             stored = self.own.peek(key)
             if isinstance(stored, StoredItem):
-                self._store.send("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes, sources.get(key),
-                                 self._maker)
+                self._adopt(key, stored, sources.get(key))
 
 
 class PixelResolver:

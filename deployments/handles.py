@@ -94,10 +94,6 @@ class FromThread:
 
         return asyncio.run_coroutine_threadsafe(remote(), self._bound())
 
-    def send(self, method: str, *args: Any) -> None:
-        """`handle.method.remote(*args)` on the loop, not awaited."""
-        self._bound().call_soon_threadsafe(lambda: getattr(self._handle, method).remote(*args))
-
     def _bound(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise RuntimeError("bind() the handle caller from the replica's event loop first")

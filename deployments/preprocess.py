@@ -15,7 +15,7 @@ from ray import serve
 
 from deployments.args import AppArgs
 from deployments.cache_store import SharedProcessorCache
-from deployments.handles import hold
+from deployments.handles import cancel, hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import freeze_startup_heap
 from mmserve.errors import InvalidRequestError, OverloadedError
@@ -28,6 +28,7 @@ from mmserve.stages import StageFactory
 log = logging.getLogger("ray.serve")
 # NOTE: short: when the whole app shuts down the store may be gone first, and the call then waits this long
 HAND_OVER_TIMEOUT_S = 2.0
+EARLY_TIMEOUT_S = 5.0  # an early encode's call, given up after (s)
 
 
 @serve.deployment
@@ -121,8 +122,14 @@ class Preprocess:
 
 
 async def _settle(sent: Any) -> None:
-    """Await an early encode's answer: its failure is logged, never raised (the request encodes anyway)."""
+    """Await an early encode's answer: its failure is logged, never raised (the request encodes anyway).
+
+    NOTE: for EARLY_TIMEOUT_S at most, then cancelled: the Encoder answers at once, and a call that waits longer
+    has no replica to go to (Serve queues it, pinning its pixels); the request's own encode comes by then."""
     try:
-        await sent
+        await asyncio.wait_for(sent, EARLY_TIMEOUT_S)
+    except TimeoutError:
+        cancel(sent)
+        log.info("an early encode found no Encoder within %.0f s; given up", EARLY_TIMEOUT_S)
     except Exception as exc:
         log.info("an early encode was not sent: %r", exc)

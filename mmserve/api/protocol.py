@@ -206,7 +206,8 @@ class ChatCompletionRequest(StructuredFields, TemplateFields):  # NOTE: response
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=_first(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             logit_bias=_logit_bias(self.logit_bias),
-            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            # NOTE: each id once (a list may repeat them): the decoder keeps recent requests' lists as tensors
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(dict.fromkeys(self.allowed_token_ids)),
             bad_words=tuple(self.bad_words or ()),
             min_tokens=self.min_tokens or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -59,6 +59,7 @@ UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 _LOGGED_AT_MOST = 256  # distinct unknown names warned about per process (NOTE: a client may send any names)
+_NAME_KEPT = 64  # characters of an unknown name kept and logged
 _logged: set[str] = set()
 _lock = threading.Lock()
 
@@ -85,9 +86,10 @@ def log_unknown(names: Iterable[str]) -> None:
     new = sorted(set(names) - UNSERVED.keys() - _logged)
     if not new:
         return
+    # NOTE: names cut short, kept and logged (as repr): a client's field name may be megabytes or hold line breaks
+    new = sorted({n[:_NAME_KEPT] for n in new} - _logged)
     with _lock:
         new = [n for n in new if n not in _logged][: max(0, _LOGGED_AT_MOST - len(_logged))]
         _logged.update(new)
-    if new:  # NOTE: as repr, cut short: a client's field name may be long or hold line breaks
-        log.warning("request fields ignored (not part of the API mmserve serves): %s",
-                    ", ".join(repr(n)[:64] for n in new))
+    if new:
+        log.warning("request fields ignored (not part of the API mmserve serves): %s", ", ".join(map(repr, new)))

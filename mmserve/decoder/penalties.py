@@ -109,6 +109,7 @@ def check_allowed(p: SamplingParams, never: tuple[int, ...], eos_token_ids: tupl
 
 _ALLOWED: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # id(allowed ids) -> (them, as a tensor)
 _ALLOWED_KEPT = 64  # requests whose allowed ids are kept as tensors (NOTE: a step would otherwise build them)
+_ALLOWED_KEPT_IDS = 1 << 20  # ids kept in all (the oldest requests' go first; a request's own may pass it alone)
 _ALLOWED_LOCK = threading.Lock()  # NOTE: one process may step several decoders (the in-process Engine's tests)
 
 
@@ -119,7 +120,8 @@ def _allowed_on(ids: tuple[int, ...], vocab: int, device: torch.device) -> torch
         if kept is not None and kept[0] is ids and kept[1].device == device:
             return kept[1]
         tensor = ints_to_device([t for t in ids if 0 <= t < vocab], device)
-        if len(_ALLOWED) >= _ALLOWED_KEPT:
+        while _ALLOWED and (len(_ALLOWED) >= _ALLOWED_KEPT or
+                            sum(len(kept) for kept, _ in _ALLOWED.values()) + len(ids) > _ALLOWED_KEPT_IDS):
             _ALLOWED.pop(next(iter(_ALLOWED)))
         _ALLOWED[id(ids)] = (ids, tensor)
         return tensor

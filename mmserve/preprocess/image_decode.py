@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import io
+import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -17,6 +18,19 @@ from mmserve.errors import MediaError
 from mmserve.preprocess.image_structure import check_structure
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG covers MPO
+
+
+
+def quiet_pillow_bomb_warnings() -> None:
+    """Ignore Pillow's warning about a header past its own pixel limit (our cap refuses such an image anyway).
+
+    NOTE: its message holds the pixel count, and Python's default filter keeps each distinct message in a registry
+    for ever: a client could grow it by a few hundred bytes with every size it makes up. Ignored ones are not kept.
+    """
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
+quiet_pillow_bomb_warnings()
 
 
 @functools.cache

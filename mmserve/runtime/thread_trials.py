@@ -40,6 +40,7 @@ MIN_PAIRS = 4  # pairs of same-size steps a verdict needs (pairs)
 # a trial ends after MIN_PAIRS pairs when the count in use won every one of them by this factor past the verdict's
 # boundary: the rest of the trial would only cost more steps at a count that plainly loses
 DECISIVE = 1.25
+CHANGES_KEPT = 256  # the latest changes a kind keeps (for stats and tests): a replica may serve for months
 
 
 @dataclass
@@ -55,7 +56,7 @@ class ThreadTrials:
     _trial: list[tuple[int, int, float]] | None = None  # (count, step size, seconds) of the trial's timed steps
     _trial_steps: int = 0  # steps of the trial so far, timed or not
     trials: int = 0  # trials finished (for stats and tests)
-    changes: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of each trial that changed it
+    changes: list[tuple[int, int]] = field(default_factory=list)  # (from, to) of the latest trials that changed it
     # the last trial's weighted median of (more threads' time per token / fewer's); None before the first trial
     # ends, or when too few of its pairs compared
     last_ratio: float | None = None
@@ -110,6 +111,7 @@ class ThreadTrials:
             self.period = min(max(2 * self.period, self.first_period), LONGEST_PERIOD)
         else:
             self.changes.append((current, chosen))
+            del self.changes[:-CHANGES_KEPT]
             self.period = self.first_period
         return chosen
 

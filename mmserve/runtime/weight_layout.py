@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from mmserve.runtime.matmul_forms import CLOSE, MatmulForms
+from mmserve.runtime.thread_trials import CHANGES_KEPT
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class WeightLayout:
         self._packing, self._relayout = packing, relayout
         self._next = num_weights  # the next weight to re-lay; num_weights = all in the chosen layout
         self._relaying_s = 0.0  # the re-lays of the change under way so far (s)
-        self.changes: list[bool] = []  # the layouts taken while serving, in order (True = packed)
+        self.changes: list[bool] = []  # the latest layouts taken while serving, in order (True = packed)
 
     @property
     def settled(self) -> bool:
@@ -134,6 +135,7 @@ class WeightLayout:
                  self.policy.close * 100, self.policy.change_s[packed] * 1e3)
         self.packed, self.policy.loss = packed, 0.0
         self.changes.append(packed)
+        del self.changes[:-CHANGES_KEPT]
         self._packing(self.pack_rows if packed else None)
         self._next, self._relaying_s = 0, 0.0
         if at_once:

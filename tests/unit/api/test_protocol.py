@@ -261,6 +261,11 @@ def test_template_options_reach_the_engine_request() -> None:
         parse({"messages": USER, "chat_template_kwargs": ["enable_thinking"]})
 
 
+def test_allowed_token_ids_are_kept_once_each_in_the_order_given() -> None:
+    chat = parse({"messages": USER, "allowed_token_ids": [5, 3, 5, 5, 3, 9]}).to_chat_request("r", 16)
+    assert chat.sampling.allowed_token_ids == (5, 3, 9)
+
+
 def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixture,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(unserved, "_logged", set())  # NOTE: the process's names so far: none, for this test
@@ -273,6 +278,8 @@ def test_unknown_fields_are_logged_once_per_name(caplog: pytest.LogCaptureFixtur
     assert len(logged) == 1 and "'a_field_nobody_knows', 'another_unknown_one'" in logged[0]
     assert "\n" not in logged[0], "a client's name is logged as repr, cut short"
     assert "use_beam_search" not in logged[0], "a known field at its default is served as asked, not ignored"
+    parse({"messages": USER, "x" * 1_000_000: 1}).to_chat_request("r", 16)
+    assert max(map(len, unserved._logged)) == 64, "a long name is kept cut short, not whole"
 
 
 @pytest.mark.parametrize(("field", "value"), [

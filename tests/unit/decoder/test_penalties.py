@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mmserve.decoder import penalties
 from mmserve.decoder.penalties import check_allowed, penalized
 from mmserve.decoder.sampler import Sampler
 from mmserve.errors import InvalidSamplingError
@@ -88,3 +89,14 @@ def test_a_row_whose_only_allowed_tokens_left_are_never_sampled_ends_too() -> No
             torch.tensor([ROW]), [replace(params, temperature=temperature)], [None], outputs=[[2, 3]],
             prompts=[PROMPT])
         assert int(picked[0]) == 3, temperature
+
+
+def test_the_allowed_ids_kept_as_tensors_are_bounded_in_ids_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recent requests' allowed lists are kept (a step would rebuild them): not without bound in their length."""
+    monkeypatch.setattr(penalties, "_ALLOWED", {})
+    monkeypatch.setattr(penalties, "_ALLOWED_KEPT_IDS", 1000)
+    lists = [tuple(range(300)) for _ in range(10)]  # held alive, as live requests hold theirs
+    for ids in lists:
+        assert penalties._allowed_on(ids, 512, torch.device("cpu")).tolist() == list(ids)
+    assert sum(len(kept) for kept, _ in penalties._ALLOWED.values()) <= 1000
+    assert penalties._allowed_on(lists[-1], 512, torch.device("cpu")) is penalties._ALLOWED[id(lists[-1])][1]

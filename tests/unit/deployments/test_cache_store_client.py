@@ -9,14 +9,17 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import pytest
 from ray.exceptions import ActorDiedError, GetTimeoutError, ObjectLostError, OwnerDiedError
 
 from deployments import cache_store
 from deployments.cache_store import LOOKUP_TIMEOUT_S, SharedProcessorCache, read_stored
-from mmserve.messages import StoredItem
+from mmserve.messages import ProcessedItem, StoredItem
 from mmserve.preprocess.processor_cache import ProcessorCache
 from mmserve.preprocess.shared_copies import ItemLostError, MakerGoneError
+
+ITEM = ProcessedItem(np.zeros((1, 3, 8, 8), dtype=np.uint8))
 
 
 class FailingStore:
@@ -54,6 +57,24 @@ def test_a_slow_or_lost_store_is_a_miss_and_taken_as_down_for_a_lookups_timeout(
     now[0] += LOOKUP_TIMEOUT_S + 0.1  # as long again: asked again
     assert cache.find("pixels-key", "bytes-key").result(timeout=5) is None
     assert [m for m, _, _ in store.calls] == ["lookup_source", "lookup"]
+
+
+def test_an_item_made_while_the_store_is_down_is_not_sent_to_it_and_a_sent_one_is_given_up_in_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls to a store being replaced queue, each pinning its pixels: none is sent while it is taken as down, and
+    each sent one has a timeout."""
+    store = FailingStore(ActorDiedError())
+    cache = client(store)
+    cache._maker = "me"
+    monkeypatch.setattr(cache_store.ray, "put", lambda item: f"ref-{id(item)}")
+    now = [100.0]
+    monkeypatch.setattr(cache_store, "monotonic", lambda: now[0])
+    cache.store("k1", ITEM, "s1")
+    assert [(m, t) for m, _, t in store.calls] == [("adopt", LOOKUP_TIMEOUT_S)]
+    assert cache.find_source("s2").result(timeout=5) is None  # the store is lost: taken as down
+    cache.store("k2", ITEM, "s2")
+    assert [m for m, _, _ in store.calls] == ["adopt", "lookup_source"]  # nothing sent for k2
+    assert cache.own.peek("k2") is not None  # kept here all the same
 
 
 def test_any_other_store_error_is_the_lookups() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import struct
 import time
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from PIL import Image, ImageFile
 
 from mmserve.config import MediaConfig
 from mmserve.errors import MediaError
+from mmserve.preprocess import image_decode
 from mmserve.preprocess.image_decode import decode_image
 from mmserve.preprocess.image_structure import jpeg_markers
 
@@ -53,6 +55,20 @@ def _png_header_claiming(width: int, height: int) -> bytes:
     data[16:29] = ihdr
     data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
     return bytes(data)
+
+
+def test_headers_past_pillows_own_limit_leave_nothing_behind(no_pixel_decoding: None) -> None:
+    """Pillow warns past its limit with the size in the message; a kept warning per size made up would grow."""
+    registry = vars(Image).setdefault("__warningregistry__", {})
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # NOTE: Python's own filters, as a replica has them (pytest records every warning)
+        warnings.simplefilter("default")
+        image_decode.quiet_pillow_bomb_warnings()  # what importing the module does there
+        before = len(registry)
+        for i in range(20):  # 90-99 M pixels: past Pillow's 89.5 M (a warning there), under twice it (no error)
+            with pytest.raises(MediaError, match="pixel limit"):
+                decode_image(_png_header_claiming(10_000, 9_000 + 50 * i), max_pixels=64_000_000)
+    assert len(registry) <= before + 1
 
 
 def _patched(fmt: str, offsets: tuple[int, int], pack: str, size: int) -> bytes:

@@ -41,6 +41,20 @@ def test_a_source_that_says_it_is_going_is_retired_at_once_with_its_last_counts(
     assert board.collect().value("mmserve_requests_total") == 13
 
 
+def test_a_board_nobody_scrapes_still_retires_the_silent_and_forgets_old_names() -> None:
+    clock = [1000.0]
+    board = MetricsBoard(clock=lambda: clock[0])
+    board.report("Decoder#a", _snap(5, 2))
+    clock[0] += RETIRE_AFTER_S + 1
+    board.report("Decoder#b", _snap(1, 1))  # no collect: the report retires a
+    assert board.sources == ["Decoder#b"] and list(board._retired_sources) == ["Decoder#a"]
+    for _ in range(3):  # b keeps reporting; a's name is forgotten in time: the names do not grow for ever
+        clock[0] += RETIRE_AFTER_S / 2 + 1
+        board.report("Decoder#b", _snap(2, 1))
+    assert list(board._retired_sources) == []
+    assert board.collect().value("mmserve_requests_total") == 7
+
+
 def test_a_report_that_lands_after_a_later_one_is_dropped() -> None:
     """A push that timed out may still reach the hub after the next one: counters must not go back."""
     board = MetricsBoard()
