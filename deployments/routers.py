@@ -21,6 +21,7 @@ from mmserve.runtime import affinity
 from mmserve.runtime.affinity import Decision, PrefixIndex, overloaded, owner
 
 PENDING_BOUND = 4096  # requests being routed whose hashes are kept until routed (requests)
+PENDING_HASHES = 1 << 20  # block hashes kept for them in all (a 32k-token prompt has 2,048)
 # calls that carry a routing key (an early encode goes where its request's encode will)
 ROUTED_METHODS = {"Encoder": ("encode", "encode_early"), "Decoder": ("generate",)}
 
@@ -85,15 +86,19 @@ class DecoderAffinityRouter(_AffinityRouter):
         super().initialize_state(load_margin)
         self.index = PrefixIndex(index_blocks)
         self._pending: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # internal request id -> its hashes
+        self._pending_hashes = 0  # hashes in `_pending`
 
     def preferred(self, request: PendingRequest, loads: dict[str, int | None]) -> tuple[str | None, Decision]:
         pre = request.args[0] if request.args else request.kwargs.get("request")
         hashes = pre.block_hashes if isinstance(pre, PreprocessedRequest) else ()
         if not hashes:
             return None, "no_key"
+        self._forget(request.metadata.internal_request_id)  # NOTE: Serve asks again on each pass of its loop
         self._pending[request.metadata.internal_request_id] = hashes
-        while len(self._pending) > PENDING_BOUND:  # NOTE: a request cancelled before it was routed
-            self._pending.popitem(last=False)
+        self._pending_hashes += len(hashes)
+        # NOTE: bounded in requests and hashes: a request cancelled before it was routed never comes back here
+        while len(self._pending) > PENDING_BOUND or self._pending_hashes > PENDING_HASHES:
+            self._forget(next(iter(self._pending)))
         tied, _ = self.index.best(hashes, list(loads))
         if not tied:
             return None, "no_match"
@@ -101,9 +106,15 @@ class DecoderAffinityRouter(_AffinityRouter):
         return min(tied, key=lambda r: (loads[r] or 0, random.random())), "affinity"
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        hashes = self._pending.pop(pending_request.metadata.internal_request_id, None)
+        hashes = self._forget(pending_request.metadata.internal_request_id)
         if hashes:
             self.index.record(replica_id.unique_id, hashes)
+
+    def _forget(self, request_id: str) -> tuple[bytes, ...]:
+        """A pending request's hashes, no longer kept (none if it had none here)."""
+        hashes = self._pending.pop(request_id, ())
+        self._pending_hashes -= len(hashes)
+        return hashes
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         self.index.retain({r.replica_id.unique_id for r in replicas})  # scaled down: their entries go
