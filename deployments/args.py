@@ -76,8 +76,10 @@ INGRESS_INLINE_BYTES = 1 << 20
 INGRESS_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
 # NOTE: the same limit holds for what a call returns, read in the process that returns it: an Encoder replica's
 # answer (one image's embeddings) then travels in the reply itself instead of a put into its node's object
-# store and a fetch by the Decoder (docs/benchmarks.md).
-ENCODER_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(INGRESS_INLINE_BYTES)}
+# store and a fetch by the Decoder (docs/benchmarks.md). Sized for one image of gemma-3-4b in bfloat16:
+# 256 rows x 2560 x 2 B = 1.31 MB, past the Ingress's 1 MiB.
+ENCODER_INLINE_BYTES = 2 << 20
+ENCODER_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(ENCODER_INLINE_BYTES)}
 
 
 # Requests on the ingress's other routes (/health, /metrics, /v1/models) a replica takes beside a full load of
