@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -37,9 +36,8 @@ class MetricsHub:
     def __init__(self) -> None:
         self.board = MetricsBoard()
 
-    def report(self, source: str, snapshot: MetricsSnapshot, final: bool = False, seq: int | None = None,
-               began: float | None = None) -> None:
-        self.board.report(source, snapshot, final, seq=seq, began=began)
+    def report(self, source: str, snapshot: MetricsSnapshot, final: bool = False, seq: int | None = None) -> None:
+        self.board.report(source, snapshot, final, seq=seq)
 
     def collect(self) -> MetricsSnapshot:
         return self.board.collect()
@@ -53,8 +51,9 @@ class MetricsReporter:
         self.source = f"{deployment}#{context.replica_id.unique_id}"
         self.hub, self.snapshot, self.interval_s = hold(hub), snapshot, interval_s
         self.mirror = _RayMirror(deployment)
-        self.began = time.time()  # when its counts began, near enough: no request is served before (s, wall clock)
-        self._seq = 0  # pushes made; each carries its number, so that the hub drops one that lands late
+        # pushes made; each carries its number: the hub drops one that lands late, and counts a replica whose first
+        # push there is not its first from that push on (MetricsBoard)
+        self._seq = 0
         self._task: asyncio.Task | None = None
         # NOTE: one push at a time (the loop's and a GET /metrics' may overlap): the mirror turns successive
         # snapshots into increments, and an older one applied after a newer one counted the gap twice
@@ -92,7 +91,7 @@ class MetricsReporter:
         async with self._pushing:
             snapshot = merge([self.snapshot(), resident_memory_snapshot(self.source)])
             self._seq += 1
-            sent = self.hub.report.remote(self.source, snapshot, final, seq=self._seq, began=self.began)
+            sent = self.hub.report.remote(self.source, snapshot, final, seq=self._seq)
             await asyncio.wait_for(awaited(sent), HUB_TIMEOUT_S)
             self.mirror.update(snapshot)
 

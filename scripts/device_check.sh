@@ -42,6 +42,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 } 2>&1 | tee "$out/env.log"
 # NOTE: every test and the benchmark import the grammar engine: without it all would fail after their loads
 python3 -c "import llguidance" 2>> "$out/env.log" || { echo "llguidance is missing: carry .whl (above)" | tee -a "$out/env.log"; exit 1; }
+python3 -c "import pytest_timeout" 2> /dev/null \
+  || echo "pytest-timeout is missing: no limit per test (each part's own still holds)" | tee -a "$out/env.log"
 stamp() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$out/parts.log"; }
 tests() {  # tests() LIMIT_S LOG ARGS...: pytest under a wall-clock limit, each test under 240 s
   local limit=$1 log=$2; shift 2

@@ -10,9 +10,10 @@ group's pages into (`gather`).
 NOTE: the workspace is kept and reused, not allocated per layer and step. A gather above glibc's mmap
 threshold (32 MiB at most: a batch of long decodes reaches it) is otherwise mapped afresh each time, and
 each of its 4 KiB pages faults on first write, every layer and step (docs/benchmarks.md has the cost).
-It does not shrink. On a CPU it grows by doubling (fewer fresh mappings while a batch grows); elsewhere to the
-largest gather exactly, since device memory is what the KV pool is sized against and the caching allocator
-makes growing cheap there (a batch of long decodes gathers gigabytes: doubling could hold twice that).
+It does not shrink. On a CPU it grows by doubling (fewer fresh mappings while a batch grows); elsewhere by a
+quarter, since device memory is what the KV pool is sized against (a batch of long decodes gathers gigabytes:
+doubling could hold twice that), yet each growth is a fresh allocation the caching allocator cannot serve from
+the smaller blocks it freed, so growing to each new largest gather exactly would fragment it step after step.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class KVCache:
         views = self._views.get(n)
         if views is None:  # NOTE: kept: on a small model, slicing them anew each layer cost more than the copy
             if n > self._workspace.shape[1]:
-                grown = max(n, 2 * self._workspace.shape[1]) if self.keys.device.type == "cpu" else n
+                held = self._workspace.shape[1]
+                grown = max(n, 2 * held if self.keys.device.type == "cpu" else held + held // 4)
                 self._views.clear()  # NOTE: the old workspace let go first, so that both are not held at once
                 self._workspace = self.keys.new_empty((2, 0, *self.keys.shape[1:]))
                 self._workspace = self.keys.new_empty((2, grown, *self.keys.shape[1:]))

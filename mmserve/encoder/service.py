@@ -61,12 +61,11 @@ class EncoderService:
 
     def _from_cache(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput | None:
         """The request answered from the cache alone, without a turn of the step thread (which may be inside a
-        forward for others); None when an item is missing. Its lookups are booked on the step thread later."""
+        forward for others); None when an item is missing."""
         started = time.perf_counter()
         embeddings = self.stage.cached(features)
         if embeddings is None:
             return None
-        self.loop.submit(None, lambda: self.stage.note_served(features))
         dtype = str(embeddings[0].dtype).removeprefix("torch.")
         timings = (("encoder.stage", (time.perf_counter() - started) * 1e3),)
         return EncoderOutput(request_id, embeddings, dtype=dtype, timings=timings,

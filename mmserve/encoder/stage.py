@@ -12,7 +12,8 @@ turn. Handed out, the embeddings are the caller's (the cache's tensors are never
 evicted entry only drops the cache's own reference), so nothing downstream holds anything here and no
 death or cancel elsewhere can leak an entry.
 
-Single-threaded by design: the caller serializes calls (one engine loop or one replica's loop).
+Single-threaded by design: the caller serializes calls (one engine loop or one replica's loop); only `cached`
+may be called beside them, from any thread.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from mmserve.config import EncoderConfig
 from mmserve.encoder.cache import EncoderCache
 from mmserve.encoder.cache_manager import EncoderCacheManager
+from mmserve.encoder.lookups import Lookups
 from mmserve.encoder.outputs import EncodedRequest, EncoderStats, EncoderStepError, Resolver, inline_pixels
 from mmserve.encoder.pixel_reads import read_misses
 from mmserve.encoder.runner import EncoderRunner
@@ -55,12 +57,7 @@ class EncoderStage:
         self.cache = EncoderCache()
         self._pending: dict[str, _Pending] = {}  # FIFO: insertion order is arrival order
         self._live: set[str] = set()  # pending: added and not yet handed out or aborted
-        # entries an early encode made that no request has found yet -> the phases of the step that made them
-        self._early: dict[str, PhaseTimes] = {}
-        self._queries = 0
-        self._hits = 0
-        self._early_found = 0
-        self._served = 0  # lookups of requests served by `cached`, all hits
+        self.lookups = Lookups()
 
     @classmethod
     def build(
@@ -117,24 +114,18 @@ class EncoderStage:
 
     def cached(self, features: list[MultiModalFeatureSpec]) -> list[torch.Tensor] | None:
         """Every item's embeddings when all are cached and none awaits the request an early encode made it for
-        (that one's step is timed for it by `step`); else None. Safe from a thread other than the stepping one:
-        it reads the cache and the early entries' keys only (`EncoderCache.get_all`), and counts its lookups as
-        hits; `note_served` then books its entries' use. Called from one thread at a time.
+        (that one's step is timed for it by `step`); else None. Safe from any thread, beside the stepping one: it
+        reads the cache (`EncoderCache.get_all`) and the early entries' keys, counts its lookups as hits, and
+        leaves its entries to be made the newest of the unreferenced by the next step, before it books anything
+        (as a step's hit and hand-out would leave them).
 
         NOTE: such a request is served at once instead of after the forward under way and the misses queued
-        before it (strict FIFO is for what needs a forward)."""
-        if any(spec.identifier in self._early for spec in features):
-            return None
+        before it (strict FIFO is for what needs a forward). Its cache read comes before the early check: an
+        entry is marked early before its tensor is put."""
         found = self.cache.get_all(spec.identifier for spec in features)
-        if found is not None:
-            self._served += len(found)  # NOTE: its own counter: one writer (the callers' one thread), none lost
+        if found is None or not self.lookups.served([spec.identifier for spec in features]):
+            return None
         return found
-
-    def note_served(self, features: list[MultiModalFeatureSpec]) -> None:
-        """Each entry a `cached` request got becomes the newest of the unreferenced, as a request's hit and
-        hand-out by a step would leave it. On the stepping thread."""
-        for spec in features:
-            self.manager.touch(spec.identifier)
 
     # ---- one step ----
 
@@ -146,6 +137,8 @@ class EncoderStage:
         the other requests stay queued, the books consistent. Any other error forgets the step's new entries
         that got no tensor (the caller then aborts every request: see StepLoop).
         """
+        for identifier in self.lookups.take_touched():  # NOTE: before booking: an eviction spares what was served
+            self.manager.touch(identifier)
         misses = self._schedule()
         self._drop_freed()
         try:
@@ -194,24 +187,12 @@ class EncoderStage:
 
     def _count(self, req: _Pending, identifier: str, hit: bool) -> None:
         """The stats of one lookup (see `add_request` on early encodes)."""
-        if req.early:
-            if not hit:
-                self._early[identifier] = ()  # its step's phases once it has run (`_encode`)
-            return
-        self._queries += 1
-        # NOTE: `hit` too: an early entry evicted earlier in this step (forgotten by `_drop_freed` after it)
-        # is this request's own miss again
-        if hit and identifier in self._early:  # made for this request: its miss, run ahead (and timed for it)
-            req.timings += self._early.pop(identifier)
-            self._early_found += 1
-        elif hit:
-            self._hits += 1
+        req.timings += self.lookups.looked_up(identifier, hit, req.early)
 
     def _drop_freed(self) -> None:
         """Drop the tensors of the entries the manager has just freed."""
         freed = self.manager.take_freed()
-        for identifier in freed:
-            self._early.pop(identifier, None)
+        self.lookups.forget(freed)
         self.cache.drop(freed)
 
     def _encode(self, misses: list[tuple[_Pending, MultiModalFeatureSpec]]) -> None:
@@ -238,8 +219,8 @@ class EncoderStage:
         for req in dict.fromkeys(req for req, _ in misses):  # each request once, in order
             req.timings += phases
         for req, spec in misses:  # NOTE: an early encode's, for the request it ran ahead of unless that found it
-            if req.early and spec.identifier in self._early:
-                self._early[spec.identifier] = phases
+            if req.early:
+                self.lookups.encoded_early(spec.identifier, phases)
         for spec, emb in encoded:
             self.cache.put(spec.identifier, emb)
         if failures:
@@ -303,8 +284,8 @@ class EncoderStage:
 
     def stats(self) -> EncoderStats:
         return EncoderStats(
-            queries=self._queries + self._served,
-            hits=self._hits + self._served,
+            queries=self.lookups.total_queries,
+            hits=self.lookups.total_hits,
             forward_passes=self.runner.forward_passes,
             items_encoded=self.runner.items_encoded,
             images_encoded=self.runner.images_encoded,
@@ -314,7 +295,7 @@ class EncoderStage:
             num_cached=self.manager.num_cached,
             num_pending=len(self._pending),
             batch_sizes=dict(sorted(self.runner.batch_sizes.items())),
-            early_found=self._early_found,
+            early_found=self.lookups.early_found,
         )
 
 

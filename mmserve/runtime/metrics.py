@@ -240,7 +240,8 @@ def merge(snapshots: Iterable[MetricsSnapshot]) -> MetricsSnapshot:
 
     NOTE: a metric whose kind or labels differ between snapshots (two versions side by side in a rolling
     update) is taken from the later snapshot alone, logged: refusing would fail every scrape until the old
-    version's counts were retired, and the later snapshots are the newer replicas' (and the gone ones' sum first).
+    version's counts were retired. Under other labels it is another series to Prometheus, so the dropped one
+    reads as ended, not as a counter reset; a board lists the newest sources last (and the gone ones' sum first).
     """
     merged: dict[str, Metric] = {}
     for snap in snapshots:

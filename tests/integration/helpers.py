@@ -205,6 +205,12 @@ def info_of_every_replica(call: Callable[[], Any], expected: int, *, rounds: int
     raise AssertionError(f"only {len(seen)} of {expected} replicas answered after {rounds * per_round} calls")
 
 
+def encoder_forward_passes(app: Any) -> int:
+    """Vision forwards run so far, summed over the app's two Encoder replicas (`app`: an AppInfo)."""
+    infos = info_of_every_replica(lambda: app.handle("Encoder").replica_info.remote(), 2)
+    return sum(info["forward_passes"] for info in infos.values())
+
+
 @ray.remote(num_cpus=0)
 class NodeProbe:
     """Lives on one node (pinned by a custom resource) and calls a deployment from there. Its handle

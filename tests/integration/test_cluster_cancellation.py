@@ -50,7 +50,9 @@ def test_closing_a_stream_midway_frees_kv_blocks_and_encoder_references(mm_app: 
         # replica holds anything for it.
         live = decoder_state(mm_app)
         assert live["running_requests"] == 1 and live["kv_blocks_free"] < live["kv_blocks"], live
-        holders = [rid for rid, ids in referenced(mm_app).items() if request_id in ids]
+        # NOTE: under its own id or one made from it (an early encode's, a late fetch's, a split call's, a retry's)
+        holders = [rid for rid, ids in referenced(mm_app).items()
+                   if any(i == request_id or i.startswith(request_id) for i in ids)]
         assert holders == [], holders
     finally:
         stream.close()  # the client goes away

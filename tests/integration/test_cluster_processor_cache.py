@@ -24,7 +24,7 @@ from tests.integration.conftest import PREPROCESS_NODES, AppInfo, ClusterInfo
 from tests.integration.helpers import (
     chat_body,
     data_url,
-    info_of_every_replica,
+    encoder_forward_passes,
     post_json,
     replica_actors,
     replica_states,
@@ -61,11 +61,6 @@ def stored_ref(app: AppInfo, key: str) -> Any:
     """The ref the store's index holds for `key`, or None."""
     found = held(app, key)
     return None if found is None else found.ref
-
-
-def encoder_forward_passes(app: AppInfo) -> int:
-    infos = info_of_every_replica(lambda: app.handle("Encoder").replica_info.remote(), 2)
-    return sum(info["forward_passes"] for info in infos.values())
 
 
 def test_processor_runs_once_cluster_wide_and_the_other_node_hits(mm_app: AppInfo, preprocess_probes):

@@ -3,14 +3,17 @@ engine answers on the same checkpoint (greedy): same text, same token counts, sa
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from mmserve.api.protocol import ChatCompletionRequest
 from mmserve.engine import Completion, Engine
 from tests.integration.conftest import AppInfo
-from tests.integration.helpers import SSEStream, chat_body, data_url, get_text, post_json
+from tests.integration.helpers import SSEStream, chat_body, data_url, encoder_forward_passes, get_text, post_json
 
 
 def engine_answer(engine: Engine, body: dict[str, Any]) -> Completion:
@@ -92,3 +95,14 @@ def test_metrics_endpoint_sums_every_stage(mm_app: AppInfo):
     for name in ("mmserve_image_processor_calls_total", "mmserve_encoder_forward_passes_total",
                  "mmserve_decoder_kv_blocks", "mmserve_processor_cache_queries_total"):
         assert name in text, name
+    # the sum over both Encoder replicas, as each counts its own (pushed every few seconds: waited for)
+    expected, served = encoder_forward_passes(mm_app), None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        _, text = get_text(mm_app.base_url, "/metrics")
+        served = next(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                      if s.name == "mmserve_encoder_forward_passes_total")
+        if served == expected:
+            break
+        time.sleep(0.5)
+    assert served == expected, f"/metrics says {served} forward passes; the Encoder replicas say {expected}"

@@ -136,10 +136,15 @@ def test_the_later_choices_queue_in_the_first_choices_place(engine, monkeypatch)
     assert len({order for _, order in places.values()}) == 1  # one place in the queue: the request's
 
 
-def test_a_request_cancelled_twice_while_its_choices_wait_gives_back_their_places_in_the_queue(engine):
+def test_a_request_cancelled_twice_while_its_choices_wait_gives_back_their_places_in_the_queue(engine, monkeypatch):
     """Choices 1..n-1 count against max_waiting_requests until they start; a second cancel arriving while the
     request's stream closes (Serve cancels a cancelled call's children too) must not keep them counted."""
     service = engine.decoder_service
+
+    async def held(request_id: str, features: Any, early: bool = False) -> Any:
+        await asyncio.Event().wait()  # NOTE: the first choice's embeddings never come: its siblings stay waiting
+
+    monkeypatch.setattr(engine.encoder_service, "encode", held)
 
     async def cancel_twice() -> int:
         pre = engine.preprocess(chat("twice", "s9", n=3, temperature=1.0, seed=3, max_tokens=400, ignore_eos=True))
@@ -153,6 +158,8 @@ def test_a_request_cancelled_twice_while_its_choices_wait_gives_back_their_place
             if service._arriving >= 2:
                 break
             await asyncio.sleep(0.005)
+        else:
+            pytest.fail("the later choices never waited: the cancels below would test nothing")
         task.cancel()
         await asyncio.sleep(0)  # the stream's `finally` now waits for its choices' tasks
         task.cancel()

@@ -215,9 +215,27 @@ def test_kept_gathers_after_failed_forwards_match(oracle, monkeypatch, make_engi
 def test_chunked_prefill_matches(oracle, make_engine):
     """A small step budget splits prompts into chunks (never inside an image) with the same result."""
     model_dir, refs = oracle
-    engine, rec = make_engine(model_dir, max_num_batched_tokens=300, max_num_seqs=4)
     cases = ["two_images", "long_with_image", "text"]
+    probe, _ = make_engine(model_dir)
+    pres = [probe.preprocessor.process(build_request(case)[0]) for case in cases]
+    runs = [run for pre in pres for run in image_token_runs(pre.prompt_token_ids, probe.spec.image_token_id)]
+    # NOTE: room for any image whole, and less than the longest prompt, on every checkpoint (a fixed 300 split
+    # nothing where images are 16 tokens)
+    budget = max(max(end - start for start, end in runs) + 8, 100)
+    assert budget < max(len(pre.prompt_token_ids) for pre in pres)
+    engine, rec = make_engine(model_dir, max_num_batched_tokens=budget, max_num_seqs=4)
+    runner, execute = engine.decoder.runner, engine.decoder.runner.execute
+    later_chunks: list[str] = []
+    seen: set[str] = set()
+
+    def spied(scheduled):  # NOTE: the premise: some prompt is computed in more than one step
+        later_chunks.extend(seq.request_id for seq, n in scheduled if seq.request_id in seen and n > 1)
+        seen.update(seq.request_id for seq, _ in scheduled)
+        return execute(scheduled)
+
+    runner.execute = spied
     outs = engine.generate([build_request(case)[0] for case in cases])
+    assert later_chunks, "no prompt was split: the budget no longer chunks these cases"
     for case, out in zip(cases, outs, strict=True):
         assert_matches(refs[case], out.token_ids, rec.logits[case], 0, out.num_prompt_tokens)
 

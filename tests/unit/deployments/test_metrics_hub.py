@@ -54,7 +54,7 @@ def test_overlapping_pushes_mirror_each_increment_once(monkeypatch: pytest.Monke
     reporter.source, reporter.hub = "Decoder#1", Hub()
     reporter.snapshot = lambda: snapshot_of(Metric("mmserve_requests_total", "counter", "", (), {(): next(total)}))
     reporter.mirror, reporter._pushing = metrics_hub._RayMirror("Decoder"), asyncio.Lock()
-    reporter._seq, reporter.began = 0, 0.0
+    reporter._seq = 0
 
     async def run() -> None:
         await asyncio.gather(reporter.push(), reporter.push())
@@ -85,7 +85,7 @@ def _reporter(hub: Any) -> metrics_hub.MetricsReporter:
     reporter.source, reporter.hub, reporter._task = "Ingress#1", hub, None
     reporter.snapshot = lambda: _snap(1, 0)
     reporter.mirror, reporter._pushing = metrics_hub._RayMirror("Ingress"), asyncio.Lock()
-    reporter._seq, reporter.began = 0, 0.0
+    reporter._seq = 0
     return reporter
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import struct
+import subprocess
+import sys
 import time
 import warnings
 import zlib
@@ -69,6 +71,12 @@ def test_headers_past_pillows_own_limit_leave_nothing_behind(no_pixel_decoding: 
             with pytest.raises(MediaError, match="pixel limit"):
                 decode_image(_png_header_claiming(10_000, 9_000 + 50 * i), max_pixels=64_000_000)
     assert len(registry) <= before + 1
+    # and importing the module is what installs it (pytest's own warning capture hides that from this process)
+    installed = subprocess.run([sys.executable, "-c", "import warnings; from PIL import Image; "
+                                "import mmserve.preprocess.image_decode; print(any(f[0] == 'ignore' and f[2] is "
+                                "Image.DecompressionBombWarning for f in warnings.filters))"],
+                               capture_output=True, text=True, timeout=60, check=True)
+    assert installed.stdout.strip() == "True"
 
 
 def _patched(fmt: str, offsets: tuple[int, int], pack: str, size: int) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mmserve.runtime import metrics_board
 from mmserve.runtime.metrics import Metric, MetricsSnapshot, snapshot_of
 from mmserve.runtime.metrics_board import RETIRE_AFTER_S, STALE_AFTER_S, MetricsBoard
 
@@ -41,18 +42,18 @@ def test_a_source_that_says_it_is_going_is_retired_at_once_with_its_last_counts(
     assert board.collect().value("mmserve_requests_total") == 13
 
 
-def test_a_board_nobody_scrapes_still_retires_the_silent_and_forgets_old_names() -> None:
+def test_a_board_nobody_scrapes_still_retires_the_silent_and_keeps_a_bounded_list_of_names(monkeypatch) -> None:
+    monkeypatch.setattr(metrics_board, "NAMES_KEPT", 3)
     clock = [1000.0]
     board = MetricsBoard(clock=lambda: clock[0])
     board.report("Decoder#a", _snap(5, 2))
     clock[0] += RETIRE_AFTER_S + 1
     board.report("Decoder#b", _snap(1, 1))  # no collect: the report retires a
     assert board.sources == ["Decoder#b"] and list(board._retired_sources) == ["Decoder#a"]
-    for _ in range(3):  # b keeps reporting; a's name is forgotten in time: the names do not grow for ever
-        clock[0] += RETIRE_AFTER_S / 2 + 1
-        board.report("Decoder#b", _snap(2, 1))
-    assert list(board._retired_sources) == []
-    assert board.collect().value("mmserve_requests_total") == 7
+    for i in range(5):
+        board.report(f"Ingress#{i}", _snap(1, 0), final=True)
+    assert len(board._retired_sources) == 3  # the latest names only: they do not grow for ever
+    assert board.collect().value("mmserve_requests_total") == 11
 
 
 def test_a_report_that_lands_after_a_later_one_is_dropped() -> None:
@@ -60,23 +61,38 @@ def test_a_report_that_lands_after_a_later_one_is_dropped() -> None:
     board = MetricsBoard()
     board.report("Decoder#a", _snap(5, 2), seq=2)
     board.report("Decoder#a", _snap(4, 3), seq=1)
-    assert board.collect().value("mmserve_requests_total") == 5
+    assert board.collect().value("mmserve_requests_total") == 5 - 5  # its first report here is its base
     board.report("Decoder#a", _snap(6, 1), seq=3)
-    assert board.collect().value("mmserve_requests_total") == 6
+    assert board.collect().value("mmserve_requests_total") == 1
+    board.report("Decoder#a", _snap(7, 0), final=True, seq=5)
+    board.report("Decoder#a", _snap(6, 1), seq=4)  # raced its last push: not counted again
+    assert board.collect().value("mmserve_requests_total") == 2
 
 
 def test_a_replaced_board_counts_older_sources_from_their_first_report_there() -> None:
     """A hub replaced (an edit of the app's arguments replaces every replica) starts its counters again from zero,
     as a restarted exporter does, instead of falling and then jumping back by every replica's lifetime count."""
-    board = MetricsBoard(began=1000.0)
-    board.report("Decoder#old", _snap(500, 2), began=900.0)  # counting since before this board
-    board.report("Decoder#new", _snap(3, 1), began=1001.0)  # started after it: all of its counts are new here
+    board = MetricsBoard()
+    board.report("Decoder#old", _snap(500, 2), seq=40)  # it pushed before, to the hub this one replaced
+    board.report("Decoder#new", _snap(3, 1), seq=1)  # its first push: all of its counts are new here
     merged = board.collect()
     assert merged.value("mmserve_requests_total") == 3 and merged.value("mmserve_decoder_running_requests") == 3
-    board.report("Decoder#old", _snap(510, 1), began=900.0)
+    board.report("Decoder#old", _snap(510, 1), seq=41)
     assert board.collect().value("mmserve_requests_total") == 13
-    board.report("Decoder#old", _snap(512, 0), final=True, began=900.0)  # retired with its counts here
+    board.report("Decoder#old", _snap(512, 0), final=True, seq=42)  # retired with its counts here
     assert board.collect().value("mmserve_requests_total") == 15
+
+
+def test_a_source_retired_for_its_silence_that_comes_back_is_not_counted_twice() -> None:
+    clock = [1000.0]
+    board = MetricsBoard(clock=lambda: clock[0])
+    board.report("Decoder#a", _snap(100, 1), seq=1)
+    clock[0] += RETIRE_AFTER_S + 1
+    assert board.collect().value("mmserve_requests_total") == 100 and board.sources == []
+    board.report("Decoder#a", _snap(160, 1), seq=9)  # back: its 160 include the 100 already in the sum
+    assert board.collect().value("mmserve_requests_total") == 100
+    board.report("Decoder#a", _snap(170, 1), seq=10)
+    assert board.collect().value("mmserve_requests_total") == 110
 
 
 def test_reports_and_collects_from_many_threads_at_once_neither_fail_nor_count_twice() -> None:
