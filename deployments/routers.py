@@ -82,9 +82,11 @@ class DecoderAffinityRouter(_AffinityRouter):
 
     deployment = "Decoder"
 
-    def initialize_state(self, load_margin: int = 4, index_blocks: int = 65536, **kwargs: Any) -> None:
+    def initialize_state(self, load_margin: int = 4, index_blocks: int = 65536, pending_hashes: int = PENDING_HASHES,
+                         **kwargs: Any) -> None:
         super().initialize_state(load_margin)
         self.index = PrefixIndex(index_blocks)
+        self.pending_hashes = pending_hashes  # the bound on `_pending`'s hashes
         self._pending: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # internal request id -> its hashes
         self._pending_hashes = 0  # hashes in `_pending`
 
@@ -97,7 +99,7 @@ class DecoderAffinityRouter(_AffinityRouter):
         self._pending[request.metadata.internal_request_id] = hashes
         self._pending_hashes += len(hashes)
         # NOTE: bounded in requests and hashes: a request cancelled before it was routed never comes back here
-        while len(self._pending) > PENDING_BOUND or self._pending_hashes > PENDING_HASHES:
+        while len(self._pending) > PENDING_BOUND or self._pending_hashes > self.pending_hashes:
             self._forget(next(iter(self._pending)))
         tied, _ = self.index.best(hashes, list(loads))
         if not tied:

@@ -91,13 +91,10 @@ def test_a_decode_follows_its_prompts_blocks_to_where_they_were_sent() -> None:
     assert names(asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1"), rid="t4"))))[0] == ["a"]
 
 
-def test_the_hashes_of_requests_never_routed_are_bounded_in_number(monkeypatch: Any) -> None:
+def test_the_hashes_of_requests_never_routed_are_bounded_in_number() -> None:
     """A request cancelled before it was routed never comes back: its hashes must not stay without bound."""
-    from deployments import routers
-
-    monkeypatch.setattr(routers, "PENDING_HASHES", 10)
     cands = replicas("a", "b")
-    r = router(DecoderAffinityRouter, {"a": 0, "b": 0}, load_margin=4, index_blocks=100)
+    r = router(DecoderAffinityRouter, {"a": 0, "b": 0}, load_margin=4, index_blocks=100, pending_hashes=10)
     for i in range(5):  # four hashes each; asked twice each, as Serve's loop may
         pre = PreprocessedRequest("p", [1] * 64, [], SamplingParams(), block_hashes=tuple(b"h%d%d" % (i, j)
                                                                                           for j in range(4)))
