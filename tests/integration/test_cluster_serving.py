@@ -95,14 +95,26 @@ def test_metrics_endpoint_sums_every_stage(mm_app: AppInfo):
     for name in ("mmserve_image_processor_calls_total", "mmserve_encoder_forward_passes_total",
                  "mmserve_decoder_kv_blocks", "mmserve_processor_cache_queries_total"):
         assert name in text, name
-    # the sum over both Encoder replicas, as each counts its own (pushed every few seconds: waited for)
-    expected, served = encoder_forward_passes(mm_app), None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    # A new image's forward reaches /metrics as the Encoder replicas count it. NOTE: in increments: the counts of
+    # replicas killed by earlier tests stay in the sum (they count what was done), the live replicas' push every
+    # 5 s; so the sum less the live replicas' own counts is constant once settled, and stays so after the forward.
+    def gap() -> tuple[float, int]:  # (/metrics' sum less the live replicas' count, that count)
+        live = encoder_forward_passes(mm_app)
         _, text = get_text(mm_app.base_url, "/metrics")
         served = next(s.value for family in text_string_to_metric_families(text) for s in family.samples
                       if s.name == "mmserve_encoder_forward_passes_total")
-        if served == expected:
-            break
+        return served - live, live
+
+    settled = [gap()]
+    while len(settled) < 12 and (len(settled) < 2 or settled[-1] != settled[-2]):
+        time.sleep(6.0)  # longer than a push interval
+        settled.append(gap())
+    assert settled[-1] == settled[-2], f"the counts kept moving with nothing sent: {settled}"
+    offset, live_before = settled[-1]
+    status, _ = post_json(mm_app.base_url, "/v1/chat/completions", chat_body(data_url(seed=9091), max_tokens=2))
+    assert status == 200
+    deadline, now = time.monotonic() + 60, gap()
+    while time.monotonic() < deadline and not (now[1] > live_before and now[0] == offset):
         time.sleep(0.5)
-    assert served == expected, f"/metrics says {served} forward passes; the Encoder replicas say {expected}"
+        now = gap()
+    assert now[1] > live_before and now[0] == offset, f"/metrics moved apart from the replicas: {settled}, {now}"

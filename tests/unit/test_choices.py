@@ -11,6 +11,7 @@ import pytest
 from mmserve.engine import Engine
 from mmserve.messages import ChatRequest, SamplingParams
 from tests.unit.test_engine import IMAGE
+from tests.unit.test_parity import data_url, make_image
 
 PROMPT = "Describe the picture in one sentence, then say what colour the sky is."
 
@@ -140,26 +141,28 @@ def test_a_request_cancelled_twice_while_its_choices_wait_gives_back_their_place
     """Choices 1..n-1 count against max_waiting_requests until they start; a second cancel arriving while the
     request's stream closes (Serve cancels a cancelled call's children too) must not keep them counted."""
     service = engine.decoder_service
+    asked = asyncio.Event()
 
     async def held(request_id: str, features: Any, early: bool = False) -> Any:
+        asked.set()
         await asyncio.Event().wait()  # NOTE: the first choice's embeddings never come: its siblings stay waiting
 
     monkeypatch.setattr(engine.encoder_service, "encode", held)
 
     async def cancel_twice() -> int:
-        pre = engine.preprocess(chat("twice", "s9", n=3, temperature=1.0, seed=3, max_tokens=400, ignore_eos=True))
+        # NOTE: an image no other test sends, so that no cache has its embeddings and the encoder is asked
+        fresh = [{"type": "image_url", "image_url": {"url": data_url(make_image(200, 150, seed=909))}},
+                 {"type": "text", "text": PROMPT}]
+        pre = engine.preprocess(ChatRequest("twice", [{"role": "user", "content": fresh}], SamplingParams(
+            n=3, temperature=1.0, seed=3, max_tokens=400, ignore_eos=True)))
 
         async def consume() -> None:
             async for _ in engine._serve(pre):
                 pass
 
         task = asyncio.create_task(consume())
-        for _ in range(400):  # until the later choices wait for the first's prefill
-            if service._arriving >= 2:
-                break
-            await asyncio.sleep(0.005)
-        else:
-            pytest.fail("the later choices never waited: the cancels below would test nothing")
+        await asyncio.wait_for(asked.wait(), 30)  # the first choice waits for its embeddings, held
+        assert service._arriving == 3  # it and its two siblings, waiting for its prefill
         task.cancel()
         await asyncio.sleep(0)  # the stream's `finally` now waits for its choices' tasks
         task.cancel()

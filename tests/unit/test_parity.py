@@ -10,9 +10,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -216,13 +218,11 @@ def test_chunked_prefill_matches(oracle, make_engine):
     """A small step budget splits prompts into chunks (never inside an image) with the same result."""
     model_dir, refs = oracle
     cases = ["two_images", "long_with_image", "text"]
-    probe, _ = make_engine(model_dir)
-    pres = [probe.preprocessor.process(build_request(case)[0]) for case in cases]
-    runs = [run for pre in pres for run in image_token_runs(pre.prompt_token_ids, probe.spec.image_token_id)]
-    # NOTE: room for any image whole, and less than the longest prompt, on every checkpoint (a fixed 300 split
-    # nothing where images are 16 tokens)
-    budget = max(max(end - start for start, end in runs) + 8, 100)
-    assert budget < max(len(pre.prompt_token_ids) for pre in pres)
+    # NOTE: room for any image whole (these cases have no crops), and less than the longest prompt (the oracle's
+    # count), on every checkpoint: a fixed 300 split nothing where images are 16 tokens
+    image_tokens = json.loads((Path(model_dir) / "config.json").read_text())["mm_tokens_per_image"]
+    budget = max(image_tokens + 8, 100)
+    assert budget < max(refs[case][2] for case in cases)
     engine, rec = make_engine(model_dir, max_num_batched_tokens=budget, max_num_seqs=4)
     runner, execute = engine.decoder.runner, engine.decoder.runner.execute
     later_chunks: list[str] = []
