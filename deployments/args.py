@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import typing
 from dataclasses import replace
@@ -24,9 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from mmserve.config import EngineConfig
 from mmserve.runtime.metrics_board import STALE_AFTER_S
 
+log = logging.getLogger(__name__)
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NOTE: no infinite values: an infinite timeout or wait overflows the timers it reaches
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Autoscaling(_Strict):
@@ -114,6 +118,18 @@ class StageArgs(_Strict):
         if self.max_queued_requests == 0:
             raise ValueError("max_queued_requests must be at least 1, or -1 for no bound (Serve refuses 0)")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autoscaling_over_the_stages_own(cls, data: Any) -> Any:
+        """Autoscaling fields given over the stage's default autoscaling, not over the class's (a lone
+        `preprocess.autoscaling.target_ongoing_requests=4` keeps Preprocess's 1 to 2 replicas)."""
+        if not isinstance(data, dict) or not isinstance(data.get("autoscaling"), dict):
+            return data
+        default = cls.model_fields["autoscaling"].get_default(call_default_factory=True)
+        if default is None:
+            return data
+        return {**data, "autoscaling": {**default.model_dump(exclude_unset=True), **data["autoscaling"]}}
 
     @model_validator(mode="before")
     @classmethod
@@ -245,6 +261,15 @@ class AppArgs(_Strict):
     encoder: EncoderArgs = Field(default_factory=EncoderArgs)
     decoder: DecoderArgs = Field(default_factory=DecoderArgs)
 
+    @model_validator(mode="after")
+    def _batch_within_reach(self) -> AppArgs:
+        """Warn where Serve lets fewer calls into a Decoder replica than its batch holds: the batch never fills."""
+        seqs, ongoing = self.engine.decoder.max_num_seqs, self.decoder.max_ongoing_requests
+        if seqs > ongoing:
+            log.warning("decoder.max_num_seqs=%d is above decoder.max_ongoing_requests=%d: a replica's batch never "
+                        "holds more than the latter", seqs, ongoing)
+        return self
+
     def hung_step_s(self) -> float:
         """How long one Encoder or Decoder step may run before the replica counts as hung (Serve's check_health
         fails and replaces it): longer than any request may live, so every request in it has had its deadline,
@@ -273,6 +298,9 @@ def parse_args(raw: dict[str, Any]) -> AppArgs:
     engine: dict[str, Any] = {}
     engine_fields = _field_types(EngineConfig)
     for key, value in _nested(raw).items():
+        if key == "engine":  # NOTE: AppArgs's field, built from the top-level keys: one given here would be dropped
+            raise ValueError("the engine's arguments are top-level keys (dtype=..., decoder.max_num_seqs=...), not "
+                             "under 'engine'")
         placement = AppArgs.model_fields.get(key)
         if key not in engine_fields or key == "device":
             app[key] = value

@@ -10,6 +10,7 @@ anything learned from the checkpoint itself (that lives in `mmserve.models`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,13 +28,16 @@ def above(low: float, default: Any) -> Any:
 
 
 class _Bounded:
-    """Checks every field's `ge` / `gt` metadata when the dataclass is built."""
+    """Checks every field's `ge` / `gt` metadata, and that no float is infinite or NaN, when the dataclass is
+    built."""
 
     def __post_init__(self) -> None:
         for f in fields(self):  # type: ignore[arg-type]
             value, ge, gt = getattr(self, f.name), f.metadata.get("ge"), f.metadata.get("gt")
             if value is None:
                 continue
+            if isinstance(value, float) and not math.isfinite(value):  # NOTE: an infinite wait overflows timers
+                raise ValueError(f"{type(self).__name__}.{f.name} must be a finite number, got {value!r}")
             if (ge is not None and value < ge) or (gt is not None and value <= gt):
                 bound = f">= {ge}" if ge is not None else f"> {gt}"
                 raise ValueError(f"{type(self).__name__}.{f.name} must be {bound}, got {value!r}")

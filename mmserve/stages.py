@@ -56,6 +56,10 @@ class StageFactory:
         """`alone`: no other torch stage runs in this process (a Ray replica), so the vision forwards need not
         leave their OpenMP pool behind (EncoderRunner's `passing_forwards`), and no text model is loaded beside
         the vision weights (read alone)."""
+        rows, capacity = self.spec.mm_tokens_per_image, self.config.encoder.cache_capacity_tokens
+        if rows and capacity < rows:  # NOTE: at start, not as a 400 for every request with an image
+            raise ValueError(f"encoder.cache_capacity_tokens={capacity} is below one image's {rows} embedding rows: "
+                             "no image could be encoded")
         stage = in_passing_thread(  # NOTE: loading and timing kernels leave no OpenMP pool behind (passing_thread.py)
             lambda: EncoderStage.build(self.family.load_vision(alone=alone), self.config.encoder, device=self.device,
                                        passing_forwards=not alone))

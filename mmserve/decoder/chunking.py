@@ -69,15 +69,22 @@ def _end_outside_spans(seq: Sequence, chunk_start: int, end: int) -> int:
     return end
 
 
-def warn_of_image_budget(spec: ModelSpec, config: DecoderConfig) -> None:
-    """Log a warning where an image's tokens, computed in one step, may wait for running decodes to end.
+def check_image_budget(spec: ModelSpec, config: DecoderConfig) -> None:
+    """Refuse a step budget below one image's tokens (every request with an image would be refused, after its
+    encode); warn where an image's tokens, computed in one step, may wait for running decodes to end.
 
     NOTE: running sequences take their budget in arrival order, one token each while they decode; an image
     whose tokens attend both ways goes whole into one step's chunk, so with fewer than the image's tokens left
     after `max_num_seqs - 1` decodes it waits (0 tokens a step) until earlier sequences finish.
     """
+    if not (spec.attention.bidirectional_images and spec.mm_tokens_per_image):
+        return
+    if config.max_num_batched_tokens < spec.mm_tokens_per_image:
+        raise ValueError(f"decoder.max_num_batched_tokens={config.max_num_batched_tokens} is below one image's "
+                         f"{spec.mm_tokens_per_image} tokens, which attend both ways and so are computed in one step: "
+                         "no request with an image could be served")
     needed = spec.mm_tokens_per_image + config.max_num_seqs - 1
-    if spec.attention.bidirectional_images and spec.mm_tokens_per_image and config.max_num_batched_tokens < needed:
+    if config.max_num_batched_tokens < needed:
         log.warning("decoder.max_num_batched_tokens=%d is below an image's %d tokens plus max_num_seqs - 1 = %d "
                     "decodes: an image's prefill may wait until earlier requests finish; set it to at least %d",
                     config.max_num_batched_tokens, spec.mm_tokens_per_image, config.max_num_seqs - 1, needed)

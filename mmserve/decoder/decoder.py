@@ -18,7 +18,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
-from mmserve.decoder.chunking import needs_items, warn_of_image_budget
+from mmserve.decoder.chunking import check_image_budget, needs_items
 from mmserve.decoder.detokenizer import IncrementalDetokenizer, token_piece
 from mmserve.decoder.grammar import Grammars
 from mmserve.decoder.grammar_step import GrammarStep
@@ -90,7 +90,11 @@ class Decoder:
         self.steps = 0
         self.computed_tokens = self.sampled_tokens = 0  # (tokens) since start, counted each step
         self.preemptions = 0  # sequences preempted since start (DecoderStats)
-        warn_of_image_budget(spec, config)
+        check_image_budget(spec, config)
+        if self.scheduler.max_seq_len < spec.max_model_len:
+            log.warning("the KV pool holds %d tokens of one sequence, below max_model_len %d: longer requests are "
+                        "refused; raise decoder.num_blocks (or lower max_model_len)", self.scheduler.max_seq_len,
+                        spec.max_model_len)
         if config.measure_matmul_forms and device.type == "cpu":  # NOTE: first: the threads are timed with them
             model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
                                    config.small_step_tokens, min(config.max_num_batched_tokens, TIMED_CHUNK))

@@ -77,7 +77,7 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
         num_layers=int(text.num_hidden_layers),
         num_kv_heads=int(text.num_key_value_heads),
         head_dim=int(text.head_dim),
-        max_model_len=int(engine.max_model_len or text.max_position_embeddings),
+        max_model_len=_max_model_len(model_dir, text, engine),
         eos_token_ids=_eos_ids(model_dir, config),
         attention=AttentionPattern(
             layer_kinds=kinds,
@@ -91,6 +91,16 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
         image_size=int(config.vision_config.image_size),
         sampling_defaults=sampling_defaults(model_dir, enabled=engine.sampling_defaults_from_checkpoint),
     )
+
+
+def _max_model_len(model_dir: Path, text: Any, engine: EngineConfig) -> int:
+    """The engine's bound on a sequence (tokens), the checkpoint's own by default; refused past it: positions
+    beyond `max_position_embeddings` were never trained (vLLM refuses them too)."""
+    positions = int(text.max_position_embeddings)
+    if engine.max_model_len is not None and engine.max_model_len > positions:
+        raise ValueError(f"max_model_len={engine.max_model_len} is past {model_dir}'s max_position_embeddings "
+                         f"({positions})")
+    return engine.max_model_len or positions
 
 
 def _check_rope(model_dir: Path, text: Any) -> None:

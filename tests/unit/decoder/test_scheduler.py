@@ -11,7 +11,7 @@ import pytest
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
-from mmserve.decoder.chunking import warn_of_image_budget
+from mmserve.decoder.chunking import check_image_budget
 from mmserve.decoder.scheduler import Scheduler, SchedulerOutput
 from mmserve.decoder.sequence import Sequence, SequenceStatus
 from mmserve.errors import CapacityError, PromptTooLongError
@@ -397,12 +397,20 @@ def test_a_later_choice_of_a_request_queues_in_its_first_choices_place() -> None
 @pytest.mark.parametrize(("budget", "warned"), [(256 + 7, False), (256 + 6, True)])
 def test_a_budget_that_may_leave_an_image_waiting_is_warned_of(budget: int, warned: bool,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    spec = ModelSpec("x", "x", image_token_id=9, mm_tokens_per_image=256, vocab_size=16, hidden_size=4,
-                     num_layers=1, num_kv_heads=1, head_dim=4, max_model_len=1024, eos_token_ids=(1,),
-                     attention=AttentionPattern((FULL,), None, True, 1.0, None))
     with caplog.at_level(logging.WARNING, logger="mmserve.decoder.chunking"):
-        warn_of_image_budget(spec, DecoderConfig(max_num_batched_tokens=budget, max_num_seqs=8))
+        check_image_budget(IMAGE_SPEC, DecoderConfig(max_num_batched_tokens=budget, max_num_seqs=8))
     assert ("at least 263" in caplog.text) is warned
+
+
+def test_a_budget_below_one_image_is_refused_at_start() -> None:
+    """Every request with an image would be refused, each after its encode."""
+    with pytest.raises(ValueError, match="below one image's 256 tokens"):
+        check_image_budget(IMAGE_SPEC, DecoderConfig(max_num_batched_tokens=255))
+
+
+IMAGE_SPEC = ModelSpec("x", "x", image_token_id=9, mm_tokens_per_image=256, vocab_size=16, hidden_size=4,
+                       num_layers=1, num_kv_heads=1, head_dim=4, max_model_len=1024, eos_token_ids=(1,),
+                       attention=AttentionPattern((FULL,), None, True, 1.0, None))
 
 
 def test_a_failed_fetch_fails_a_sequence_only_while_the_items_lie_ahead_of_it() -> None:

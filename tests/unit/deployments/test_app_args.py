@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from deployments.args import AppArgs, StageArgs, parse_args
-from mmserve.config import EngineConfig
+from deployments.args import AppArgs, Autoscaling, StageArgs, parse_args
+from mmserve.config import EncoderConfig, EngineConfig
+from mmserve.stages import StageFactory
 
 
 def _leaves(cls: type, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -96,6 +99,29 @@ def test_a_bad_value_is_refused_with_its_path() -> None:
         parse_args({"media.max_image_bytes": "lots"})
     with pytest.raises(ValueError, match="must be >= 1"):  # the engine checks its own bounds too
         dataclasses.replace(EngineConfig().decoder, num_blocks=0)
+
+
+def test_configuration_mistakes_that_would_be_dropped_or_crash_later_are_refused_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ValueError, match="top-level keys"):  # AppArgs's engine field: it would have been dropped
+        parse_args({"engine.dtype": "bfloat16"})
+    for key in ("media.fetch_timeout_s", "encoder.batch_wait_ms", "ingress.request_timeout_s"):
+        with pytest.raises(ValidationError, match="finite"):  # an infinite wait overflows the timers it reaches
+            parse_args({key: "Infinity"})
+    assert parse_args({"preprocess.autoscaling.target_ongoing_requests": "4"}).preprocess.autoscaling == \
+        Autoscaling(min_replicas=1, max_replicas=2, target_ongoing_requests=4)  # over the stage's own default
+    with caplog.at_level(logging.WARNING, logger="deployments.args"):
+        parse_args({"decoder.max_num_seqs": "64", "decoder.max_ongoing_requests": "16"})
+    assert "never holds more" in caplog.text
+
+
+def test_a_max_model_len_past_the_checkpoints_and_an_encoder_cache_below_one_image_are_refused(
+        tiny_ckpt_224: Path) -> None:
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        StageFactory(EngineConfig(model=str(tiny_ckpt_224), max_model_len=1 << 20))
+    small = EngineConfig(model=str(tiny_ckpt_224), encoder=EncoderConfig(cache_capacity_tokens=8))
+    with pytest.raises(ValueError, match="below one image's 16 embedding rows"):
+        StageFactory(small).encoder()
 
 
 @pytest.mark.parametrize(("args", "early"), [
