@@ -3,7 +3,7 @@
 Owns: `CLUSTER_ENV` (request bodies inline everywhere, Serve's own loops at a slower pace) and
 `cluster_env_started_here`. Serve has no per-app setting for a node's environment, so clusters started on
 their own get the same values from their start commands (cluster.yaml, the RayService's containers,
-docs/deploying.md). Does not own a replica's own environment (`<stage>.env`, deployments/args.py).
+docs/deploying.md). Does not own a replica's own environment (`<stage>.env`, deployments/stage_args.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 
 import ray
 
-from deployments.args import INGRESS_INLINE_BYTES
+from deployments.stage_args import INGRESS_INLINE_BYTES
 
 # Seconds between the Serve controller's passes over the cluster's state (Ray's default 0.1).
 # NOTE: each pass costs the controller's CPU whether anything changed or not: idle, the controller was the

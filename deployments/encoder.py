@@ -17,11 +17,12 @@ import ray
 import torch
 from ray import serve
 
-from deployments.args import DEFAULT_STAGE_ENV, AppArgs
+from deployments.args import AppArgs
 from deployments.cache_store import PixelResolver
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process, freeze_startup_heap
 from deployments.retry import replica_lost
+from deployments.stage_args import DEFAULT_STAGE_ENV
 from deployments.step_replica import StepReplica
 from mmserve.encoder.outputs import EncoderStepError
 from mmserve.errors import InvalidRequestError

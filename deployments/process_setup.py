@@ -4,7 +4,7 @@ that holds a model's code or files (those and Preprocess).
 Owns: torch's intra-op thread count and the interpreter's GIL switch interval in such a replica, where the
 engine's own log records go there, and taking what a replica built at start-up out of the cyclic garbage
 collector's sight. Does not own the replica's environment variables (those
-reach the process through the stage's `env`, see args.py), nor anything of the model.
+reach the process through the stage's `env`, see stage_args.py), nor anything of the model.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from deployments.args import StageArgs
+from deployments.stage_args import StageArgs
 
 # NOTE: the step loop thread shares the GIL with Serve's event-loop threads, which hand every output on.
 # With CPython's 5 ms default a waiting thread can wait a whole interval per handoff; 0.5 ms cut a

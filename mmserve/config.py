@@ -4,7 +4,7 @@ Owns: the knobs of each stage, their defaults and their bounds (a field's `metad
 a config is built). The tree is the single place a knob is added: the Ray app's arguments are this
 tree (deployments/args.py validates `serve run ... k=v` and Serve config files into it), so every
 field here is settable there under its dotted path (`decoder.max_num_seqs`, `media.max_image_pixels`).
-Does not own: parsing YAML or CLI flags, Serve's placement of replicas (deployments/args.py), nor
+Does not own: parsing YAML or CLI flags, Serve's placement of replicas (deployments/stage_args.py), nor
 anything learned from the checkpoint itself (that lives in `mmserve.models`).
 """
 

@@ -9,7 +9,7 @@ queues, the decoder's waiting queue), nor the other routes (health, metrics, mod
 NOTE: why not Serve's own bound on the ingress (`max_ongoing_requests`, then `max_queued_requests`): Serve
 answers its refusals itself, at its proxy or (behind HAProxy) in the replica, with a text body and no
 `Retry-After`, which clients written for OpenAI do not read as an overload. The ingress's deployment gets a
-Serve bound above this one (deployments/args.py), so that the refusals are these.
+Serve bound above this one (deployments/stage_args.py), so that the refusals are these.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from deployments.args import DEFAULT_STAGE_ENV
+from deployments.stage_args import DEFAULT_STAGE_ENV
 
 # glibc's mallopt parameters (malloc.h) for the environment variables that set the same values
 _PARAMS = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_ARENA_MAX": -8}

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from deployments.args import DEFAULT_STAGE_ENV
 from deployments.cluster_env import CLUSTER_ENV
+from deployments.stage_args import DEFAULT_STAGE_ENV
 from tests.folder_scope import FolderScope
 from tests.integration.helpers import NodeProbe, deploy, free_port
 

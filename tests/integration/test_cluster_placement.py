@@ -8,8 +8,8 @@ import os
 from collections import Counter
 from typing import Any
 
-from deployments.args import DEFAULT_STAGE_ENV
 from deployments.process_setup import SWITCH_INTERVAL_S
+from deployments.stage_args import DEFAULT_STAGE_ENV
 from mmserve.config import DecoderConfig
 from mmserve.runtime.matmul_forms import FORMS
 from tests.integration.conftest import PREPROCESS_NODES, AppInfo

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import ray
 
-from deployments.args import DEFAULT_STAGE_ENV
+from deployments.stage_args import DEFAULT_STAGE_ENV
 from mmserve.engine import Engine
 from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
 from tests.integration.helpers import chat_body, data_url, post_json, wait_running

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from deployments.args import AppArgs, Autoscaling, StageArgs, parse_args
+from deployments.args import AppArgs, parse_args
+from deployments.stage_args import Autoscaling, StageArgs
 from mmserve.config import EncoderConfig, EngineConfig
 from mmserve.stages import StageFactory
 

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from deployments import app, cluster_env
-from deployments.args import INGRESS_INLINE_BYTES
 from deployments.cluster_env import CLUSTER_ENV
+from deployments.stage_args import INGRESS_INLINE_BYTES
 
 KEY = "RAY_max_direct_call_object_size"
 HA = "RAY_SERVE_ENABLE_HA_PROXY"

@@ -26,8 +26,9 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
-from deployments.args import AppArgs, StageArgs, parse_args
+from deployments.args import AppArgs, parse_args
 from deployments.cluster_env import CLUSTER_ENV
+from deployments.stage_args import StageArgs
 
 ROOT = Path(__file__).resolve().parents[3]
 CLUSTER_YAML = ROOT / "cluster.yaml"

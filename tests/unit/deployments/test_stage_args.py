@@ -8,7 +8,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from deployments.args import DEFAULT_STAGE_ENV, INGRESS_PROBE_SLOTS, StageArgs, parse_args
+from deployments.args import parse_args
+from deployments.stage_args import DEFAULT_STAGE_ENV, INGRESS_PROBE_SLOTS, StageArgs
 from mmserve.config import EngineConfig
 
 
