@@ -4,7 +4,7 @@ Owns: composing the deployments (Ingress -> Preprocess -> Decoder -> Encoder, Pr
 the Encoder, with the shared ProcessorCacheStore and the MetricsHub) and applying each stage's placement
 from the arguments; and the process-wide defaults for a Ray that `serve run` starts after building the app
 (deployments/cluster_env.py).
-Does not own argument names or defaults (args.py) nor any stage's logic.
+Does not own argument names or defaults (args.py, stage_args.py) nor any stage's logic.
 """
 
 from __future__ import annotations

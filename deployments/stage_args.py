@@ -13,10 +13,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# the largest number an argument may be: timeouts, delays and waits past ~9.2e9 s overflow the timers they reach
+# (threading.TIMEOUT_MAX), so a huge value meant as "no limit" would fail where it is used, not here
+LARGEST_NUMBER = 1e9
+
 
 class _Strict(BaseModel):
-    # NOTE: no infinite values: an infinite timeout or wait overflows the timers it reaches
+    # NOTE: no infinite values either, for the same reason
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _not_huge(self) -> _Strict:
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and abs(value) > LARGEST_NUMBER:
+                raise ValueError(f"{name} is {value!r}, past {LARGEST_NUMBER:g}")
+        return self
 
 
 class Autoscaling(_Strict):
@@ -28,6 +40,12 @@ class Autoscaling(_Strict):
     # Optional: None leaves Serve's own default. Small values make scaling react in seconds (tests).
     metrics_interval_s: float | None = Field(None, gt=0)  # how often handles/replicas report load
     look_back_period_s: float | None = Field(None, gt=0)  # window the load is averaged over
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})")
+        return self
 
 
 # NOTE: OpenMP threads that finished a parallel region spin-wait (libgomp: 300k spins, a few ms) before they
@@ -115,7 +133,11 @@ class StageArgs(_Strict):
         default = cls.model_fields["autoscaling"].get_default(call_default_factory=True)
         if default is None:
             return data
-        return {**data, "autoscaling": {**default.model_dump(exclude_unset=True), **data["autoscaling"]}}
+        given = data["autoscaling"]
+        merged = {**default.model_dump(exclude_unset=True), **given}
+        if "max_replicas" not in given and isinstance(given.get("min_replicas"), int):  # a lone floor lifts the cap
+            merged["max_replicas"] = max(merged["max_replicas"], given["min_replicas"])
+        return {**data, "autoscaling": merged}
 
     @model_validator(mode="before")
     @classmethod

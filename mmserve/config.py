@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MiB = 1 << 20
+LARGEST_FLOAT = 1e9  # the largest float a knob may be (seconds, milliseconds, ratios)
 
 
 def at_least(low: float, default: Any) -> Any:
@@ -36,8 +37,10 @@ class _Bounded:
             value, ge, gt = getattr(self, f.name), f.metadata.get("ge"), f.metadata.get("gt")
             if value is None:
                 continue
-            if isinstance(value, float) and not math.isfinite(value):  # NOTE: an infinite wait overflows timers
-                raise ValueError(f"{type(self).__name__}.{f.name} must be a finite number, got {value!r}")
+            # NOTE: an infinite or huge wait overflows the timers it reaches (past ~9.2e9 s: threading.TIMEOUT_MAX)
+            if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= LARGEST_FLOAT):
+                raise ValueError(f"{type(self).__name__}.{f.name} must be a finite number up to {LARGEST_FLOAT:g}, "
+                                 f"got {value!r}")
             if (ge is not None and value < ge) or (gt is not None and value <= gt):
                 bound = f">= {ge}" if ge is not None else f"> {gt}"
                 raise ValueError(f"{type(self).__name__}.{f.name} must be {bound}, got {value!r}")

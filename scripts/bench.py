@@ -106,7 +106,7 @@ def sequential_groups(systems: list[str]) -> list[list[str]]:
     NOTE: an Engine kept loaded in this process while a server's cells ran went with ~100 ms slower first 7-11
     vision forwards of that server in each such run measured, and with none in the runs without it, on an AMD
     VM; on an Intel VM a plain client saw them too, and their cause there was the replicas' malloc arenas,
-    gone since an Encoder replica runs its forwards in its step thread with two arenas (deployments/args.py,
+    gone since an Encoder replica runs its forwards in its step thread with two arenas (deployments/stage_args.py,
     docs/benchmarks.md). "Sequential" means one system up."""
     return [[s] for s in sorted(systems, key=lambda s: s != "engine")]
 

@@ -92,9 +92,9 @@ class Decoder:
         self.preemptions = 0  # sequences preempted since start (DecoderStats)
         check_image_budget(spec, config)
         if self.scheduler.max_seq_len < spec.max_model_len:
-            log.warning("the KV pool holds %d tokens of one sequence, below max_model_len %d: longer requests are "
-                        "refused; raise decoder.num_blocks (or lower max_model_len)", self.scheduler.max_seq_len,
-                        spec.max_model_len)
+            log.warning("the KV pool holds %d tokens of one sequence, below max_model_len %d: longer prompts are "
+                        "refused, longer outputs end there; raise decoder.num_blocks (or lower max_model_len)",
+                        self.scheduler.max_seq_len, spec.max_model_len)
         if config.measure_matmul_forms and device.type == "cpu":  # NOTE: first: the threads are timed with them
             model.matmul.calibrate(model.linear_weights(), self.runner.threads.possible_counts(),
                                    config.small_step_tokens, min(config.max_num_batched_tokens, TIMED_CHUNK))

@@ -1,6 +1,6 @@
 """The benchmark process's own glibc malloc, set as the replicas' environment sets theirs.
 
-Owns: `malloc_as_replicas`. Does not own the replicas' settings (deployments/args.py's DEFAULT_STAGE_ENV,
+Owns: `malloc_as_replicas`. Does not own the replicas' settings (deployments/stage_args.py's DEFAULT_STAGE_ENV,
 which glibc reads from the environment when a replica starts).
 
 NOTE: why: an in-process Engine in this process is the baseline that the served path is compared with. Under

@@ -107,10 +107,15 @@ def test_configuration_mistakes_that_would_be_dropped_or_crash_later_are_refused
     with pytest.raises(ValueError, match="top-level keys"):  # AppArgs's engine field: it would have been dropped
         parse_args({"engine.dtype": "bfloat16"})
     for key in ("media.fetch_timeout_s", "encoder.batch_wait_ms", "ingress.request_timeout_s"):
-        with pytest.raises(ValidationError, match="finite"):  # an infinite wait overflows the timers it reaches
-            parse_args({key: "Infinity"})
+        for huge in ("Infinity", "1e10"):  # an infinite or huge wait overflows the timers it reaches
+            with pytest.raises(ValidationError, match="finite|past"):
+                parse_args({key: huge})
     assert parse_args({"preprocess.autoscaling.target_ongoing_requests": "4"}).preprocess.autoscaling == \
         Autoscaling(min_replicas=1, max_replicas=2, target_ongoing_requests=4)  # over the stage's own default
+    assert parse_args({"preprocess.autoscaling.min_replicas": "3"}).preprocess.autoscaling == \
+        Autoscaling(min_replicas=3, max_replicas=3)  # a lone floor lifts the default's cap
+    with pytest.raises(ValidationError, match="above max_replicas"):
+        parse_args({"encoder.autoscaling": '{"min_replicas": 6, "max_replicas": 4}'})
     with caplog.at_level(logging.WARNING, logger="deployments.args"):
         parse_args({"decoder.max_num_seqs": "64", "decoder.max_ongoing_requests": "16"})
     assert "never holds more" in caplog.text
