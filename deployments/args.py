@@ -27,7 +27,7 @@ from deployments.stage_args import (
     IngressArgs,
     PreprocessArgs,
     StageArgs,
-    _Strict,
+    StrictArgs,
 )
 from mmserve.config import EngineConfig
 from mmserve.runtime.metrics_board import STALE_AFTER_S
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 HUNG_STEP_MIN_S = 60.0  # the shortest step that counts as hung (AppArgs.hung_step_s)
 
 
-class AppArgs(_Strict):
+class AppArgs(StrictArgs):
     engine: EngineConfig  # every engine knob; `model` None = the built-in tiny checkpoint
     device: str | None = None  # every stage's torch device; None = by stage: "cuda" when it has GPUs
     # NOTE: each push is a Serve call; at 1 s the hub replica alone took a visible share of an idle small

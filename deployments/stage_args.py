@@ -13,25 +13,24 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# the largest number an argument may be: timeouts, delays and waits past ~9.2e9 s overflow the timers they reach
-# (threading.TIMEOUT_MAX), so a huge value meant as "no limit" would fail where it is used, not here
-LARGEST_NUMBER = 1e9
+from mmserve.config import LARGEST_FLOAT
 
 
-class _Strict(BaseModel):
-    # NOTE: no infinite values either, for the same reason
+class StrictArgs(BaseModel):
+    # NOTE: no float infinite or past LARGEST_FLOAT (seconds, milliseconds, ratios): a timeout, delay or wait past
+    # ~9.2e9 s overflows the timers it reaches, so "no limit" spelled as a huge one would fail where it is used
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="after")
-    def _not_huge(self) -> _Strict:
+    def _not_huge(self) -> StrictArgs:
         for name in type(self).model_fields:
             value = getattr(self, name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and abs(value) > LARGEST_NUMBER:
-                raise ValueError(f"{name} is {value!r}, past {LARGEST_NUMBER:g}")
+            if isinstance(value, float) and abs(value) > LARGEST_FLOAT:
+                raise ValueError(f"{name} is {value!r}, past {LARGEST_FLOAT:g}")
         return self
 
 
-class Autoscaling(_Strict):
+class Autoscaling(StrictArgs):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, ge=1)
     target_ongoing_requests: float = Field(2.0, gt=0)
@@ -95,7 +94,7 @@ ENCODER_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(ENCOD
 INGRESS_PROBE_SLOTS = 16
 
 
-class StageArgs(_Strict):
+class StageArgs(StrictArgs):
     """Placement and scale of one deployment."""
 
     num_replicas: int | None = Field(None, ge=1)  # fixed count: the stage then does not autoscale
@@ -127,16 +126,16 @@ class StageArgs(_Strict):
     @classmethod
     def _autoscaling_over_the_stages_own(cls, data: Any) -> Any:
         """Autoscaling fields given over the stage's default autoscaling, not over the class's (a lone
-        `preprocess.autoscaling.target_ongoing_requests=4` keeps Preprocess's 1 to 2 replicas)."""
+        `preprocess.autoscaling.target_ongoing_requests=4` keeps Preprocess's 1 to 2 replicas); a lone
+        `min_replicas` above the default's cap lifts the cap to it."""
         if not isinstance(data, dict) or not isinstance(data.get("autoscaling"), dict):
             return data
         default = cls.model_fields["autoscaling"].get_default(call_default_factory=True)
-        if default is None:
-            return data
         given = data["autoscaling"]
-        merged = {**default.model_dump(exclude_unset=True), **given}
+        merged = {**(default.model_dump(exclude_unset=True) if default is not None else {}), **given}
         if "max_replicas" not in given and isinstance(given.get("min_replicas"), int):  # a lone floor lifts the cap
-            merged["max_replicas"] = max(merged["max_replicas"], given["min_replicas"])
+            cap = merged.get("max_replicas", Autoscaling.model_fields["max_replicas"].default)
+            merged["max_replicas"] = max(cap, given["min_replicas"])
         return {**data, "autoscaling": merged}
 
     @model_validator(mode="before")

@@ -83,11 +83,10 @@ def check_served(fields: Mapping[str, Any]) -> None:
 
 def log_unknown(names: Iterable[str]) -> None:
     """Warn once per process about each field name that neither the request schema nor UNSERVED knows."""
-    new = sorted(set(names) - UNSERVED.keys() - _logged)
+    # NOTE: names cut short, kept and logged (as repr): a client's field name may be megabytes or hold line breaks
+    new = sorted({n[:_NAME_KEPT] for n in set(names) - UNSERVED.keys()} - _logged)
     if not new:
         return
-    # NOTE: names cut short, kept and logged (as repr): a client's field name may be megabytes or hold line breaks
-    new = sorted({n[:_NAME_KEPT] for n in new} - _logged)
     with _lock:
         new = [n for n in new if n not in _logged][: max(0, _LOGGED_AT_MOST - len(_logged))]
         _logged.update(new)

@@ -20,7 +20,6 @@ from mmserve.preprocess.image_structure import check_structure
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG covers MPO
 
 
-
 def quiet_pillow_bomb_warnings() -> None:
     """Ignore Pillow's warning about a header past its own pixel limit (our cap refuses such an image anyway).
 

@@ -394,6 +394,11 @@ def test_a_later_choice_of_a_request_queues_in_its_first_choices_place() -> None
     assert [s.request_id for s in sched.waiting] == ["r/3", "after", "x/1"]
 
 
+IMAGE_SPEC = ModelSpec("x", "x", image_token_id=9, mm_tokens_per_image=256, vocab_size=16, hidden_size=4,
+                       num_layers=1, num_kv_heads=1, head_dim=4, max_model_len=1024, eos_token_ids=(1,),
+                       attention=AttentionPattern((FULL,), None, True, 1.0, None))
+
+
 @pytest.mark.parametrize(("budget", "warned"), [(256 + 7, False), (256 + 6, True)])
 def test_a_budget_that_may_leave_an_image_waiting_is_warned_of(budget: int, warned: bool,
                                                                caplog: pytest.LogCaptureFixture) -> None:
@@ -407,10 +412,6 @@ def test_a_budget_below_one_image_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="below one image's 256 tokens"):
         check_image_budget(IMAGE_SPEC, DecoderConfig(max_num_batched_tokens=255))
 
-
-IMAGE_SPEC = ModelSpec("x", "x", image_token_id=9, mm_tokens_per_image=256, vocab_size=16, hidden_size=4,
-                       num_layers=1, num_kv_heads=1, head_dim=4, max_model_len=1024, eos_token_ids=(1,),
-                       attention=AttentionPattern((FULL,), None, True, 1.0, None))
 
 
 def test_a_failed_fetch_fails_a_sequence_only_while_the_items_lie_ahead_of_it() -> None:

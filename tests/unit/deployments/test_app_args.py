@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from deployments.args import AppArgs, parse_args
 from deployments.stage_args import Autoscaling, StageArgs
-from mmserve.config import EncoderConfig, EngineConfig
+from mmserve.config import DecoderConfig, EncoderConfig, EngineConfig
 from mmserve.stages import StageFactory
 
 
@@ -108,14 +108,17 @@ def test_configuration_mistakes_that_would_be_dropped_or_crash_later_are_refused
         parse_args({"engine.dtype": "bfloat16"})
     for key in ("media.fetch_timeout_s", "encoder.batch_wait_ms", "ingress.request_timeout_s"):
         for huge in ("Infinity", "1e10"):  # an infinite or huge wait overflows the timers it reaches
-            with pytest.raises(ValidationError, match="finite|past"):
+            with pytest.raises(ValidationError, match=r"finite|past"):
                 parse_args({key: huge})
     assert parse_args({"preprocess.autoscaling.target_ongoing_requests": "4"}).preprocess.autoscaling == \
         Autoscaling(min_replicas=1, max_replicas=2, target_ongoing_requests=4)  # over the stage's own default
     assert parse_args({"preprocess.autoscaling.min_replicas": "3"}).preprocess.autoscaling == \
         Autoscaling(min_replicas=3, max_replicas=3)  # a lone floor lifts the default's cap
+    assert parse_args({"encoder.autoscaling.min_replicas": "6"}).encoder.autoscaling == \
+        Autoscaling(min_replicas=6, max_replicas=6)  # the class's default cap too
     with pytest.raises(ValidationError, match="above max_replicas"):
         parse_args({"encoder.autoscaling": '{"min_replicas": 6, "max_replicas": 4}'})
+    assert parse_args({"ingress.max_body_bytes": str(2 << 30)}).ingress.max_body_bytes == 2 << 30  # counts, not waits
     with caplog.at_level(logging.WARNING, logger="deployments.args"):
         parse_args({"decoder.max_num_seqs": "64", "decoder.max_ongoing_requests": "16"})
     assert "never holds more" in caplog.text
@@ -128,6 +131,16 @@ def test_a_max_model_len_past_the_checkpoints_and_an_encoder_cache_below_one_ima
     small = EngineConfig(model=str(tiny_ckpt_224), encoder=EncoderConfig(cache_capacity_tokens=8))
     with pytest.raises(ValueError, match="below one image's 16 embedding rows"):
         StageFactory(small).encoder()
+
+
+def test_a_kv_pool_that_cannot_hold_one_max_model_len_sequence_is_warned_of(
+        tiny_ckpt_224: Path, caplog: pytest.LogCaptureFixture) -> None:
+    decoder = DecoderConfig(num_blocks=4, measure_matmul_forms=False, small_step_threads=1, big_step_threads=1)
+    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048, decoder=decoder)
+    with caplog.at_level(logging.WARNING, logger="mmserve.decoder.decoder"):
+        service = StageFactory(config).decoder()
+    service.stop()
+    assert "below max_model_len 2048" in caplog.text
 
 
 @pytest.mark.parametrize(("args", "early"), [

@@ -34,7 +34,7 @@ def test_replica_environment_reaches_ray_actor_options() -> None:
         "env_vars": {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}}
     assert "runtime_env" not in args.decoder.deployment_options()["ray_actor_options"]
     assert args.preprocess.env == DEFAULT_STAGE_ENV  # untouched stages keep the default
-    # the Encoder returns answers of up to 1 MiB inline (one image's embeddings, to the Decoder)
+    # the Encoder returns answers of up to 2 MiB inline (one image's embeddings, to the Decoder)
     assert parse_args({}).encoder.env == {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(2 << 20)}
     # the Decoder keeps libgomp's own spin (its steps yield threads to an encode beside them instead)
     assert parse_args({}).decoder.env == {k: v for k, v in DEFAULT_STAGE_ENV.items() if k != "GOMP_SPINCOUNT"}

@@ -144,7 +144,7 @@ def test_a_request_id_is_free_again_as_soon_as_its_call_returned() -> None:
 
 def test_a_request_whose_items_are_cached_is_served_during_a_forward_for_others() -> None:
     """Strict FIFO is for what needs a forward: a request all of whose items are cached does not wait for the
-    forward under way (one crop takes ~200 ms on a CPU) nor for misses queued before it."""
+    forward under way (a whole vision forward on a CPU) nor for misses queued before it."""
     inside, release, slow = held_vision()
 
     async def run() -> None:
