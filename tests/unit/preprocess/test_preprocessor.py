@@ -474,6 +474,13 @@ def test_processor_keys_in_chat_template_kwargs_reach_the_processor_as_transform
     assert overruled.features[0].data.num_tiles == 1
 
 
+def test_a_key_the_template_reads_itself_stays_the_templates(pre224: Preprocessor,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pre224.template, "variables", pre224.template.variables | {"do_pan_and_scan"})
+    kept = pre224.process(one_image(WIDE, template=TemplateOptions(kwargs={"do_pan_and_scan": True})))
+    assert kept.features[0].data.num_tiles == 1  # the template's variable, not the processor's
+
+
 def test_sampling_is_validated(pre224: Preprocessor) -> None:
     with pytest.raises(InvalidSamplingError, match="top_p"):
         pre224.process(request(user(txt("hi")), sampling=SamplingParams(top_p=0.0)))

@@ -223,3 +223,16 @@ def test_each_trial_keeps_its_measured_ratio_for_the_log() -> None:
         count = trials.count_for(current)
         current = trials.observe(count, 1, 0.012 if count == 2 else 0.008, current)  # 2 threads slower served
     assert trials.trials == 2 and current == 1 and trials.last_ratio == pytest.approx(1.5)
+
+
+def test_a_replica_keeps_only_its_latest_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica may serve for months; its list of count changes (stats, tests) does not grow with it."""
+    from mmserve.runtime import thread_trials
+
+    monkeypatch.setattr(thread_trials, "CHANGES_KEPT", 3)
+    trials = ThreadTrials((1, 2), close=0.05, first_period=1)
+    current = 1
+    for _ in range(6):  # each count in turn is made plainly faster: each pair of trials changes it
+        faster = 2 if current == 1 else 1
+        current, _ = serve(trials, current, 3 * TRIAL_STEPS, lambda c, f=faster: 0.010 if c == f else 0.020)
+    assert len(trials.changes) == 3 and trials.changes[-1][1] == current
