@@ -14,9 +14,11 @@ import contextlib
 import logging
 import time
 
+import torch
+
 from mmserve.encoder.outputs import Resolver, inline_pixels
 from mmserve.encoder.stage import EncoderStage
-from mmserve.messages import EncoderOutput, MultiModalFeatureSpec
+from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, PhaseTimes
 from mmserve.runtime.shared_cores import cpu_host
 from mmserve.runtime.step_loop import StepLoop
 
@@ -51,9 +53,7 @@ class EncoderService:
             # collector, the same id could not be opened again for a loop turn or two)
             async with contextlib.aclosing(self.loop.outputs(request_id)) as outputs:
                 async for out in outputs:
-                    dtype = str(out.embeddings[0].dtype).removeprefix("torch.")  # NOTE: tensors, not the wire's numpy
-                    return EncoderOutput(request_id, list(out.embeddings), dtype=dtype, timings=out.timings,
-                                         host=cpu_host(self.stage.runner.device.type))
+                    return self._output(request_id, list(out.embeddings), out.timings)
         except asyncio.CancelledError:  # the caller left before its embeddings came
             self.abort(request_id)
             raise
@@ -66,8 +66,10 @@ class EncoderService:
         embeddings = self.stage.cached(features)
         if embeddings is None:
             return None
-        dtype = str(embeddings[0].dtype).removeprefix("torch.")
-        timings = (("encoder.stage", (time.perf_counter() - started) * 1e3),)
+        return self._output(request_id, embeddings, (("encoder.stage", (time.perf_counter() - started) * 1e3),))
+
+    def _output(self, request_id: str, embeddings: list[torch.Tensor], timings: PhaseTimes) -> EncoderOutput:
+        dtype = str(embeddings[0].dtype).removeprefix("torch.")  # NOTE: tensors, not the wire's numpy
         return EncoderOutput(request_id, embeddings, dtype=dtype, timings=timings,
                              host=cpu_host(self.stage.runner.device.type))
 
