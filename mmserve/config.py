@@ -37,6 +37,12 @@ class _Bounded:
             value, ge, gt = getattr(self, f.name), f.metadata.get("ge"), f.metadata.get("gt")
             if value is None:
                 continue
+            # NOTE: a sub-tree given as a dict (the Ray app's arguments' shape) failed later, far from its cause
+            if isinstance(f.default_factory, type) and not isinstance(value, f.default_factory):
+                raise TypeError(f"{type(self).__name__}.{f.name} must be a {f.default_factory.__name__}, "
+                                f"got {type(value).__name__}")
+            if (ge is not None or gt is not None) and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise TypeError(f"{type(self).__name__}.{f.name} must be a number, got {value!r}")
             # NOTE: an infinite or huge wait overflows the timers it reaches (past ~9.2e9 s: threading.TIMEOUT_MAX)
             if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= LARGEST_FLOAT):
                 raise ValueError(f"{type(self).__name__}.{f.name} must be a finite number up to {LARGEST_FLOAT:g}, "
@@ -158,8 +164,9 @@ class EngineConfig(_Bounded):
     dtype: str = "float32"
     device: str = "cpu"  # torch device string, e.g. "cpu", "cuda", "cuda:1"
     max_model_len: int | None = at_least(1, None)  # tokens; None = the checkpoint's max_position_embeddings
-    # a request's unset temperature, top_p, top_k, min_p and repetition_penalty take the checkpoint's
-    # generation_config.json values (Gemma 3: top_k 64, top_p 0.95), as vLLM does; False = OpenAI's defaults
+    # an HTTP request's unset temperature, top_p, top_k, min_p and repetition_penalty take the checkpoint's
+    # generation_config.json values (Gemma 3: top_k 64, top_p 0.95), as vLLM does; False = OpenAI's defaults.
+    # In process, `Engine.default_sampling()` gives them (a SamplingParams built directly is taken as it is)
     sampling_defaults_from_checkpoint: bool = True
     media: MediaConfig = field(default_factory=MediaConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

@@ -10,15 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+import weakref
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import LogitsObserver
+from mmserve.decoder.service import DecoderService
 from mmserve.decoder.stats import DecoderStats
 from mmserve.encoder.outputs import EncoderStats
-from mmserve.messages import ChatRequest, EncoderOutput, PreprocessedRequest, RequestOutput, TokenLogprob, merge_outputs
+from mmserve.encoder.service import EncoderService
+from mmserve.messages import (
+    ChatRequest,
+    EncoderOutput,
+    PreprocessedRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+    merge_outputs,
+)
 from mmserve.preprocess.processor_cache import ProcessorCache, ProcessorCacheStats
 from mmserve.stages import StageFactory
 
@@ -55,14 +68,37 @@ class Engine:
         self.decoder_service = stages.decoder(self.preprocessor.tokenizer, on_logits=on_logits)
         stages.release_unused()
         self.encoder, self.decoder = self.encoder_service.stage, self.decoder_service.decoder
+        # NOTE: the step threads hold the stages, not the engine: an engine dropped without `shutdown` (a notebook
+        # cell run again) stops them when it is collected, so its weights and KV pool are freed with it
+        self._stopper = weakref.finalize(self, _stop, self.encoder_service, self.decoder_service)
 
     @classmethod
     def from_model_dir(cls, model_dir: str, **engine_kwargs) -> Engine:
         return cls(EngineConfig(model=str(model_dir), **engine_kwargs))
 
-    def preprocess(self, request: ChatRequest) -> PreprocessedRequest:
-        """Front end (raises InvalidRequestError subclasses for bad input)."""
-        return self.preprocessor.process(request)
+    def default_sampling(self, **fields: Any) -> SamplingParams:
+        """SamplingParams with the checkpoint's recommended sampling (its generation_config.json, as the served
+        app gives a request's unset fields; `EngineConfig.sampling_defaults_from_checkpoint`), then `fields`.
+
+        NOTE: a SamplingParams built directly is taken as it is, with OpenAI's defaults (vLLM's SamplingParams too).
+        """
+        defaults = {name: value for name, value in vars(self.spec.sampling_defaults).items() if value is not None}
+        return SamplingParams(**{**defaults, **fields})
+
+    def preprocess(self, request: ChatRequest,
+                   cancelled: Callable[[], bool] = lambda: False) -> PreprocessedRequest:
+        """Front end (raises InvalidRequestError subclasses for bad input); `cancelled()` is asked before each
+        image's work."""
+        return self.preprocessor.process(request, cancelled)
+
+    async def _preprocessed(self, request: ChatRequest) -> PreprocessedRequest:
+        """`preprocess` off the event loop; cancelled, its thread stops at the request's next image."""
+        left = threading.Event()
+        try:
+            return await asyncio.to_thread(self.preprocess, request, left.is_set)
+        except asyncio.CancelledError:
+            left.set()
+            raise
 
     def _serve(self, pre: PreprocessedRequest) -> AsyncGenerator[RequestOutput]:
         return self.decoder_service.generate(pre, encode=self._encode)
@@ -70,30 +106,45 @@ class Engine:
     async def _encode(self, pre: PreprocessedRequest) -> EncoderOutput:
         return await self.encoder_service.encode(pre.request_id, pre.features)
 
-    async def stream(self, request: ChatRequest) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come; closing the iterator early aborts the request."""
-        pre = await asyncio.to_thread(self.preprocess, request)
-        async with contextlib.aclosing(self._serve(pre)) as outputs:  # NOTE: closing this one aborts it at once
+    async def stream(self, request: ChatRequest) -> AsyncGenerator[RequestOutput]:
+        """Outputs of one request as they come; closing the generator early (`aclose`, or leaving an
+        `async with contextlib.aclosing(...)`) aborts the request at once."""
+        # NOTE: the decoder lets go of a request's pixels once they are encoded; this frame keeps none
+        async with contextlib.aclosing(self._serve(await self._preprocessed(request))) as outputs:
             async for out in outputs:
                 yield out
 
     def generate(self, requests: list[ChatRequest]) -> list[Completion]:
-        """Run requests together through the batching pipeline; for callers without an event loop.
+        """Run requests together through the batching pipeline; for callers without an event loop (from a
+        coroutine, use `stream`). The first request that fails raises, and the others are aborted.
 
-        One Completion per choice: the requests in order, a request's `n` choices by index."""
-        pres = [self.preprocess(r) for r in requests]
+        One Completion per choice: the requests in order, a request's `n` choices by index.
+        NOTE: at most `decoder.max_waiting_requests` sequences are in flight at once (the rest wait here, not
+        preprocessed), so a batch of any size is never refused as an overload, and a request's pixels exist
+        only while it is in flight.
+        """
+        with contextlib.suppress(RuntimeError):  # NOTE: none running is the case that works
+            asyncio.get_running_loop()
+            raise TypeError("Engine.generate runs its own event loop; from a coroutine, use Engine.stream")
 
         async def run_all() -> list[list[Completion]]:
-            return list(await asyncio.gather(*(self._complete(pre) for pre in pres)))
+            room = _Room(self.config.decoder.max_waiting_requests)
+            return list(await asyncio.gather(*(self._complete(r, room) for r in requests)))
 
         return [choice for choices in asyncio.run(run_all()) for choice in choices]
 
-    async def _complete(self, pre: PreprocessedRequest) -> list[Completion]:
-        outputs: dict[int, list[RequestOutput]] = {i: [] for i in range(pre.sampling.n)}
-        pre = replace(pre, sampling=replace(pre.sampling, final_only=True))  # the whole answer is read at once
-        async for out in self._serve(pre):
-            outputs[out.index].append(out)
-        return [_completion(pre, index, outs) for index, outs in outputs.items()]
+    async def _complete(self, request: ChatRequest, room: _Room) -> list[Completion]:
+        n = request.sampling.n
+        outputs: dict[int, list[RequestOutput]] = {i: [] for i in range(n)}
+        async with room.taken(n):
+            pre = await self._preprocessed(request)
+            prompt_tokens = len(pre.prompt_token_ids)
+            pre = replace(pre, sampling=replace(pre.sampling, final_only=True))  # the whole answer is read at once
+            async with contextlib.aclosing(self._serve(pre)) as served:
+                del pre  # NOTE: the decoder lets go of the pixels once encoded; keep none here
+                async for out in served:
+                    outputs[out.index].append(out)
+        return [_completion(request.request_id, prompt_tokens, index, outs) for index, outs in outputs.items()]
 
     def has_unfinished(self) -> bool:
         return self.encoder_service.busy() or self.decoder_service.busy()
@@ -109,10 +160,9 @@ class Engine:
     def shutdown(self) -> None:
         """Stop and join the stages' step threads; requests still running fail. Idempotent.
 
-        An engine never shut down is stopped at interpreter exit (mmserve.runtime.step_loop's exit hook).
+        An engine never shut down is stopped when it is collected, or at interpreter exit.
         """
-        self.encoder_service.stop()
-        self.decoder_service.stop()
+        self._stopper()
 
     def __enter__(self) -> Engine:
         return self
@@ -121,11 +171,36 @@ class Engine:
         self.shutdown()
 
 
-def _completion(pre: PreprocessedRequest, index: int, outputs: list[RequestOutput]) -> Completion:
+def _completion(request_id: str, prompt_tokens: int, index: int, outputs: list[RequestOutput]) -> Completion:
     """One choice's outputs folded into its Completion."""
     whole = merge_outputs(outputs)
-    return Completion(pre.request_id, whole.new_text, whole.new_token_ids, whole.finish_reason,
-                      len(pre.prompt_token_ids), whole.num_cached_tokens, whole.logprobs, index, whole.stop_reason)
+    return Completion(request_id, whole.new_text, whole.new_token_ids, whole.finish_reason, prompt_tokens,
+                      whole.num_cached_tokens, whole.logprobs, index, whole.stop_reason)
+
+
+def _stop(encoder: EncoderService, decoder: DecoderService) -> None:
+    encoder.stop()
+    decoder.stop()
+
+
+class _Room:
+    """Sequences in flight, at most `limit` (a request of more than `limit` goes alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def taken(self, n: int) -> AsyncGenerator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.used -= n
+                self._changed.notify_all()
 
 
 def new_request_id() -> str:

@@ -66,6 +66,12 @@ class SamplingParams:
     # at the end with all the rest merged (vLLM's RequestOutputKind.FINAL_ONLY)
     final_only: bool = False
 
+    def __post_init__(self) -> None:
+        # NOTE: one string is one stop string (OpenAI's `stop` and vLLM's SamplingParams take either), not its letters
+        for name in ("stop", "bad_words"):
+            if isinstance(value := getattr(self, name), str):
+                object.__setattr__(self, name, (value,))
+
     def validate(self) -> None:
         """Raise InvalidSamplingError naming the first out-of-range field."""
         checks = [
