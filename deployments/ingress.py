@@ -32,6 +32,7 @@ from deployments.metrics_hub import HUB_TIMEOUT_S, MetricsReporter
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api.admission import AdmissionMiddleware, bound
 from mmserve.api.body import parse_json
+from mmserve.api.cross_origin import CrossOriginMiddleware, origins
 from mmserve.api.deadline import Deadline
 from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, check_model
@@ -50,6 +51,7 @@ api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 CHAT_ROUTE = "/v1/chat/completions"
 CHAT_BOUND = "ingress.chat"  # the replica's Ingress sets it (`ingress.max_ongoing_requests`)
 api.add_middleware(AdmissionMiddleware, name=CHAT_BOUND, paths=frozenset({CHAT_ROUTE}))
+api.add_middleware(CrossOriginMiddleware, name=CHAT_BOUND)  # NOTE: last, so outermost: preflights are not counted
 api.add_exception_handler(failures.StarletteHTTPException, failures.route_error)
 
 
@@ -85,6 +87,7 @@ class Ingress:
         self.chat_bound = bound(CHAT_BOUND)
         self.chat_bound.limit = app_args.ingress.max_ongoing_requests
         self.chat_bound.on_refused = lambda: self._done("overloaded", time.perf_counter())  # as other 503s are
+        origins(CHAT_BOUND).allowed = tuple(app_args.ingress.cors_allowed_origins)
 
     async def __del__(self) -> None:
         """Serve calls this on a graceful shutdown (a downscale): the last metrics (see MetricsReporter.close)."""

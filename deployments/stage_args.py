@@ -210,6 +210,9 @@ class IngressArgs(StageArgs):
     # Each stage's own phases in the `Server-Timing` header, beside the ingress's round trips (scripts/bench_path.py
     # turns it on). NOTE: off by default: which phases ran tells a client whether a cache held an image.
     stage_timing: bool = False
+    # Web origins a browser app may call the API from (CORS), e.g. ["https://chat.example.com"]; ["*"] any.
+    # NOTE: none by default (vLLM allows any): a server on a private network would answer any page its users open
+    cors_allowed_origins: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _can_scale_up(self) -> IngressArgs:

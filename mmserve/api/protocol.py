@@ -299,8 +299,9 @@ class ModelCard(BaseModel):
 
 
 def check_model(asked: str | None, served: str) -> None:
-    """A request or lookup naming another model than the one served: 404 model_not_found (None: any)."""
-    if asked not in (None, served):
+    """A request or lookup naming another model than the one served: 404 model_not_found (None or "": any, as
+    vLLM takes them)."""
+    if asked not in (None, "", served):
         raise ModelNotFoundError(f"model {asked!r} is not served here; try {served!r}")
 
 

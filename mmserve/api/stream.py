@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from mmserve.api.errors import error_body
 from mmserve.api.logprobs import ChoiceLogprobs, choice_logprobs
 from mmserve.api.protocol import AssistantMessage, ChatCompletionResponse, Choice, PromptTokensDetails, Usage
-from mmserve.api.vllm_fields import VllmFields
+from mmserve.api.vllm_fields import DROPPED_WHEN_NONE, VllmFields
 from mmserve.messages import RequestFailed, RequestOutput, TokenLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -52,9 +52,15 @@ class ChatCompletionChunk(VllmFields):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChunkChoice]  # empty in the usage chunk
-    usage: Usage | None = None  # in the usage chunk (stream_options.include_usage); on every chunk so far with
-    # stream_options.continuous_usage_stats
+    usage: Usage | None = None  # in the usage chunk (stream_options.include_usage; null on the others); on every
+    # chunk so far with stream_options.continuous_usage_stats
     prompt_token_ids: list[int] | None = None  # on the first chunk, with `return_token_ids` (images expanded)
+
+
+class UnaskedUsageChunk(ChatCompletionChunk):
+    """A chunk of a stream that did not ask for usage: OpenAI's chunks then have no `usage` field (not a null)."""
+
+    DROPPED: ClassVar[tuple[str, ...]] = (*DROPPED_WHEN_NONE, "usage")
 
 
 def sse(obj: BaseModel | dict[str, Any]) -> str:
@@ -226,5 +232,6 @@ class ChunkBuilder:
             usage = self.choices.usage()
         if prompt_ids is None:  # NOTE: the prompt's ids go on the first chunk only
             prompt_ids, self._prompt_ids = self._prompt_ids, None
-        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
-                                   choices=choices, usage=usage, prompt_token_ids=prompt_ids)
+        kind = ChatCompletionChunk if self.include_usage else UnaskedUsageChunk
+        return kind(id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage,
+                    prompt_token_ids=prompt_ids)

@@ -22,7 +22,7 @@ from mmserve.api.errors import (
     route_error_body,
     validation_error_body,
 )
-from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList
+from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, check_model
 from mmserve.api.stream import SSE_DONE, ChunkBuilder, CompletionBuilder, sse, sse_error
 from mmserve.errors import InvalidRequestError, InvalidSamplingError, MediaError
 from mmserve.messages import RequestFailed, RequestOutput, SamplingDefaults, TemplateOptions, TokenLogprob
@@ -184,6 +184,23 @@ def test_response_and_chunks_validate_as_openai_types() -> None:
     assert [p.object for p in parsed] == ["chat.completion.chunk"] * 3
     assert json.loads(raw[0].model_dump_json())["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
     assert json.loads(raw[-1].model_dump_json())["choices"] == []
+
+
+def test_a_chunk_carries_usage_only_where_it_was_asked_for() -> None:
+    """OpenAI: `usage` is "only present when you set stream_options: {"include_usage": true}"; then it is null on
+    every chunk but the last (test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk)."""
+    plain = [json.loads(c.model_dump_json()) for out in outputs(["a", "b"]) for c in ChunkBuilder("i", "m").chunks(out)]
+    assert plain and all("usage" not in c for c in plain)
+    asked = ChunkBuilder("i", "m", include_usage=True, continuous_usage=True)
+    assert all(json.loads(c.model_dump_json())["usage"]["prompt_tokens"] == 7
+               for out in outputs(["a", "b"]) for c in asked.chunks(out))
+
+
+@pytest.mark.parametrize("asked", [None, "", "gemma-3"])
+def test_no_model_or_an_empty_one_is_the_served_one_as_vllm_takes_them(asked: str | None) -> None:
+    check_model(asked, "gemma-3")
+    with pytest.raises(ModelNotFoundError, match="'gemma-3 '"):
+        check_model("gemma-3 ", "gemma-3")
 
 
 # --- request parsing: defaults, aliases, extensions --------------------------------------------
