@@ -202,8 +202,9 @@ class Scheduler:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _check_schedulable(self, seq: Sequence) -> None:
-        n = seq.num_prompt_tokens
+    def check_length(self, n: int) -> None:
+        """Raise for a prompt of `n` tokens that no state of the pool could take: empty, past the model's length,
+        or past what the pool holds for one sequence alone. NOTE: reads constants only: any thread may ask."""
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
         if n > self.max_model_len:
@@ -213,6 +214,9 @@ class Scheduler:
             raise CapacityError(f"the prompt needs {self.kv.peak_pages(n, self.config.max_num_batched_tokens)} "
                                 f"KV blocks (of one layer each); the pool has {self.pool.num_blocks} "
                                 f"({self.max_seq_len} tokens)")
+
+    def _check_schedulable(self, seq: Sequence) -> None:
+        self.check_length(seq.num_prompt_tokens)
         budget = self.config.max_num_batched_tokens
         longest = max((end - start for start, end in seq.atomic_spans), default=0)
         if longest > budget:

@@ -151,6 +151,7 @@ class DecoderService:
         self._arriving += 1
         try:
             try:
+                self.decoder.scheduler.check_length(len(pre.prompt_token_ids))  # NOTE: before its images are encoded
                 hashes = self._block_hashes(pre)
                 embeddings = await self._embeddings_outside_cache(live, hashes)
                 pre = live.pre = without_encoded_pixels(pre, embeddings)  # a late fetch reads the rest here
@@ -191,7 +192,8 @@ class DecoderService:
 
     def _admit_or_refuse(self, n: int = 1) -> None:
         """Raise OverloadedError when the requests waiting here (encoding, queued, preempted), with the `n`
-        sequences of this one, would pass the bound.
+        sequences of this one, would pass the bound; with none waiting, a request of more choices than the bound
+        goes alone (refused, it would be refused for ever).
 
         NOTE: read on the consumers' loop while the step thread updates the scheduler's waiting list (a
         list's len is atomic); a request between its submission and the step that adds it is in neither
@@ -200,7 +202,7 @@ class DecoderService:
         if self.max_waiting is None:
             return
         waiting = self._arriving + len(self.decoder.scheduler.waiting)
-        if waiting + n > self.max_waiting:
+        if waiting + n > self.max_waiting and waiting:  # NOTE: a request of more choices than the bound goes alone
             raise OverloadedError(f"the decoder has {waiting} requests waiting (decoder.max_waiting_requests "
                                   f"{self.max_waiting}); retry later")
 

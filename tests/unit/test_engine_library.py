@@ -27,13 +27,25 @@ def test_a_batch_larger_than_the_waiting_bound_completes_whole(tiny_ckpt_224):
     config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048,
                           decoder=DecoderConfig(max_num_seqs=1, max_waiting_requests=2))
     requests = [chat(f"b{i}", *([IMAGE] if i % 2 else []), max_tokens=3, ignore_eos=True) for i in range(6)]
-    requests.append(chat("b-n", max_tokens=3, ignore_eos=True, n=2))
+    requests += [chat("b-n", max_tokens=3, ignore_eos=True, n=2), chat("b-wide", max_tokens=3, ignore_eos=True, n=3)]
     with Engine(config) as eng:
         done = eng.generate(requests)  # NOTE: before, the third request in flight was refused as an overload
-        assert [(c.request_id, c.index) for c in done] == [(r.request_id, 0) for r in requests[:-1]] + \
-            [("b-n", 0), ("b-n", 1)]
+        assert [(c.request_id, c.index) for c in done] == [(r.request_id, 0) for r in requests[:-2]] + \
+            [("b-n", 0), ("b-n", 1), ("b-wide", 0), ("b-wide", 1), ("b-wide", 2)]  # more choices than the bound: alone
         assert all(len(c.token_ids) == 3 for c in done)
         assert not eng.has_unfinished()
+
+
+def test_a_prompt_longer_than_the_pool_is_refused_before_its_images_are_encoded(tiny_ckpt_224, monkeypatch):
+    from mmserve.errors import CapacityError
+
+    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048, decoder=DecoderConfig(num_blocks=2))
+    with Engine(config) as eng:
+        encoded: list[Any] = []
+        monkeypatch.setattr(eng.encoder_service, "encode", lambda *a, **k: encoded.append(a))
+        with pytest.raises(CapacityError, match="KV blocks"):
+            eng.generate([chat("long", IMAGE, text="What is this? " * 20)])
+        assert encoded == []
 
 
 def test_generate_called_from_a_coroutine_says_to_use_stream_before_any_work(engine, monkeypatch):
