@@ -12,6 +12,7 @@ chunks (mmserve/api/), its failures' handling (ingress_failures.py) nor the retr
 import asyncio
 import functools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,9 +31,8 @@ from deployments.args import AppArgs
 from deployments.handles import awaited, cancel, hold
 from deployments.metrics_hub import HUB_TIMEOUT_S, MetricsReporter
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
-from mmserve.api.admission import AdmissionMiddleware, bound
+from mmserve.api import edge
 from mmserve.api.body import parse_json
-from mmserve.api.cross_origin import CrossOriginMiddleware, origins
 from mmserve.api.deadline import Deadline
 from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, check_model
@@ -49,9 +49,8 @@ log = logging.getLogger("ray.serve")
 
 api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 CHAT_ROUTE = "/v1/chat/completions"
-CHAT_BOUND = "ingress.chat"  # the replica's Ingress sets it (`ingress.max_ongoing_requests`)
-api.add_middleware(AdmissionMiddleware, name=CHAT_BOUND, paths=frozenset({CHAT_ROUTE}))
-api.add_middleware(CrossOriginMiddleware, name=CHAT_BOUND)  # NOTE: last, so outermost: preflights are not counted
+CHAT_BOUND = "ingress.chat"  # the name of the edge's settings (bound, CORS, API keys) the replica's Ingress sets
+edge.install(api, CHAT_BOUND, frozenset({CHAT_ROUTE}))
 api.add_exception_handler(failures.StarletteHTTPException, failures.route_error)
 
 
@@ -84,10 +83,10 @@ class Ingress:
         self.app_health = AppHealth()
         self.reporter = MetricsReporter(hub, "Ingress", self._metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
-        self.chat_bound = bound(CHAT_BOUND)
-        self.chat_bound.limit = app_args.ingress.max_ongoing_requests
-        self.chat_bound.on_refused = lambda: self._done("overloaded", time.perf_counter())  # as other 503s are
-        origins(CHAT_BOUND).allowed = tuple(app_args.ingress.cors_allowed_origins)
+        self.chat_bound = edge.configure(
+            CHAT_BOUND, limit=app_args.ingress.max_ongoing_requests, cors_origins=tuple(
+                app_args.ingress.cors_allowed_origins), environ=os.environ,
+            on_refused=lambda: self._done("overloaded", time.perf_counter()))  # as other 503s are counted
 
     async def __del__(self) -> None:
         """Serve calls this on a graceful shutdown (a downscale): the last metrics (see MetricsReporter.close)."""

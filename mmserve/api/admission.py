@@ -61,7 +61,7 @@ class AdmissionMiddleware:
         self.app, self.name, self.paths = app, name, paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _route_path(scope) not in self.paths:
+        if scope["type"] != "http" or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
         admission = bound(self.name)
@@ -76,7 +76,7 @@ class AdmissionMiddleware:
             admission.in_flight -= 1
 
 
-def _route_path(scope: Scope) -> str:
+def route_path(scope: Scope) -> str:
     """The request's path below the app's mount point (`root_path`: Serve's route prefix), as routes see it."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
@@ -87,8 +87,13 @@ async def _refuse(send: Send, limit: int | None) -> None:
     exc = OverloadedError(f"this server is serving as many requests as it takes ({limit} per ingress "
                           f"replica); retry later")
     status, body = error_body(exc)
+    await send_json(send, status, body, error_headers(exc))
+
+
+async def send_json(send: Send, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """Answer `status` with `body` as JSON and `headers`, from a middleware."""
     payload = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    headers += [(name.lower().encode(), value.encode()) for name, value in error_headers(exc).items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw += [(name.lower().encode(), value.encode()) for name, value in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": payload})

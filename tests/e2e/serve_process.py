@@ -47,7 +47,7 @@ def start(args: dict[str, str], work: Path, ray_tmp: str, model_dir: Path,
     }
     config_path = work / "serve_config.json"  # NOTE: JSON is YAML; `serve run` reads it with yaml.safe_load
     config_path.write_text(json.dumps(config, indent=2))
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "MMSERVE_API_KEY"}
     full_env.update({
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",

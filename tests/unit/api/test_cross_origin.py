@@ -1,5 +1,5 @@
 """CORS at the ingress: no origin allowed by default (no header, the app answers as before), and once origins
-are set, preflights answered and responses marked for those origins only; the ingress's middleware outermost."""
+are set, preflights answered and responses marked for those origins only."""
 
 from __future__ import annotations
 
@@ -59,9 +59,3 @@ def test_an_allowed_origin_gets_its_preflight_and_its_answers_marked_and_another
     assert status == 400 and "access-control-allow-origin" not in headers
     status, headers = ask(("*",), "POST", "https://any.example")
     assert status == 200 and headers["access-control-allow-origin"] == "*"
-
-
-def test_the_ingress_answers_preflights_before_its_admission_bound_counts_them():
-    from deployments.ingress import api
-
-    assert api.user_middleware[0].cls is CrossOriginMiddleware  # Starlette: the first is the outermost
