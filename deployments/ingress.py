@@ -85,7 +85,7 @@ class Ingress:
         self.reporter.ensure_started()
         self.chat_bound = edge.configure(
             CHAT_BOUND, limit=app_args.ingress.max_ongoing_requests, cors_origins=tuple(
-                app_args.ingress.cors_allowed_origins), environ=os.environ,
+                app_args.ingress.cors_allowed_origins), environ=os.environ, logger=log,
             on_refused=lambda: self._done("overloaded", time.perf_counter()))  # as other 503s are counted
 
     async def __del__(self) -> None:
@@ -118,7 +118,7 @@ class Ingress:
     async def model(self, model: str) -> Response:
         try:
             served = await self._served_model()
-            check_model(model, served.model_id)
+            check_model(model, served.model_id, empty_is_any=False)  # NOTE: `/v1/models/` names no model
         except Exception as exc:
             return failures.error_response(exc)
         return JSONResponse(ModelCard(id=served.model_id, max_model_len=served.max_model_len).model_dump())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from numbers import Real
 from typing import Any
 
 MiB = 1 << 20
@@ -41,7 +42,7 @@ class _Bounded:
             if isinstance(f.default_factory, type) and not isinstance(value, f.default_factory):
                 raise TypeError(f"{type(self).__name__}.{f.name} must be a {f.default_factory.__name__}, "
                                 f"got {type(value).__name__}")
-            if (ge is not None or gt is not None) and (isinstance(value, bool) or not isinstance(value, int | float)):
+            if (ge is not None or gt is not None) and (isinstance(value, bool) or not isinstance(value, Real)):
                 raise TypeError(f"{type(self).__name__}.{f.name} must be a number, got {value!r}")
             # NOTE: an infinite or huge wait overflows the timers it reaches (past ~9.2e9 s: threading.TIMEOUT_MAX)
             if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= LARGEST_FLOAT):

@@ -79,7 +79,10 @@ class AdmissionMiddleware:
 def route_path(scope: Scope) -> str:
     """The request's path below the app's mount point (`root_path`: Serve's route prefix), as routes see it."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    if not root or not path.startswith(root):
+        return path
+    # NOTE: at a segment's end only, as Starlette routes it: under "/v", "/v1/models" is "/v1/models"
+    return path[len(root):] if len(path) == len(root) or path[len(root)] == "/" else path
 
 
 async def _refuse(send: Send, limit: int | None) -> None:

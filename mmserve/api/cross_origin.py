@@ -25,6 +25,8 @@ class Origins:
     allowed: tuple[str, ...] = ()  # origins a browser app may call from, e.g. "https://app.example.com"; "*" any
 
 
+# NOTE: a browser hides every other header from the page: the OpenAI clients read these to decide on a retry
+EXPOSED = ("Retry-After", "x-should-retry")
 _ORIGINS: dict[str, Origins] = {}  # this process's settings, by name
 
 
@@ -49,5 +51,6 @@ class CrossOriginMiddleware:
             return
         if self._cors is None or self._cors[0] != allowed:
             self._cors = allowed, CORSMiddleware(self.app, allow_origins=list(allowed), allow_methods=["*"],
-                                                 allow_headers=["*"], allow_credentials=False)
+                                                 allow_headers=["*"], allow_credentials=False,
+                                                 expose_headers=list(EXPOSED))
         await self._cors[1](scope, receive, send)

@@ -29,12 +29,13 @@ def install(app: Any, name: str, bounded_paths: frozenset[str]) -> None:
 
 
 def configure(name: str, *, limit: int, on_refused: Callable[[], None], cors_origins: tuple[str, ...],
-              environ: Mapping[str, str]) -> Admission:
-    """Set this process's settings under `name` (the API keys from `environ`); returns the admission bound."""
+              environ: Mapping[str, str], logger: logging.Logger = log) -> Admission:
+    """Set this process's settings under `name` (the API keys from `environ`, their number told to `logger`: a
+    Serve replica's is `ray.serve`); returns the admission bound."""
     admission = bound(name)
     admission.limit, admission.on_refused = limit, on_refused
     origins(name).allowed = cors_origins
     api_keys(name).accepted = keys = parse_keys(environ.get(API_KEY_ENV))
-    log.info("%s", f"/v1 requests need one of {len(keys)} API keys ({API_KEY_ENV})" if keys else
+    logger.info("%s", f"/v1 requests need one of {len(keys)} API keys ({API_KEY_ENV})" if keys else
              f"/v1 requests need no API key ({API_KEY_ENV} is not set)")
     return admission

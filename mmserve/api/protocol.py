@@ -298,10 +298,10 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None  # extension, as vLLM reports it
 
 
-def check_model(asked: str | None, served: str) -> None:
-    """A request or lookup naming another model than the one served: 404 model_not_found (None or "": any, as
-    vLLM takes them)."""
-    if asked not in (None, "", served):
+def check_model(asked: str | None, served: str, *, empty_is_any: bool = True) -> None:
+    """A request or lookup naming another model than the one served: 404 model_not_found (None, or "" where
+    `empty_is_any`: any, as vLLM takes a chat body's)."""
+    if asked != served and asked is not None and (asked or not empty_is_any):
         raise ModelNotFoundError(f"model {asked!r} is not served here; try {served!r}")
 
 

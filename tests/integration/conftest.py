@@ -53,6 +53,7 @@ def ray_cluster() -> Iterator[ClusterInfo]:
     saved = {k: os.environ.get(k) for k in ("RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE", "RAY_TMPDIR", *CLUSTER_ENV)}
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.pop("MMSERVE_API_KEY", None)  # NOTE: the tests call /v1 without a key
     os.environ.update(CLUSTER_ENV)  # NOTE: as docs/deploying.md starts every node
     # NOTE: a private temp root (short: it holds unix sockets) so that other Ray sessions on this
     # machine neither find this cluster through /tmp/ray/ray_current_cluster nor we theirs.

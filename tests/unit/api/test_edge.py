@@ -79,6 +79,23 @@ def test_without_keys_every_request_is_served_and_health_never_asks_for_one():
     assert served(keyed, lambda client: client.get("/health")).status_code == 200 and ran == ["/health"]
 
 
+def test_a_path_under_a_prefix_that_only_begins_like_it_is_still_asked_for_a_key():
+    app, ran = app_with_edge("k")
+    for root, path in (("/v", "/v1/models"), ("", "/v1/models"), ("/api", "/api/v1/models")):
+        async def ask(client: Any, root: str = root, path: str = path) -> Any:
+            return await client.request("GET", path, extensions={})
+        scope_app = _with_root(app, root)
+        assert served(scope_app, ask).status_code == 401, (root, path)
+    assert ran == []
+
+
+def _with_root(app: Any, root: str) -> Any:
+    """`app` mounted under `root` as Serve's route prefix sets it (`root_path`)."""
+    async def mounted(scope: Any, receive: Any, send: Any) -> None:
+        await app({**scope, "root_path": root}, receive, send)
+    return mounted
+
+
 @pytest.mark.parametrize(("header", "admitted"), [
     (None, False), (b"Bearer k1", True), (b"bearer  k1 ", True), (b"Basic k1", False), (b"Bearer", False),
     (b"Bearer k", False), (b"Bearer k1k1", False), (b"Bearer k2", True)])
@@ -97,3 +114,7 @@ def test_cors_answers_a_preflight_before_the_key_is_asked_and_the_key_before_the
     with caplog.at_level(logging.INFO, logger="mmserve.api.edge"):
         app_with_edge("a,b")
     assert "need one of 2 API keys (MMSERVE_API_KEY)" in caplog.text and "a,b" not in caplog.text
+    told = logging.getLogger("a-replicas-own")
+    with caplog.at_level(logging.INFO, logger=told.name):
+        edge.configure("edge-told", limit=1, on_refused=lambda: None, cors_origins=(), environ={}, logger=told)
+    assert [r.name for r in caplog.records if "need no API key" in r.message] == [told.name]

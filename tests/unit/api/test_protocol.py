@@ -201,6 +201,9 @@ def test_no_model_or_an_empty_one_is_the_served_one_as_vllm_takes_them(asked: st
     check_model(asked, "gemma-3")
     with pytest.raises(ModelNotFoundError, match="'gemma-3 '"):
         check_model("gemma-3 ", "gemma-3")
+    if asked == "":  # a lookup of no name (`GET /v1/models/`) finds none
+        with pytest.raises(ModelNotFoundError):
+            check_model(asked, "gemma-3", empty_is_any=False)
 
 
 # --- request parsing: defaults, aliases, extensions --------------------------------------------
