@@ -70,7 +70,7 @@ class Engine:
         self.encoder, self.decoder = self.encoder_service.stage, self.decoder_service.decoder
         # NOTE: the step threads hold the stages, not the engine: an engine dropped without `shutdown` (a notebook
         # cell run again) stops them when it is collected, so its weights and KV pool are freed with it
-        self._stopper = weakref.finalize(self, _stop, self.encoder_service, self.decoder_service)
+        self._stopper = weakref.finalize(self, _stop_when_collected, self.encoder_service, self.decoder_service)
 
     @classmethod
     def from_model_dir(cls, model_dir: str, **engine_kwargs) -> Engine:
@@ -100,8 +100,8 @@ class Engine:
             left.set()
             raise
 
-    def _serve(self, pre: PreprocessedRequest) -> AsyncGenerator[RequestOutput]:
-        return self.decoder_service.generate(pre, encode=self._encode)
+    def _serve(self, pre: PreprocessedRequest, admit: bool = True) -> AsyncGenerator[RequestOutput]:
+        return self.decoder_service.generate(pre, encode=self._encode, admit=admit)
 
     async def _encode(self, pre: PreprocessedRequest) -> EncoderOutput:
         return await self.encoder_service.encode(pre.request_id, pre.features)
@@ -119,16 +119,16 @@ class Engine:
         coroutine, use `stream`). The first request that fails raises, and the others are aborted.
 
         One Completion per choice: the requests in order, a request's `n` choices by index.
-        NOTE: at most `decoder.max_waiting_requests` sequences are in flight at once (the rest wait here, not
-        preprocessed), so a batch of any size is never refused as an overload, and a request's pixels exist
-        only while it is in flight.
+        NOTE: never refused as an overload (the decoder's `max_waiting_requests` is for callers that do not wait
+        their turn): it keeps at most `max_num_seqs + max_waiting_requests` sequences in flight itself (the rest
+        wait here, not preprocessed), so a request's pixels exist only while it is in flight.
         """
         with contextlib.suppress(RuntimeError):  # NOTE: none running is the case that works
             asyncio.get_running_loop()
             raise TypeError("Engine.generate runs its own event loop; from a coroutine, use Engine.stream")
 
         async def run_all() -> list[list[Completion]]:
-            room = _Room(self.config.decoder.max_waiting_requests)
+            room = _Room(self.config.decoder.max_num_seqs + self.config.decoder.max_waiting_requests)
             return list(await asyncio.gather(*(self._complete(r, room) for r in requests)))
 
         return [choice for choices in asyncio.run(run_all()) for choice in choices]
@@ -140,7 +140,7 @@ class Engine:
             pre = await self._preprocessed(request)
             prompt_tokens = len(pre.prompt_token_ids)
             pre = replace(pre, sampling=replace(pre.sampling, final_only=True))  # the whole answer is read at once
-            async with contextlib.aclosing(self._serve(pre)) as served:
+            async with contextlib.aclosing(self._serve(pre, admit=False)) as served:
                 del pre  # NOTE: the decoder lets go of the pixels once encoded; keep none here
                 async for out in served:
                     outputs[out.index].append(out)
@@ -162,7 +162,8 @@ class Engine:
 
         An engine never shut down is stopped when it is collected, or at interpreter exit.
         """
-        self._stopper()
+        if self._stopper.detach() is not None:  # NOTE: the first call; its finalizer will not run again
+            _stop(self.encoder_service, self.decoder_service)
 
     def __enter__(self) -> Engine:
         return self
@@ -181,6 +182,18 @@ def _completion(request_id: str, prompt_tokens: int, index: int, outputs: list[R
 def _stop(encoder: EncoderService, decoder: DecoderService) -> None:
     encoder.stop()
     decoder.stop()
+
+
+def _stop_when_collected(encoder: EncoderService, decoder: DecoderService) -> None:
+    """An engine's finalizer: `_stop` here on the main thread (interpreter exit), else on a thread of its own.
+
+    NOTE: a collection runs finalizers on whichever thread it happened, a step thread too, which must neither
+    wait for its own loop's lock nor join another engine's threads in the middle of a step.
+    """
+    if threading.current_thread() is threading.main_thread():
+        _stop(encoder, decoder)
+    else:
+        threading.Thread(target=_stop, args=(encoder, decoder), name="mmserve-engine-stop", daemon=True).start()
 
 
 class _Room:

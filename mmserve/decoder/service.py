@@ -69,15 +69,16 @@ class DecoderService:
         decoder.runner.threads.beside = self.shared_cores.busy
 
     async def generate(
-        self, pre: PreprocessedRequest, encode: EncodeFn | None = None
+        self, pre: PreprocessedRequest, encode: EncodeFn | None = None, *, admit: bool = True
     ) -> AsyncGenerator[RequestOutput]:
         """Outputs of one request (of each of its `n` choices, by `index`); closing the iterator early aborts
-        it and frees its KV blocks."""
+        it and frees its KV blocks. `admit=False`: not refused past `max_waiting` (a caller bounding its own)."""
         n = pre.sampling.n
         ids = [pre.request_id, *(choice_id(pre.request_id, i) for i in range(n) if n > 1)]  # its choices' own too
         if taken := [i for i in ids if i in self._live or i in self._reserved]:
             raise ValueError(f"request {taken[0]} is already being served here")  # NOTE: the live one goes on
-        self._admit_or_refuse(n)
+        if admit:
+            self._admit_or_refuse(n)
         if n > 1:
             self._reserved.update(ids)  # NOTE: the choices become live one by one, the request never
         outputs = self._one(pre, encode) if n == 1 else self._choices(pre, encode)
