@@ -9,6 +9,7 @@ Does not own: prompt placeholder expansion (`gemma3_prompt.py`), batching or cac
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from mmserve.models.gemma3_text import Gemma3PagedText
 from mmserve.models.generation_defaults import sampling_defaults
 from mmserve.models.pixels import PixelNormalization
 from mmserve.runtime.matmul_forms import pack_linears
+
+log = logging.getLogger(__name__)
 
 
 def _eos_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
@@ -106,22 +109,45 @@ def _max_model_len(model_dir: Path, text: Any, engine: EngineConfig) -> int:
 def _check_rope(model_dir: Path, text: Any) -> None:
     """Refuse a RoPE type whose frequencies follow the sequence's length (SERVED_ROPE_TYPES)."""
     params = getattr(text, "rope_parameters", None) or {}
-    by_kind = {"every layer": params} if "rope_type" in params else params  # one set, or one per layer type
+    # NOTE: the rotary reads the set of each layer type where there is one, whatever stands beside them
+    by_kind = {kind: rope for kind, rope in params.items() if isinstance(rope, dict)} or {"every layer": params}
     for kind, rope in by_kind.items():
-        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+        rope_type = rope.get("rope_type", "default")
         if rope_type not in SERVED_ROPE_TYPES:
             raise ValueError(f"{model_dir}: text_config.rope_parameters[{kind!r}] has rope_type {rope_type!r}; "
                              f"mmserve serves Gemma 3 with {', '.join(SERVED_ROPE_TYPES)} only")
 
 
-def served_dtype(name: str, config: Any) -> torch.dtype:
-    """EngineConfig.dtype's `name` as a torch dtype: "auto" is the checkpoint's own (float32 if none)."""
-    dtype = config.dtype if name == "auto" else getattr(torch, name)
+def served_dtype(name: str, config: Any, model_dir: Path | None = None) -> torch.dtype:
+    """EngineConfig.dtype's `name` as a torch dtype: "auto" is the checkpoint's own: its config's, else its
+    weights' (as transformers reads it), else float32."""
+    dtype = (config.dtype or (model_dir and weights_dtype(model_dir))) if name == "auto" else getattr(torch, name)
     dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or "float32")
     why = REFUSED_DTYPES.get(str(dtype).removeprefix("torch."))
     if why:
         raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not served: {why}")
     return dtype
+
+
+def weights_dtype(model_dir: Path) -> torch.dtype | None:
+    """The dtype of the checkpoint's first floating tensor (its first shard's), None if it has none."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        ["model.safetensors"]
+    path = model_dir / files[0]
+    if not path.exists():
+        return None
+    with safe_open(str(path), "pt") as weights:
+        for name in weights.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+            dtype = getattr(torch, _SAFETENSORS_DTYPES.get(weights.get_slice(name).get_dtype(), "int64"))
+            if dtype.is_floating_point:
+                return dtype
+    return None
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 class Gemma3Family:
@@ -133,7 +159,11 @@ class Gemma3Family:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.spec = gemma3_spec(self.model_dir, self.hf_config, config)
         self.prompt_rule = Gemma3PromptRule.from_checkpoint(self.model_dir, self.spec.mm_tokens_per_image)
-        self.dtype: torch.dtype = served_dtype(config.dtype, self.hf_config)
+        self.dtype: torch.dtype = served_dtype(config.dtype, self.hf_config, model_dir)
+        own = served_dtype("auto", self.hf_config, model_dir)
+        if config.device != "cpu" and self.dtype.itemsize > own.itemsize:
+            log.warning("serving %s's %s weights in %s on %s: %dx their memory; dtype=auto serves them as saved",
+                        model_dir.name, own, self.dtype, config.device, self.dtype.itemsize // own.itemsize)
         self._hf_model: Any = None
 
     def _load(self) -> Any:

@@ -88,6 +88,45 @@ def test_dtype_names_are_checked_auto_takes_the_checkpoints_and_float16_is_refus
     assert family.dtype == torch.float32  # the tiny checkpoint's own
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_auto_without_a_dtype_in_the_config_takes_the_weights_as_transformers_does(tmp_path: Path,
+                                                                                    sharded: bool) -> None:
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import Gemma3Config
+
+    from mmserve.models.gemma3 import served_dtype, weights_dtype
+
+    tensors = {"a.steps": torch.zeros(2, dtype=torch.int64), "b.weight": torch.zeros(2, dtype=torch.bfloat16)}
+    name = "model-00001-of-00002.safetensors" if sharded else "model.safetensors"
+    save_file(tensors, str(tmp_path / name))
+    if sharded:
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "a.steps": name, "b.weight": name, "c.weight": "model-00002-of-00002.safetensors"}}))
+    config = Gemma3Config()
+    config.dtype = None
+    assert weights_dtype(tmp_path) == torch.bfloat16
+    assert served_dtype("auto", config, tmp_path) == torch.bfloat16  # before: float32
+    assert served_dtype("auto", config) == torch.float32 and weights_dtype(tmp_path / "none") is None
+
+
+def test_a_checkpoint_served_wider_than_saved_on_an_accelerator_is_warned_of(tiny_ckpt_224: Path, tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_ckpt_224, tmp_path / "bf16-checkpoint"))
+    saved = json.loads((folder / "config.json").read_text())
+    saved["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(saved))
+    with caplog.at_level("WARNING", logger="mmserve.models.gemma3"):
+        Gemma3Family(folder, EngineConfig(model=str(folder), device="cpu"))
+        assert not caplog.records  # on a CPU float32 is the default on purpose (bfloat16 matmuls are slow there)
+        Gemma3Family(folder, EngineConfig(model=str(folder), device="cuda"))  # NOTE: nothing is moved yet
+    assert "2x their memory; dtype=auto serves them as saved" in caplog.text
+
+
 def test_a_hugging_face_cache_snapshot_is_served_under_its_repo_id(tmp_path: Path) -> None:
     from mmserve.models.base import checkpoint_name
 
@@ -140,6 +179,12 @@ def test_a_rope_type_that_follows_the_sequence_length_is_refused_at_load(tiny_ck
     config.text_config.rope_parameters["full_attention"]["rope_type"] = rope_type
     with pytest.raises(ValueError, match=f"'full_attention'.*{rope_type}"):
         gemma3_spec(tiny_ckpt_224, config, engine)
+    config.text_config.rope_parameters["rope_type"] = "default"  # NOTE: beside the per-type sets, read by none
+    with pytest.raises(ValueError, match=f"'full_attention'.*{rope_type}"):
+        gemma3_spec(tiny_ckpt_224, config, engine)
+    config.text_config.rope_parameters["full_attention"]["rope_type"] = "default"
+    config.text_config.rope_parameters["rope_type"] = rope_type  # the per-type sets are what the rotary reads
+    gemma3_spec(tiny_ckpt_224, config, engine)
 
 
 def test_attention_logits_are_not_capped_whatever_the_config_says_as_in_transformers(tiny_ckpt_224: Path) -> None:
