@@ -52,6 +52,9 @@ def build_tiny_gemma3(
     vision_layers: int = 2,
     vision_heads: int = 2,
     vision_intermediate: int = 64,
+    # config.json as Google's releases write it (transformers 4.50: `rope_scaling`, `rope_local_base_freq`,
+    # `sliding_window_pattern`, `torch_dtype`), which transformers converts as it reads; None = its own format
+    google_format: bool | None = None,
 ) -> Path:
     """Write a complete Gemma 3 checkpoint with random weights into `out_dir` and return it.
 
@@ -83,12 +86,29 @@ def build_tiny_gemma3(
         vision_use_head=False, layer_norm_eps=1e-6,
     )
     _save_model(out, text, vision, ids, mm_tokens, seed)
+    if google_format:
+        path = out / "config.json"
+        path.write_text(json.dumps(as_google_wrote_it(json.loads(path.read_text())), indent=2))
     for path in out.iterdir():
         path.chmod(0o644)  # NOTE: save_pretrained leaves model.safetensors at 0600; a download is 0644
     return out
 
 
 _BUILD_SIGNATURE = inspect.signature(build_tiny_gemma3)
+
+
+def as_google_wrote_it(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json of transformers 5 in the older keys of Google's gemma-3-*-it releases (same meaning)."""
+    text = dict(config["text_config"])
+    ropes = text.pop("rope_parameters")
+    full, local = ropes["full_attention"], ropes["sliding_attention"]
+    text["rope_theta"], text["rope_local_base_freq"] = full["rope_theta"], local["rope_theta"]
+    if full["rope_type"] != "default":
+        text["rope_scaling"] = {"factor": full["factor"], "rope_type": full["rope_type"]}
+    for key in ("layer_types", "_sliding_window_pattern"):  # NOTE: derived from sliding_window_pattern
+        text.pop(key, None)
+    older = {k: v for k, v in config.items() if k != "dtype"}
+    return {**older, "text_config": text, "torch_dtype": config["dtype"]}
 
 
 def default_tiny_checkpoint(**overrides: Any) -> Path:

@@ -237,3 +237,22 @@ def test_optional_arguments_left_at_none_stay_out_of_the_cache_key() -> None:
     assert tc._bound_args({"model_vocab_size": 4096})["model_vocab_size"] == 4096
     assert tc._bound_args({"global_rope_scaling": None})["global_rope_scaling"] is None
     assert tc._bound_args({})["global_rope_scaling"] == 8.0
+
+
+def test_a_config_in_googles_keys_reads_as_the_same_model(tiny_ckpt_gqa: Path, tiny_ckpt_224: Path) -> None:
+    """The older keys Google's releases write (`rope_scaling`, `rope_local_base_freq`, `sliding_window_pattern`,
+    `torch_dtype`) mean what transformers 5's own do: the parity checkpoint written that way is one of them."""
+    import json
+
+    from transformers import AutoConfig
+
+    from mmserve.models.tiny_checkpoint import as_google_wrote_it
+
+    saved = json.loads((tiny_ckpt_gqa / "config.json").read_text())
+    text = saved["text_config"]
+    assert "rope_parameters" not in text and "layer_types" not in text and "dtype" not in saved
+    assert text["rope_scaling"] == {"factor": 8.0, "rope_type": "linear"} and saved["torch_dtype"] == "float32"
+    assert text["num_attention_heads"] * text["head_dim"] != text["hidden_size"]  # heads wider, as gemma-3-4b's
+    native = AutoConfig.from_pretrained(tiny_ckpt_224)
+    older = AutoConfig.for_model(**as_google_wrote_it(native.to_dict()))
+    assert older.text_config.to_dict() == native.text_config.to_dict() and older.dtype == native.dtype
