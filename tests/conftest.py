@@ -2,8 +2,8 @@
 
 Owns: the session-scoped `tiny_ckpt` (896 px / patch 14 / 256 image tokens, the real model's data
 shapes), `tiny_ckpt_224` (224 px / patch 14 / 16 tokens) and `tiny_ckpt_gqa` (the parity suite's third:
-GQA, its own attention scale, an odd window, wide heads, Google's config keys) folders, built into pytest temp dirs, never into the user
-cache. Does not own: how the checkpoints are made (mmserve.models.tiny_checkpoint).
+GQA, its own attention scale, an odd window, wide heads, Google's config keys) folders, built into pytest
+temp dirs, never into the user cache. Does not own: how the checkpoints are made (mmserve.models.tiny_checkpoint).
 """
 
 from __future__ import annotations
