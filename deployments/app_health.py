@@ -1,14 +1,20 @@
 """The app's readiness, as the ingress's GET /health reports it.
 
-Owns: which deployments of the app have no running replica yet, from `serve.status()`, asked of Serve's
-controller at most once per `HEALTH_STATUS_TTL_S` however many probes come. Does not own the HTTP answer
-(the ingress) nor a replica's own health (each deployment's `check_health`).
+Owns: which deployments of the app have no running replica, and why (Serve's status and message of each:
+still starting, or failed), from `serve.status()`, asked of Serve's controller at most once per
+`HEALTH_STATUS_TTL_S` however many probes come, one call at a time, within `HEALTH_STATUS_TIMEOUT_S`. Does
+not own the HTTP answer (the ingress) nor a replica's own health (each deployment's `check_health`).
+
+NOTE: this is readiness (can the app serve a request end to end); a load balancer's or kubelet's liveness
+check of an ingress node is Serve's own `/-/healthz` on its proxy (docs/deploying.md), which asks no stage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -16,6 +22,22 @@ from ray import serve
 # NOTE: serve.status() is an RPC to Serve's controller: probes from every load balancer and kubelet
 # share one answer for this long instead of each making one.
 HEALTH_STATUS_TTL_S = 2.0
+# NOTE: a controller restarting (or a head node down under GCS fault tolerance) does not answer, while the
+# replicas go on serving: a probe waits this long, then the last answer (if not older than STALE_S) stands
+STATUS_TIMEOUT_S = 3.0
+STALE_S = 60.0
+MESSAGE_CHARS = 300  # of a failed deployment's message, in the answer
+
+
+@dataclass(frozen=True)
+class Readiness:
+    waiting_for: list[str]  # deployments of the app with no running replica (names; [] = ready)
+    failed: dict[str, str]  # of those, the ones Serve reports failed or unhealthy: name -> "STATUS: message"
+    stale_s: float | None = None  # the answer's age where the controller did not answer this probe (s)
+
+    @property
+    def ready(self) -> bool:
+        return not self.waiting_for
 
 
 def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
@@ -27,13 +49,60 @@ def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
                   if not any(state == "RUNNING" and n > 0 for state, n in d.replica_states.items()))
 
 
-class AppHealth:
-    def __init__(self) -> None:
-        self._status: tuple[float, Any] | None = None  # (monotonic s, serve.status()) of the last probe
+def readiness(status: Any, app_name: str) -> Readiness:
+    """What /health says of a `serve.status()`: who has no running replica, and which of those failed."""
+    waiting = deployments_without_replicas(status, app_name)
+    app = status.applications.get(app_name)
+    failed = {}
+    for name in waiting:
+        deployment = app.deployments.get(name) if app is not None else None
+        state = str(getattr(deployment, "status", "")).rsplit(".", 1)[-1]
+        if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+            failed[name] = f"{state}: {str(getattr(deployment, 'message', ''))[:MESSAGE_CHARS]}"
+    return Readiness(waiting, failed)
 
-    async def waiting_for(self) -> list[str]:
-        """The deployments of this replica's app that have no running replica yet ([] once all do)."""
+
+class AppHealth:
+    def __init__(self, status: Callable[[], Any] = serve.status, app_name: Callable[[], str] | None = None,
+                 timeout_s: float = STATUS_TIMEOUT_S) -> None:
+        self._ask_status, self.timeout_s = status, timeout_s  # a blocking call: Serve's controller's answer
+        self._app_name = app_name or (lambda: serve.get_replica_context().app_name)
+        self._status: tuple[float, Any] | None = None  # (monotonic s, the status) of the last answer
+        self._asking: asyncio.Task | None = None  # the one call to the controller under way
+
+    async def check(self) -> Readiness:
+        """This replica's app's readiness; raises TimeoutError when the controller has not answered and the
+        last answer is older than STALE_S (or there is none)."""
         now = time.monotonic()
+        stale: float | None = None
         if self._status is None or now - self._status[0] > HEALTH_STATUS_TTL_S:
-            self._status = (now, await asyncio.to_thread(serve.status))
-        return deployments_without_replicas(self._status[1], serve.get_replica_context().app_name)
+            if self._asking is None or self._asking.done():
+                self._asking = asyncio.ensure_future(self._ask())
+            try:  # NOTE: shielded: a probe that gives up leaves the call to the next probes
+                await asyncio.wait_for(asyncio.shield(self._asking), self.timeout_s)
+            except Exception:  # NOTE: TimeoutError, or the call's own failure
+                if self._status is None or now - self._status[0] > STALE_S:
+                    raise TimeoutError(f"Serve's controller did not answer within {self.timeout_s:g} s") from None
+                stale = now - self._status[0]
+        assert self._status is not None
+        answer = readiness(self._status[1], self._app_name())
+        return answer if stale is None else Readiness(answer.waiting_for, answer.failed, stale)
+
+    async def answer(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of GET /health: 200 `ok`; else 503 `starting` (deployments with no running
+        replica yet, named), `failed` (one of them failed, with Serve's message) or `unknown` (no answer)."""
+        try:
+            ready = await self.check()
+        except TimeoutError as exc:
+            return 503, {"status": "unknown", "reason": str(exc)}
+        body: dict[str, Any] = {"status": "ok"} if ready.ready else {
+            "status": "failed" if ready.failed else "starting", "waiting_for": ready.waiting_for}
+        if ready.failed:
+            body["failed"] = ready.failed
+        if ready.stale_s is not None:  # NOTE: the controller did not answer this probe; the replicas still serve
+            body["as_of_s_ago"] = round(ready.stale_s, 1)
+        return (200 if ready.ready else 503), body
+
+    async def _ask(self) -> None:
+        status = await asyncio.to_thread(self._ask_status)
+        self._status = (time.monotonic(), status)

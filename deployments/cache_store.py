@@ -44,6 +44,7 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, OwnerDiedError
 
 from deployments.handles import FromThread
 from deployments.metrics_hub import MetricsReporter
+from deployments.replica_logs import route_logs
 from deployments.retry import replica_lost
 from mmserve.messages import MultiModalFeatureSpec, ProcessedItem, StoredItem, StoreLookup
 from mmserve.preprocess.processor_cache import (
@@ -82,6 +83,7 @@ async def read_stored(item: StoredItem) -> ProcessedItem:
                   logging_config={"enable_access_log": False})  # NOTE: internal calls; no per-call log line
 class ProcessorCacheStore:
     def __init__(self, capacity_bytes: int, hub: Any, metrics_push_interval_s: float):
+        route_logs()
         # NOTE: the index's values are StoredItems (ObjectRefs), so the plain in-memory storage fits: an
         # evicted entry drops the index's ref, and Ray frees the object once no in-flight spec borrows it.
         self.cache = ProcessorCache(capacity_bytes, InMemoryStorage())

@@ -30,6 +30,7 @@ from deployments.app_health import AppHealth
 from deployments.args import AppArgs
 from deployments.handles import awaited, cancel, hold
 from deployments.metrics_hub import HUB_TIMEOUT_S, MetricsReporter
+from deployments.replica_logs import route_logs
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api import edge
 from mmserve.api.body import parse_json
@@ -69,6 +70,7 @@ api.openapi = _openapi  # type: ignore[method-assign]
 @serve.ingress(api)
 class Ingress:
     def __init__(self, app_args: AppArgs, preprocess: Any, decoder: Any, hub: Any):
+        route_logs()
         # NOTE: asked of Preprocess on first use, not read here: reading a checkpoint's config imports torch and
         # transformers, whose start-up time and memory the edge would pay for nothing else (docs/benchmarks.md)
         self.served: ServedModel | None = None
@@ -95,15 +97,14 @@ class Ingress:
 
     @api.get("/health")
     async def health(self) -> Response:
-        """200 once every deployment of the app has a running replica; 503 naming those that have none.
+        """200 once every deployment of the app has a running replica; 503 naming those that have none, and why.
 
         NOTE: Serve routes HTTP to the ingress as soon as its own replica runs, while the model stages may
         still be loading (seconds): a probe that only reached the ingress said "ok" while the first
         request waited for them.
         """
-        if waiting := await self.app_health.waiting_for():
-            return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, body = await self.app_health.answer()
+        return JSONResponse(body, status_code=status)
 
     @api.get("/v1/models")
     async def models(self) -> Response:

@@ -19,6 +19,7 @@ from ray import serve
 from ray.util import metrics as ray_metrics
 
 from deployments.handles import awaited, hold
+from deployments.replica_logs import route_logs
 from mmserve.runtime.metrics import HistogramValue, Metric, MetricsSnapshot, merge
 from mmserve.runtime.metrics_board import MetricsBoard
 from mmserve.runtime.process_memory import resident_memory_snapshot
@@ -34,6 +35,7 @@ MIRROR_REPLAY = 1000  # observations of one histogram bucket replayed into Ray's
                   logging_config={"enable_access_log": False})  # NOTE: internal calls; no per-call log line
 class MetricsHub:
     def __init__(self) -> None:
+        route_logs()
         self.board = MetricsBoard()
 
     def report(self, source: str, snapshot: MetricsSnapshot, final: bool = False, seq: int | None = None) -> None:

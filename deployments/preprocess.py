@@ -18,6 +18,7 @@ from deployments.cache_store import SharedProcessorCache
 from deployments.handles import cancel, hold
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import freeze_startup_heap
+from deployments.replica_logs import route_logs
 from mmserve.errors import InvalidRequestError, OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.runtime import affinity
@@ -34,6 +35,7 @@ EARLY_TIMEOUT_S = 5.0  # an early encode's call, given up after (s)
 @serve.deployment
 class Preprocess:
     def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any, encoder: Any):
+        route_logs()
         cache = app_args.engine.processor_cache  # NOTE: the cache off (0 bytes) keeps nothing here either
         self.cache = SharedProcessorCache(cache_store, min(cache.replica_capacity_bytes, cache.capacity_bytes))
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica

@@ -1,8 +1,8 @@
 """Process-wide settings of a replica that runs a model step loop (Encoder, Decoder), and of every replica
 that holds a model's code or files (those and Preprocess).
 
-Owns: torch's intra-op thread count and the interpreter's GIL switch interval in such a replica, where the
-engine's own log records go there, and taking what a replica built at start-up out of the cyclic garbage
+Owns: torch's intra-op thread count and the interpreter's GIL switch interval in such a replica, that its
+log records reach its Serve log (replica_logs.py), and taking what a replica built at start-up out of the cyclic garbage
 collector's sight. Does not own the replica's environment variables (those
 reach the process through the stage's `env`, see stage_args.py), nor anything of the model.
 """
@@ -10,11 +10,11 @@ reach the process through the stage's `env`, see stage_args.py), nor anything of
 from __future__ import annotations
 
 import gc
-import logging
 import sys
 
 import torch
 
+from deployments.replica_logs import route_logs
 from deployments.stage_args import StageArgs
 
 # NOTE: the step loop thread shares the GIL with Serve's event-loop threads, which hand every output on.
@@ -26,24 +26,7 @@ SWITCH_INTERVAL_S = 0.0005
 def configure_step_process(stage: StageArgs) -> None:
     torch.set_num_threads(stage.threads())
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    route_engine_logs()
-
-
-def route_engine_logs() -> None:
-    """mmserve's records from INFO up (the thread counts and matmul forms it measured at start-up) into this
-    replica's Serve log, through the handlers Serve gives its documented `ray.serve` logger.
-
-    NOTE: otherwise they reach no handler: Python drops a record below WARNING that only the root logger
-    could take, and a replica's root logger has none.
-    """
-    engine, serve_logger = logging.getLogger("mmserve"), logging.getLogger("ray.serve")
-    if not serve_logger.handlers:
-        return
-    engine.setLevel(logging.INFO)
-    for handler in serve_logger.handlers:
-        if handler not in engine.handlers:
-            engine.addHandler(handler)
-    engine.propagate = False  # NOTE: each record once, in Serve's format
+    route_logs()  # NOTE: the thread counts and matmul forms measured at start-up are INFO records
 
 
 def freeze_startup_heap() -> None:

@@ -3,6 +3,8 @@ replica) and how a failed request is counted."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from types import SimpleNamespace
 
 from deployments.app_health import deployments_without_replicas
@@ -36,3 +38,76 @@ def test_a_failure_counts_by_the_http_status_its_error_maps_to():
     assert failure_status(RuntimeError("step failed")) == "server_error"
     assert failure_status(OverloadedError("a stage's queue is full")) == "overloaded"  # load shed, not a fault
     assert failure_status(ReplicaLostError("a serving replica was lost")) == "server_error"
+
+
+def _failing_status() -> SimpleNamespace:
+    status = _status(Ingress={"RUNNING": 1}, Decoder={"STARTING": 0}, Encoder={"STARTING": 1})
+    app = status.applications["mm"]
+    app.deployments["Decoder"].status, app.deployments["Decoder"].message = "DEPLOY_FAILED", "CUDA OOM " * 100
+    app.deployments["Encoder"].status = "UPDATING"
+    return status
+
+
+def test_a_failed_deployment_is_named_with_serves_message_and_the_rest_as_starting():
+    from deployments.app_health import MESSAGE_CHARS, AppHealth
+
+    health = AppHealth(status=_failing_status, app_name=lambda: "mm")
+    status, body = asyncio.run(health.answer())
+    assert status == 503 and body["status"] == "failed" and body["waiting_for"] == ["Decoder", "Encoder"]
+    assert list(body["failed"]) == ["Decoder"] and body["failed"]["Decoder"].startswith("DEPLOY_FAILED: CUDA OOM")
+    assert len(body["failed"]["Decoder"]) <= len("DEPLOY_FAILED: ") + MESSAGE_CHARS
+    ready = AppHealth(status=lambda: _status(Ingress={"RUNNING": 1}), app_name=lambda: "mm")
+    assert asyncio.run(ready.answer()) == (200, {"status": "ok"})
+
+
+def test_probes_share_one_call_and_a_silent_controller_is_answered_in_time():
+    from deployments.app_health import AppHealth
+
+    calls, release = [], threading.Event()
+
+    def slow() -> SimpleNamespace:
+        calls.append(1)
+        release.wait(5)
+        return _status(Ingress={"RUNNING": 1})
+
+    health = AppHealth(status=slow, app_name=lambda: "mm", timeout_s=0.2)
+
+    async def probes() -> list[tuple[int, dict]]:
+        answers = await asyncio.gather(*(health.answer() for _ in range(10)))
+        release.set()
+        await asyncio.sleep(0.1)
+        return [*answers, await health.answer()]
+
+    *silent, later = asyncio.run(probes())
+    assert len(calls) == 1  # ten probes, one call to the controller
+    assert all(a == (503, {"status": "unknown", "reason": "Serve's controller did not answer within 0.2 s"})
+               for a in silent)
+    assert later == (200, {"status": "ok"})  # the call that went on answered the next probe
+
+
+def test_a_controller_that_stops_answering_leaves_the_last_answer_standing_for_a_while():
+    from deployments import app_health
+
+    answers = iter([_status(Ingress={"RUNNING": 1})])
+    hang = threading.Event()
+
+    def status() -> SimpleNamespace:
+        try:
+            return next(answers)
+        except StopIteration:
+            hang.wait(5)
+            raise RuntimeError("no controller") from None
+
+    health = app_health.AppHealth(status=status, app_name=lambda: "mm", timeout_s=0.1)
+
+    async def run() -> tuple[tuple[int, dict], tuple[int, dict]]:
+        first = await health.answer()
+        assert health._status is not None
+        health._status = (health._status[0] - app_health.HEALTH_STATUS_TTL_S - 1, health._status[1])
+        stale = await health.answer()
+        hang.set()  # NOTE: the hung call ends (failing) before the loop closes
+        return first, stale
+
+    first, stale = asyncio.run(run())
+    assert first == (200, {"status": "ok"})
+    assert stale[0] == 200 and stale[1]["status"] == "ok" and stale[1]["as_of_s_ago"] >= 3
