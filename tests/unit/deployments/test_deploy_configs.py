@@ -416,3 +416,13 @@ def test_every_node_starts_with_mmserves_cluster_env() -> None:
     for template in templates:
         env = {e["name"]: e["value"] for e in _container(template).get("env", [])}
         assert {f"{k}={v}" for k, v in env.items()} >= wanted, template
+
+
+def test_kuberay_keeps_an_old_cluster_past_the_longest_request():
+    """An image bump replaces the cluster: the old one must outlive every request it still answers."""
+    from deployments.stage_args import IngressArgs
+
+    delay = _rayservice()["spec"]["rayClusterDeletionDelaySeconds"]
+    timeout = _serve_config_v2()["applications"][0]["args"].get("ingress", {}).get(
+        "request_timeout_s", IngressArgs().request_timeout_s)
+    assert delay >= timeout + 30, (delay, timeout)
