@@ -123,9 +123,9 @@ class StageTimers:
     def _wrap_preprocess(self, engine: Any) -> None:
         inner = engine.preprocessor.process
 
-        def process(req):
+        def process(req, *args, **kwargs):
             self.events[req.request_id]["pre_start"] = time.perf_counter()
-            out = inner(req)
+            out = inner(req, *args, **kwargs)
             self.events[req.request_id]["pre_end"] = time.perf_counter()
             return out
 
