@@ -12,6 +12,8 @@ check of an ingress node is Serve's own `/-/healthz` on its proxy (docs/deployin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +21,16 @@ from typing import Any
 
 from ray import serve
 
+log = logging.getLogger(__name__)
+
 # NOTE: serve.status() is an RPC to Serve's controller: probes from every load balancer and kubelet
 # share one answer for this long instead of each making one.
 HEALTH_STATUS_TTL_S = 2.0
 # NOTE: a controller restarting (or a head node down under GCS fault tolerance) does not answer, while the
-# replicas go on serving: a probe waits this long, then the last answer (if not older than STALE_S) stands
+# replicas go on serving: the last answer stands for STALE_S; a probe with none that recent waits this long
 STATUS_TIMEOUT_S = 3.0
 STALE_S = 60.0
+GRACE_S = 0.3  # what a probe with a recent answer waits for the call under way (kubelet's probes time out at 1 s)
 MESSAGE_CHARS = 300  # of a failed deployment's message, in the answer
 
 
@@ -64,29 +69,40 @@ def readiness(status: Any, app_name: str) -> Readiness:
 
 class AppHealth:
     def __init__(self, status: Callable[[], Any] = serve.status, app_name: Callable[[], str] | None = None,
-                 timeout_s: float = STATUS_TIMEOUT_S) -> None:
-        self._ask_status, self.timeout_s = status, timeout_s  # a blocking call: Serve's controller's answer
+                 timeout_s: float = STATUS_TIMEOUT_S, grace_s: float = GRACE_S) -> None:
+        self._ask_status = status  # a blocking call: Serve's controller's answer
+        self.timeout_s, self.grace_s = timeout_s, grace_s
         self._app_name = app_name or (lambda: serve.get_replica_context().app_name)
         self._status: tuple[float, Any] | None = None  # (monotonic s, the status) of the last answer
-        self._asking: asyncio.Task | None = None  # the one call to the controller under way
+        self._asking: asyncio.Task | None = None  # the one call to the controller, under way or the last
+        self._asked_at = 0.0  # when that call began (monotonic s)
+        self._error: Exception | None = None  # how that call failed; None: it answered (or is under way)
 
     async def check(self) -> Readiness:
-        """This replica's app's readiness; raises TimeoutError when the controller has not answered and the
-        last answer is older than STALE_S (or there is none)."""
+        """This replica's app's readiness; raises TimeoutError when the controller has neither answered nor
+        answered within STALE_S before (its reason says which: silent, or failing)."""
         now = time.monotonic()
-        stale: float | None = None
-        if self._status is None or now - self._status[0] > HEALTH_STATUS_TTL_S:
-            if self._asking is None or self._asking.done():
-                self._asking = asyncio.ensure_future(self._ask())
-            try:  # NOTE: shielded: a probe that gives up leaves the call to the next probes
-                await asyncio.wait_for(asyncio.shield(self._asking), self.timeout_s)
-            except Exception:  # NOTE: TimeoutError, or the call's own failure
-                if self._status is None or now - self._status[0] > STALE_S:
-                    raise TimeoutError(f"Serve's controller did not answer within {self.timeout_s:g} s") from None
-                stale = now - self._status[0]
+        if self._asking is None or (self._asking.done() and now - self._asked_at > HEALTH_STATUS_TTL_S):
+            self._asked_at, self._asking = now, asyncio.ensure_future(self._ask())
+        if not self._asking.done():  # NOTE: shielded: a probe that stops waiting leaves the call to the next ones
+            wait = self.grace_s if self._recent(now) else self.timeout_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._asking), wait)
+        now = time.monotonic()
+        if not self._recent(now):
+            raise TimeoutError(self._why_not())
         assert self._status is not None
         answer = readiness(self._status[1], self._app_name())
-        return answer if stale is None else Readiness(answer.waiting_for, answer.failed, stale)
+        fresh = self._asking.done() and self._error is None
+        return answer if fresh else Readiness(answer.waiting_for, answer.failed, now - self._status[0])
+
+    def _recent(self, now: float) -> bool:
+        return self._status is not None and now - self._status[0] <= STALE_S
+
+    def _why_not(self) -> str:
+        if self._asking is not None and not self._asking.done():
+            return f"Serve's controller did not answer within {self.timeout_s:g} s"
+        return f"Serve's status call failed: {self._error!r}"[:MESSAGE_CHARS]
 
     async def answer(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of GET /health: 200 `ok`; else 503 `starting` (deployments with no running
@@ -104,5 +120,10 @@ class AppHealth:
         return (200 if ready.ready else 503), body
 
     async def _ask(self) -> None:
-        status = await asyncio.to_thread(self._ask_status)
-        self._status = (time.monotonic(), status)
+        try:
+            status = await asyncio.to_thread(self._ask_status)
+        except Exception as exc:  # NOTE: kept for the answer's reason; the next call is a TTL later
+            self._error = exc
+            log.warning("/health: Serve's status call failed: %r", exc)
+            return
+        self._status, self._error = (time.monotonic(), status), None

@@ -119,14 +119,19 @@ def _check_rope(model_dir: Path, text: Any) -> None:
 
 
 def served_dtype(name: str, config: Any, model_dir: Path | None = None) -> torch.dtype:
-    """EngineConfig.dtype's `name` as a torch dtype: "auto" is the checkpoint's own: its config's, else its
-    weights' (as transformers reads it), else float32."""
-    dtype = (config.dtype or (model_dir and weights_dtype(model_dir))) if name == "auto" else getattr(torch, name)
-    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or "float32")
+    """EngineConfig.dtype's `name` as a torch dtype: "auto" is the checkpoint's own (`saved_dtype`); raises
+    ValueError for one the model refuses."""
+    dtype = saved_dtype(config, model_dir) if name == "auto" else getattr(torch, name)
     why = REFUSED_DTYPES.get(str(dtype).removeprefix("torch."))
     if why:
         raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not served: {why}")
     return dtype
+
+
+def saved_dtype(config: Any, model_dir: Path | None = None) -> torch.dtype:
+    """The checkpoint's own dtype: its config's, else its weights' (as transformers reads it), else float32."""
+    dtype = config.dtype or (model_dir and weights_dtype(model_dir))
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype or "float32")
 
 
 def weights_dtype(model_dir: Path) -> torch.dtype | None:
@@ -160,8 +165,9 @@ class Gemma3Family:
         self.spec = gemma3_spec(self.model_dir, self.hf_config, config)
         self.prompt_rule = Gemma3PromptRule.from_checkpoint(self.model_dir, self.spec.mm_tokens_per_image)
         self.dtype: torch.dtype = served_dtype(config.dtype, self.hf_config, model_dir)
-        own = served_dtype("auto", self.hf_config, model_dir)
-        if config.device != "cpu" and self.dtype.itemsize > own.itemsize:
+        # NOTE: the checkpoint's own, which may be one the model refuses (float16) and another dtype serves
+        own = saved_dtype(self.hf_config, model_dir) if config.device != "cpu" else self.dtype
+        if self.dtype.itemsize > own.itemsize:
             log.warning("serving %s's %s weights in %s on %s: %dx their memory; dtype=auto serves them as saved",
                         model_dir.name, own, self.dtype, config.device, self.dtype.itemsize // own.itemsize)
         self._hf_model: Any = None

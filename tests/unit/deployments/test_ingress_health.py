@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 from deployments.app_health import deployments_without_replicas
@@ -85,7 +86,7 @@ def test_probes_share_one_call_and_a_silent_controller_is_answered_in_time():
     assert later == (200, {"status": "ok"})  # the call that went on answered the next probe
 
 
-def test_a_controller_that_stops_answering_leaves_the_last_answer_standing_for_a_while():
+def test_a_controller_that_stops_answering_leaves_the_last_answer_standing_at_once():
     from deployments import app_health
 
     answers = iter([_status(Ingress={"RUNNING": 1})])
@@ -98,16 +99,40 @@ def test_a_controller_that_stops_answering_leaves_the_last_answer_standing_for_a
             hang.wait(5)
             raise RuntimeError("no controller") from None
 
-    health = app_health.AppHealth(status=status, app_name=lambda: "mm", timeout_s=0.1)
+    health = app_health.AppHealth(status=status, app_name=lambda: "mm", timeout_s=5, grace_s=0.05)
 
-    async def run() -> tuple[tuple[int, dict], tuple[int, dict]]:
+    async def run() -> tuple[tuple[int, dict], tuple[int, dict], float]:
         first = await health.answer()
         assert health._status is not None
-        health._status = (health._status[0] - app_health.HEALTH_STATUS_TTL_S - 1, health._status[1])
-        stale = await health.answer()
+        back = app_health.HEALTH_STATUS_TTL_S + 3
+        health._status, health._asked_at = (health._status[0] - back, health._status[1]), health._asked_at - back
+        started = time.monotonic()
+        stale = await health.answer()  # NOTE: a call under way, hung; the last answer is recent enough
+        waited = time.monotonic() - started
         hang.set()  # NOTE: the hung call ends (failing) before the loop closes
-        return first, stale
+        return first, stale, waited
 
-    first, stale = asyncio.run(run())
+    first, stale, waited = asyncio.run(run())
     assert first == (200, {"status": "ok"})
-    assert stale[0] == 200 and stale[1]["status"] == "ok" and stale[1]["as_of_s_ago"] >= 3
+    assert stale[0] == 200 and stale[1]["status"] == "ok" and stale[1]["as_of_s_ago"] >= 5
+    assert waited < 2.0  # the grace, not the call's timeout (a kubelet's probe gives up at 1 s)
+
+
+def test_a_failing_controller_is_named_as_failing_and_asked_again_only_after_the_ttl():
+    from deployments.app_health import AppHealth
+
+    calls: list[int] = []
+
+    def failing() -> SimpleNamespace:
+        calls.append(1)
+        raise RuntimeError("controller gone")
+
+    health = AppHealth(status=failing, app_name=lambda: "mm", timeout_s=5)
+
+    async def probes() -> list[tuple[int, dict]]:
+        return [await health.answer() for _ in range(3)]
+
+    answers = asyncio.run(probes())
+    assert calls == [1]  # one call per TTL, not one per probe
+    why = "Serve's status call failed: RuntimeError('controller gone')"
+    assert all(a == (503, {"status": "unknown", "reason": why}) for a in answers)

@@ -23,25 +23,41 @@ class _Captured(logging.Handler):
 def loggers():
     routed, serve_logger = [logging.getLogger(name) for name in ROUTED], logging.getLogger("ray.serve")
     saved = [(log.level, log.propagate, list(log.handlers)) for log in routed]
-    serving = list(serve_logger.handlers)
+    serving, level = list(serve_logger.handlers), serve_logger.level
     yield routed[0], serve_logger
     for log, (level, propagate, handlers) in zip(routed, saved, strict=True):
         log.setLevel(level)
         log.propagate = propagate
         log.handlers[:] = handlers
     serve_logger.handlers[:] = serving
+    serve_logger.setLevel(level)
 
 
 def test_engine_info_records_go_through_serves_handlers_once(loggers) -> None:
     _, serve_logger = loggers
     captured = _Captured()
     serve_logger.handlers[:] = [captured]
+    serve_logger.setLevel(logging.INFO)
     route_logs()
     route_logs()  # a second stage in the same process adds nothing twice
     logging.getLogger("mmserve.runtime.step_threads").info("step threads: %d", 1)
     logging.getLogger("deployments.ingress_failures").warning("request failed with a server fault")
     logging.getLogger("deployments.retry").info("replica lost; retry")
     assert captured.messages == ["step threads: 1", "request failed with a server fault", "replica lost; retry"]
+
+
+def test_a_changed_logging_config_is_followed_handlers_and_level(loggers) -> None:
+    """Serve replaces `ray.serve`'s handlers (and sets its level) when a deployment's logging_config changes."""
+    _, serve_logger = loggers
+    old, new = _Captured(), _Captured()
+    serve_logger.handlers[:] = [old]
+    serve_logger.setLevel(logging.INFO)
+    route_logs()
+    serve_logger.handlers[:] = [new]
+    serve_logger.setLevel(logging.WARNING)
+    logging.getLogger("deployments.retry").info("replica lost; retry")
+    logging.getLogger("deployments.ingress_failures").warning("request failed with a server fault")
+    assert old.messages == [] and new.messages == ["request failed with a server fault"]
 
 
 def test_outside_serve_nothing_changes(loggers) -> None:

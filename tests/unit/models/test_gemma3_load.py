@@ -125,6 +125,10 @@ def test_a_checkpoint_served_wider_than_saved_on_an_accelerator_is_warned_of(tin
         assert not caplog.records  # on a CPU float32 is the default on purpose (bfloat16 matmuls are slow there)
         Gemma3Family(folder, EngineConfig(model=str(folder), device="cuda"))  # NOTE: nothing is moved yet
     assert "2x their memory; dtype=auto serves them as saved" in caplog.text
+    saved["dtype"] = "float16"  # refused itself; another dtype serves it (community fine-tunes save it)
+    (folder / "config.json").write_text(json.dumps(saved))
+    assert Gemma3Family(folder, EngineConfig(model=str(folder), dtype="bfloat16", device="cuda")).dtype == \
+        torch.bfloat16
 
 
 def test_a_hugging_face_cache_snapshot_is_served_under_its_repo_id(tmp_path: Path) -> None:
