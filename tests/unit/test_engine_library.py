@@ -54,7 +54,7 @@ def test_a_batch_is_not_refused_while_other_callers_fill_the_waiting_queue(tiny_
                           decoder=DecoderConfig(max_num_seqs=1, max_waiting_requests=1))
 
     async def run(eng: Engine) -> list[Any]:
-        long = eng.stream(chat("w0", max_tokens=1500, ignore_eos=True))
+        long = eng.stream(chat("w0", max_tokens=400, ignore_eos=True))
         await long.__anext__()  # w0 runs: the one sequence slot is taken
         queued = asyncio.ensure_future(collect(eng, chat("w1", max_tokens=2)))
         async with asyncio.timeout(30):
