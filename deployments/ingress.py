@@ -187,14 +187,14 @@ class Ingress:
             return failures.error_response(exc)
         if not body.stream:
             return await self._complete(chat, started, deadline, timing, bool(body.return_token_ids))
-        self.stats.observe_ttft(time.perf_counter() - started)
+        self.stats.observe_ttft(first_s := time.perf_counter() - started)
         return failures.GuardedStream(
             lambda start: self._sse(ChunkBuilder(chat.request_id, self._model_id(), n=chat.sampling.n,
                                                  include_usage=body.include_usage,
                                                  continuous_usage=body.continuous_usage,
                                                  prompt_token_ids=pre.prompt_token_ids if body.return_token_ids
                                                  else None),
-                                    first, outputs, started, deadline, start),
+                                    first, outputs, (started, first_s), deadline, start),
             unstarted=lambda: self._abandoned(outputs, started), media_type="text/event-stream",
             headers={**timing.header(), **SSE_HEADERS})
 
@@ -260,14 +260,16 @@ class Ingress:
         or, when only its Decoder was lost, from the lost attempt's preprocessed request).
         """
         builders: dict[int, CompletionBuilder] = {}  # attempt number -> its builder, for those that got an output
+        firsts: list[float] = []  # when the first attempt's first output came (s after arrival)
         kept: Kept[PreprocessedRequest] = Kept()  # the preprocessed request, kept when the Decoder alone was lost
 
         async def attempt(number: int) -> CompletionBuilder:
             if number:
                 self.stats.observe_retry(after_first_output=number - 1 in builders, reused=kept.ready)
             first, outputs, pre = await self._first(chat, number, deadline, timing, kept, count_retry=False)
-            if not builders:
-                self.stats.observe_ttft(time.perf_counter() - started)
+            if not firsts:
+                firsts.append(time.perf_counter() - started)
+                self.stats.observe_ttft(firsts[0])
             builders[number] = builder = CompletionBuilder(
                 chat.request_id, self._model_id(), n=chat.sampling.n,
                 prompt_token_ids=pre.prompt_token_ids if token_ids else None)
@@ -297,7 +299,7 @@ class Ingress:
         except Exception as exc:
             self._done(failures.failure_status(exc), started, tokens())
             return failures.error_response(exc)
-        self._done("ok", started, builder.choices.tokens)
+        self._done("ok", started, builder.choices.tokens, firsts[0], chat.sampling.n)
         return answer
 
     def _abandoned(self, outputs: Any, started: float) -> None:
@@ -305,8 +307,10 @@ class Ingress:
         cancel(outputs)
         self._done("aborted", started)
 
-    async def _sse(self, chunks: ChunkBuilder, first: Any, outputs: Any, started: float, deadline: Deadline,
-                   start: Callable[[], None]) -> AsyncIterator[str]:
+    async def _sse(self, chunks: ChunkBuilder, first: Any, outputs: Any, times: tuple[float, float],
+                   deadline: Deadline, start: Callable[[], None]) -> AsyncIterator[str]:
+        """The stream's events; `times`: (its arrival, perf_counter s; its first output, s after it)."""
+        started, first_s = times
         start()  # NOTE: from here on this generator's `finally` cleans up (see GuardedStream)
         status: RequestStatus = "aborted"  # the client left mid-stream unless we get to the end
         try:
@@ -327,10 +331,11 @@ class Ingress:
         finally:
             if not chunks.finished:  # the client left, or the deadline: abort it in the decoder, free its KV
                 cancel(outputs)
-            self._done(status, started, chunks.choices.tokens)
+            self._done(status, started, chunks.choices.tokens, first_s, chunks.choices.n)
 
-    def _done(self, status: RequestStatus, started: float, tokens: tuple[int, int] = (0, 0)) -> None:
-        """Count a finished request with its (prompt, output) tokens."""
-        self.stats.observe_request(status, time.perf_counter() - started, *tokens)
+    def _done(self, status: RequestStatus, started: float, tokens: tuple[int, int] = (0, 0),
+              first_s: float | None = None, choices: int = 1) -> None:
+        """Count a finished request with its (prompt, output) tokens and its first output's time (s)."""
+        self.stats.observe_request(status, time.perf_counter() - started, *tokens, first_s, choices)
 
 

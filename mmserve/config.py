@@ -160,8 +160,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.dtype's name
 class EngineConfig(_Bounded):
     model: str | None = None  # local Hugging Face checkpoint folder; None = the built-in tiny Gemma 3
     served_name: str | None = None  # name shown by the API; None = the folder's name
-    # the weights' and activations' dtype: "float32", "bfloat16", "float16", or "auto" (the checkpoint's own,
-    # float32 if it names none); a model may refuse one (Gemma 3: float16)
+    # the weights' and activations' dtype: "float32", "bfloat16", "float16", or "auto" (the checkpoint's own: its
+    # config's, else its weights', else float32); a model may refuse one (Gemma 3: float16)
     dtype: str = "float32"
     device: str = "cpu"  # torch device string, e.g. "cpu", "cuda", "cuda:1"
     max_model_len: int | None = at_least(1, None)  # tokens; None = the checkpoint's max_position_embeddings

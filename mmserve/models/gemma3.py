@@ -168,8 +168,10 @@ class Gemma3Family:
         # NOTE: the checkpoint's own, which may be one the model refuses (float16) and another dtype serves
         own = saved_dtype(self.hf_config, model_dir) if config.device != "cpu" else self.dtype
         if self.dtype.itemsize > own.itemsize:
-            log.warning("serving %s's %s weights in %s on %s: %dx their memory; dtype=auto serves them as saved",
-                        model_dir.name, own, self.dtype, config.device, self.dtype.itemsize // own.itemsize)
+            served_as_saved = str(own).removeprefix("torch.") not in REFUSED_DTYPES
+            log.warning("serving %s's %s weights in %s on %s: %dx their memory; %s", model_dir.name, own, self.dtype,
+                        config.device, self.dtype.itemsize // own.itemsize,
+                        "dtype=auto serves them as saved" if served_as_saved else "dtype=bfloat16 serves them in half")
         self._hf_model: Any = None
 
     def _load(self) -> Any:

@@ -34,6 +34,8 @@ RequestStatus = Literal["ok", "client_error", "overloaded", "server_error", "abo
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
                   640.0)
 LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+# a token's time after the first, as vLLM's time_per_output_token buckets: a GPU's few ms to a loaded CPU's second
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 REQUEST_STATUSES: tuple[RequestStatus, ...] = ("ok", "client_error", "overloaded", "server_error", "aborted")
 RETRY_PHASES: tuple[str, str] = ("before_first_output", "after_first_output")  # where a lost attempt had got
 RETRY_PREPROCESS: tuple[str, str] = ("again", "reused")  # whether the retry preprocessed or kept the lost one's
@@ -66,6 +68,7 @@ class IngressMetrics:
     def __init__(self) -> None:
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.latency = Histogram(LATENCY_BUCKETS_S)
+        self.tpot = Histogram(TPOT_BUCKETS_S)
         self._requests = dict.fromkeys(REQUEST_STATUSES, 0)
         self._retries = dict.fromkeys(itertools.product(RETRY_PHASES, RETRY_PREPROCESS), 0)
         self._prompt_tokens = self._generated_tokens = 0
@@ -82,13 +85,18 @@ class IngressMetrics:
             self._retries[RETRY_PHASES[after_first_output], RETRY_PREPROCESS[reused]] += 1
 
     def observe_request(self, status: RequestStatus, seconds: float, prompt_tokens: int = 0,
-                        generated_tokens: int = 0) -> None:
-        """A request ended: its outcome, token counts and, for one answered in full, its arrival-to-end latency.
+                        generated_tokens: int = 0, first_s: float | None = None, choices: int = 1) -> None:
+        """A request ended: its outcome, token counts and, for one answered in full, its arrival-to-end latency
+        and, from its first token's time `first_s`, the time of each later token of a choice (its `choices` made
+        side by side).
 
         NOTE: only those: a refusal or a failure ends at once, and counted there it would make the latency of
         an overloaded server look better (its outcome is in `mmserve_requests_total`)."""
         if status == "ok":
             self.latency.observe(seconds)
+            per_choice = generated_tokens // max(choices, 1)
+            if first_s is not None and per_choice > 1:
+                self.tpot.observe((seconds - first_s) / (per_choice - 1))
         with self._lock:
             self._requests[status] += 1
             self._prompt_tokens += prompt_tokens
@@ -110,6 +118,8 @@ class IngressMetrics:
                       self.ttft.value()),
             histogram("mmserve_e2e_request_latency_seconds",
                       "Request arrival to its end, of requests answered in full.", self.latency.value()),
+            histogram("mmserve_time_per_output_token_seconds",
+                      "A choice's time per token after its first, of requests answered in full.", self.tpot.value()),
         )
 
 

@@ -128,12 +128,13 @@ def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a
         return None
 
     # NOTE: no replica, only what `_sse` reads of one: its next output and counting
-    ingress = SimpleNamespace(_next=ended, _done=lambda status, started, tokens=(0, 0): counted.append(status))
+    ingress = SimpleNamespace(_next=ended, _done=lambda status, started, *rest: counted.append(status))
     sse_of = Ingress.func_or_class._sse  # type: ignore[attr-defined]  # the class Serve's decorator wraps
     first = RequestOutput("r", [5], "Hi", False, None, 3, 1)
 
     async def scenario() -> list[str]:
-        return [e async for e in sse_of(ingress, ChunkBuilder("r", "m"), first, object(), 0.0, None, lambda: None)]
+        events = sse_of(ingress, ChunkBuilder("r", "m"), first, object(), (0.0, 0.0), None, lambda: None)
+        return [e async for e in events]
 
     with caplog.at_level(logging.ERROR, logger="deployments.ingress_failures"):
         events = asyncio.run(scenario())

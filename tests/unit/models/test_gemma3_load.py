@@ -129,6 +129,9 @@ def test_a_checkpoint_served_wider_than_saved_on_an_accelerator_is_warned_of(tin
     (folder / "config.json").write_text(json.dumps(saved))
     assert Gemma3Family(folder, EngineConfig(model=str(folder), dtype="bfloat16", device="cuda")).dtype == \
         torch.bfloat16
+    with caplog.at_level("WARNING", logger="mmserve.models.gemma3"):
+        Gemma3Family(folder, EngineConfig(model=str(folder), device="cuda"))
+    assert "dtype=bfloat16 serves them in half" in caplog.records[-1].getMessage()  # auto would be refused
 
 
 def test_a_hugging_face_cache_snapshot_is_served_under_its_repo_id(tmp_path: Path) -> None:
