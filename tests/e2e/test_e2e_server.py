@@ -304,6 +304,7 @@ REQUIRED_FAMILIES = {
     "mmserve_encoder_cache_hits": "counter",
     "mmserve_decoder_embedding_cache_hits": "counter",
     "mmserve_time_to_first_token_seconds": "histogram",
+    "mmserve_time_per_output_token_seconds": "histogram",
     "mmserve_encoder_batch_size": "histogram",
     "mmserve_decoder_running_requests": "gauge",
     "mmserve_decoder_waiting_requests": "gauge",
@@ -331,7 +332,7 @@ def test_models_health_and_metrics(client, e2e_server):
     assert status == 405 and json.loads(body)["error"]["code"] == "method_not_allowed"
 
     # every stage has served at least one request (the warm-up image, and this one)
-    complete(client, e2e_server, user("Describe.", png_url(601)), max_tokens=2)
+    complete(client, e2e_server, user("Describe.", png_url(601)), max_tokens=4, extra_body={"ignore_eos": True})
     deadline = time.monotonic() + METRICS_TIMEOUT_S
     while True:
         status, headers, body = http_get(e2e_server.base_url + "/metrics")
@@ -352,6 +353,9 @@ def test_models_health_and_metrics(client, e2e_server):
             or s.labels.get("le") == "+Inf"}
     assert ttft["mmserve_time_to_first_token_seconds_count"] >= 1
     assert ttft["mmserve_time_to_first_token_seconds_bucket"] == ttft["mmserve_time_to_first_token_seconds_count"]
+    # NOTE: the request above had tokens after its first: the ingress timed them
+    tpot = _unlabelled(families, "mmserve_time_per_output_token_seconds")
+    assert tpot["mmserve_time_per_output_token_seconds_count"] >= 1
     batches = _unlabelled(families, "mmserve_encoder_batch_size")
     assert batches["mmserve_encoder_batch_size_count"] >= 1 and batches["mmserve_encoder_batch_size_sum"] >= 1
     text = body.decode()
