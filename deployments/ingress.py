@@ -33,7 +33,7 @@ from deployments.metrics_hub import HUB_TIMEOUT_S, MetricsReporter
 from deployments.replica_logs import route_logs
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api import edge
-from mmserve.api.body import parse_json
+from mmserve.api.body import validated
 from mmserve.api.deadline import Deadline
 from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, check_model
@@ -163,7 +163,7 @@ class Ingress:
         timing = ServerTiming(self.stage_timing)
         try:
             raw = await deadline.wait(failures.read_body(request, self.max_body_bytes))  # a slow drip too
-            body = ChatCompletionRequest.model_validate(parse_json(raw))
+            body = await deadline.wait(validated(raw, ChatCompletionRequest))
             served = await deadline.wait(self._served_model())
             check_model(body.model, served.model_id)
             make = functools.partial(body.to_chat_request, f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len,

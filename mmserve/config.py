@@ -81,6 +81,9 @@ class LimitsConfig(_Bounded):
     max_prompt_chars: int | None = at_least(1, None)  # characters; None = 32 per token of max_model_len
     max_stop_sequences: int = at_least(0, 16)  # `stop` strings per request (each is checked every token)
     max_stop_chars: int = at_least(1, 256)  # characters of one `stop` string
+    # messages and content parts of one request, together: each is checked and rendered before the prompt's length
+    # is known (2M empty text parts in a 64 MiB body took the chat template tens of seconds)
+    max_message_parts: int = at_least(1, 8192)
 
 
 @dataclass(frozen=True)

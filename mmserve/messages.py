@@ -25,6 +25,9 @@ PhaseTimes = tuple[tuple[str, float], ...]
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI allows
+# NOTE: each is read per token of every step of the request's sequences (a scan, a logits update): a list of
+# millions in a 64 MiB body slowed every step of its replica to seconds
+MAX_TOKEN_ID_ENTRIES = 1024  # `stop_token_ids` and `logit_bias` entries at most, each
 MAX_CHOICES = 16  # `n` at most; NOTE: OpenAI allows 128, but each choice is a running sequence of its own
 
 
@@ -89,6 +92,10 @@ class SamplingParams:
             (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
+            (len(self.logit_bias) <= MAX_TOKEN_ID_ENTRIES,
+             f"logit_bias may hold {MAX_TOKEN_ID_ENTRIES} token ids at most, got {len(self.logit_bias)}"),
+            (len(self.stop_token_ids) <= MAX_TOKEN_ID_ENTRIES,
+             f"stop_token_ids may hold {MAX_TOKEN_ID_ENTRIES} ids at most, got {len(self.stop_token_ids)}"),
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
              "allowed_token_ids must not be empty (leave it out to allow every token)"),
             (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),

@@ -210,7 +210,7 @@ class ChatCompletionRequest(StructuredFields, TemplateFields):  # NOTE: response
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(dict.fromkeys(self.allowed_token_ids)),
             bad_words=tuple(self.bad_words or ()),
             min_tokens=self.min_tokens or 0,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop_token_ids=tuple(dict.fromkeys(self.stop_token_ids or ())),  # each once
             structured=self.structured(),
             n=1 if self.n is None else self.n,
             final_only=not self.stream,
@@ -241,7 +241,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
             raise with_param(InvalidSamplingError(f"logit_bias keys must be token ids, got {key[:40]!r}"),
                              "logit_bias")
         pairs.append((int(key), float(value)))
-    return tuple(pairs)
+    return tuple(dict(pairs).items())  # NOTE: "7" and "007" name one token: the later bias stands, as in a dict
 
 
 def _message_dict(message: Message) -> dict[str, Any]:

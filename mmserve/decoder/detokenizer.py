@@ -50,6 +50,9 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
     return backend
 
 
+MAX_INCOMPLETE = 8  # tokens since the last text before undecodable bytes are sent as they decode (tokens)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Iterable[int] = (),
                  stop: tuple[str, ...] = (), skip_special_tokens: bool = True, include_stop: bool = False,
@@ -68,7 +71,7 @@ class IncrementalDetokenizer:
         self._min_tokens = min_tokens
         self._tokens = 0  # output tokens added (tokens)
         self._pending = ""  # decoded text not yet emitted: a possible start of a stop string
-        self.text = ""  # everything emitted so far
+        self._emitted: list[str] = []  # everything emitted so far, in pieces (NOTE: a str += copied it all per token)
         self.stop_string: str | None = None  # the stop string found; no more text after it
 
     @classmethod
@@ -76,6 +79,11 @@ class IncrementalDetokenizer:
         """One with a request's stop strings and text options (no prompt context)."""
         return cls(tokenizer, stop=sampling.stop, skip_special_tokens=sampling.skip_special_tokens,
                    include_stop=sampling.include_stop_str_in_output, min_tokens=sampling.min_tokens)
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._emitted)
 
     @property
     def stopped(self) -> bool:
@@ -95,8 +103,12 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special)
         full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""  # nothing new, or a character still incomplete
+        waiting = len(full) <= len(prefix) or full.endswith("\ufffd")  # nothing new, or a character incomplete
+        if waiting and len(self._ids) - self._read_offset < MAX_INCOMPLETE:
+            return ""
+        # NOTE: past that, no character is still coming (UTF-8's take 4 bytes at most): the bytes are broken and
+        # go as U+FFFD, as a whole decode shows them (or the tokens decode to nothing); waiting on re-decoded an
+        # ever longer window every token
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full[len(prefix) :]
 
@@ -125,7 +137,8 @@ class IncrementalDetokenizer:
 
     def _emit(self, n: int) -> str:
         out, self._pending = self._pending[:n], self._pending[n:]
-        self.text += out
+        if out:
+            self._emitted.append(out)
         return out
 
 

@@ -81,8 +81,8 @@ def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: lis
         # end's logits 0) rather than sample from nothing, which no row of a batch may do; no device read
         ends_t = ints_to_device([t for t in eos_token_ids if 0 <= t < vocab], device)
         # NOTE: only allowed ids can still be finite: those left but the never-sampled ones decide
-        left = [t for t in p.allowed_token_ids if 0 <= t < vocab and t not in never]
-        nothing = row.index_select(0, ints_to_device(left, device)).amax() == float("-inf") if left \
+        left = _allowed_on(p.allowed_token_ids, vocab, device, never)  # (l,)
+        nothing = row.index_select(0, left).amax() == float("-inf") if left.numel() \
             else torch.tensor(True, device=device)  # () bool
         row.index_copy_(0, ends_t, torch.where(nothing, 0.0, row.index_select(0, ends_t)))
 
@@ -107,21 +107,25 @@ def check_allowed(p: SamplingParams, never: tuple[int, ...], eos_token_ids: tupl
                                    param="allowed_token_ids")
 
 
-_ALLOWED: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # id(allowed ids) -> (them, as a tensor)
+# (id(allowed ids), id(ids left out)) -> (the allowed ids, those left out, the rest as a tensor)
+_ALLOWED: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] = {}
 _ALLOWED_KEPT = 64  # requests whose allowed ids are kept as tensors (NOTE: a step would otherwise build them)
 _ALLOWED_KEPT_IDS = 1 << 20  # ids kept in all (the oldest requests' go first; a request's own may pass it alone)
 _ALLOWED_LOCK = threading.Lock()  # NOTE: one process may step several decoders (the in-process Engine's tests)
 
 
-def _allowed_on(ids: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
-    """(a,) the in-vocabulary `ids` on `device`, made once per request's tuple (a long list costs per step)."""
+def _allowed_on(ids: tuple[int, ...], vocab: int, device: torch.device, without: tuple[int, ...] = ()) -> torch.Tensor:
+    """(a,) the in-vocabulary `ids` but those `without` on `device`, made once per request's tuple (a long list
+    costs per step: 262k ids took ~25 ms a row to rebuild)."""
     with _ALLOWED_LOCK:
-        kept = _ALLOWED.get(id(ids))
-        if kept is not None and kept[0] is ids and kept[1].device == device:
-            return kept[1]
-        tensor = ints_to_device([t for t in ids if 0 <= t < vocab], device)
+        key = (id(ids), id(without))
+        kept = _ALLOWED.get(key)
+        if kept is not None and kept[0] is ids and kept[1] is without and kept[2].device == device:
+            return kept[2]
+        skip = set(without)
+        tensor = ints_to_device([t for t in ids if 0 <= t < vocab and t not in skip], device)
         while _ALLOWED and (len(_ALLOWED) >= _ALLOWED_KEPT or
-                            sum(len(kept) for kept, _ in _ALLOWED.values()) + len(ids) > _ALLOWED_KEPT_IDS):
+                            sum(len(kept[0]) for kept in _ALLOWED.values()) + len(ids) > _ALLOWED_KEPT_IDS):
             _ALLOWED.pop(next(iter(_ALLOWED)))
-        _ALLOWED[id(ids)] = (ids, tensor)
+        _ALLOWED[key] = (ids, without, tensor)
         return tensor

@@ -22,10 +22,16 @@ class ParsedMessages:
     image_urls: list[str]  # in prompt order
 
 
-def parse_messages(messages: Any, *, reserved: tuple[str, ...]) -> ParsedMessages:
-    """Check the OpenAI message shape and collect image URLs; nothing is fetched here."""
+def parse_messages(messages: Any, *, reserved: tuple[str, ...], max_parts: int | None = None) -> ParsedMessages:
+    """Check the OpenAI message shape and collect image URLs; nothing is fetched here. More than `max_parts`
+    messages and content parts together is a 400."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list")
+    parts = len(messages) + sum(len(m["content"]) for m in messages
+                                if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if max_parts is not None and parts > max_parts:
+        raise InvalidRequestError(f"messages: {parts} messages and content parts; the limit is {max_parts} "
+                                  "(limits.max_message_parts)", param="messages")
     out: list[dict[str, Any]] = []
     urls: list[str] = []
     for i, message in enumerate(messages):

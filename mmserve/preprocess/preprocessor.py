@@ -102,7 +102,8 @@ class Preprocessor:
         check_strings(req.sampling.bad_words, self.limits, "bad_words")
         check_token_ids(req.sampling, self.vocab_size)
         sampling = self._with_bad_words(req.sampling)
-        parsed = parse_messages(req.messages, reserved=self.rule.reserved_strings)
+        parsed = parse_messages(req.messages, reserved=self.rule.reserved_strings,
+                                max_parts=self.limits.max_message_parts)
         n_items = len(parsed.image_urls)
         if n_items > self.media.max_images_per_prompt:
             raise TooManyItemsError(f"{n_items} images in one prompt; the limit is "

@@ -176,12 +176,13 @@ def test_concurrent_batch_matches_each_alone(oracle, make_engine):
     assert stats.free_blocks == stats.total_blocks
 
 
-@pytest.mark.parametrize("budget", [1 << 30, 40 * 1024])
-def test_kept_gathers_match(oracle, budget, make_engine):
+@pytest.mark.parametrize("pages", [None, 10])
+def test_kept_gathers_match(oracle, pages, make_engine):
     """Every decode group's gathers kept from step to step (mmserve/decoder/kept_gather.py), with room for all
-    layers or for some only; all cases batched, so that sequences join and leave the decode group, with prefill
-    chunks beside it, as in test_chunked_prefill_matches."""
+    layers or for some only (`pages` of this checkpoint's KV pages); all cases batched, so that sequences join and
+    leave the decode group, with prefill chunks beside it, as in test_chunked_prefill_matches."""
     model_dir, refs = oracle
+    budget = 1 << 30 if pages is None else pages * _page_bytes(model_dir)
     engine, rec = make_engine(model_dir, kept_gathers_min_bytes=0, kept_gathers_bytes=budget,
                               max_num_batched_tokens=300)
     outs = engine.generate([build_request(case)[0] for case in CASES])
@@ -190,6 +191,15 @@ def test_kept_gathers_match(oracle, budget, make_engine):
     kept = engine.decoder.runner.kept
     assert kept is not None and 0 < kept.nbytes <= budget
     assert kept.copied < kept.positions // 2  # most positions were kept, not copied again
+
+
+def _page_bytes(model_dir: Any) -> int:
+    """One KV page's keys and values in float32 at the default block size (bytes): 4 KiB on the tiny checkpoints,
+    6 KiB on the GQA one (two kv heads of 24)."""
+    from mmserve.config import DecoderConfig
+
+    text = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
+    return DecoderConfig().block_size * text["num_key_value_heads"] * text["head_dim"] * 4 * 2
 
 
 def test_kept_gathers_after_failed_forwards_match(oracle, monkeypatch, make_engine):

@@ -102,6 +102,49 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_where(raw: bytes, param: str 
     assert status == 400 and body["error"]["param"] == param
 
 
+def test_a_big_body_is_neither_walked_for_valid_pairs_nor_for_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A walk over every value (a 64 MiB body's took seconds on the event loop) only for a small body that may
+    hold a lone surrogate: not for one with only pairs (an emoji), and a big one is checked whole, unnamed."""
+    from mmserve.api import body
+
+    walked: list[int] = []
+    real = body._lone_surrogate
+
+    def walk(value: object) -> str | None:
+        walked.append(1)
+        return real(value)
+
+    monkeypatch.setattr(body, "_lone_surrogate", walk)
+    pad = b"0," * (body.WALKED_BYTES // 2)
+    assert parse_json(b'{"a": "\\ud83d\\ude00", "pad": [' + pad + b'0]}')["a"] == "\U0001f600"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_json(b'{"pad": [' + pad + b'0], "a": "\\ud800"}')
+    assert walked == [] and getattr(info.value, "param", None) is None
+    with pytest.raises(InvalidRequestError) as info:
+        parse_json(b'{"a": ["\\ud800"]}')
+    assert walked == [1] and info.value.param == "a[0]"  # a small one: named
+
+
+def test_a_big_body_is_validated_off_the_event_loop() -> None:
+    import threading
+
+    from pydantic import BaseModel
+
+    from mmserve.api import body
+
+    class Seen(BaseModel):
+        text: str
+
+        def model_post_init(self, context: object) -> None:
+            threads.append(threading.current_thread())
+
+    threads: list[threading.Thread] = []
+    small, big = b'{"text": "hi"}', b'{"text": "' + b"x" * (body.THREAD_BYTES + 1) + b'"}'
+    assert asyncio.run(body.validated(small, Seen)).text == "hi"
+    assert len(asyncio.run(body.validated(big, Seen)).text) == body.THREAD_BYTES + 1
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
+
+
 def test_overload_is_a_503_with_retry_after_and_a_deadline_a_504() -> None:
     status, body = error_body(OverloadedError("queue full"))
     assert status == 503 and body["error"]["code"] == "overloaded" and body["error"]["message"] == "queue full"

@@ -353,6 +353,9 @@ def test_stream_options_need_stream() -> None:
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"logit_bias": {"--5": 1}}, "logit_bias"),
     ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"), ({"logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    # read per token of every step: a list of millions slowed a replica's every step to seconds
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
 ])
 def test_sampling_errors_name_the_field(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidSamplingError) as info:
@@ -538,6 +541,10 @@ def test_penalties_and_biases_map_to_sampling() -> None:
                "repetition_penalty": 1.1, "min_tokens": 2, "stop_token_ids": [9]}).to_chat_request("r", 16).sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, -0.25, 1.1, 2)
     assert s.logit_bias == ((42, -100.0), (7, 3.0)) and s.stop_token_ids == (9,) and s.adjusts_logits
+    # one token's entries fold: ids named twice ("7" and "007") or repeated count once, up to the bound too
+    folded = parse({"messages": USER, "logit_bias": {"7": 1, "007": 2, **{str(i): 0 for i in range(100, 1123)}},
+                    "stop_token_ids": [5] * 2000 + [6]}).to_chat_request("r", 16).sampling
+    assert folded.logit_bias[0] == (7, 2.0) and len(folded.logit_bias) == 1024 and folded.stop_token_ids == (5, 6)
     assert not parse({"messages": USER}).to_chat_request("r", 16).sampling.adjusts_logits
 
 

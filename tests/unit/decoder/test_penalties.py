@@ -98,5 +98,10 @@ def test_the_allowed_ids_kept_as_tensors_are_bounded_in_ids_too(monkeypatch: pyt
     lists = [tuple(range(300)) for _ in range(10)]  # held alive, as live requests hold theirs
     for ids in lists:
         assert penalties._allowed_on(ids, 512, torch.device("cpu")).tolist() == list(ids)
-    assert sum(len(kept) for kept, _ in penalties._ALLOWED.values()) <= 1000
-    assert penalties._allowed_on(lists[-1], 512, torch.device("cpu")) is penalties._ALLOWED[id(lists[-1])][1]
+    assert sum(len(kept[0]) for kept in penalties._ALLOWED.values()) <= 1000
+    assert penalties._allowed_on(lists[-1], 512, torch.device("cpu")) is penalties._ALLOWED[id(lists[-1]), id(())][2]
+    # the ids a step checks for "nothing left" (the allowed less the never-sampled): made once as well
+    never = (5, 7)
+    left = penalties._allowed_on(lists[-1], 512, torch.device("cpu"), never)
+    assert 5 not in left.tolist() and len(left) == 298
+    assert penalties._allowed_on(lists[-1], 512, torch.device("cpu"), never) is left

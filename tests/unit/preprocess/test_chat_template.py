@@ -145,3 +145,11 @@ def test_a_template_that_checks_a_value_takes_it_and_still_refuses_joined_contro
         render(checking, HI, TemplateOptions(kwargs={"effort": "medium"}))
     with pytest.raises(InvalidRequestError, match="joins together"):
         render(checking, HI, TemplateOptions(kwargs={"effort": "low", "a": "<end_of_", "b": "turn>"}))
+
+
+def test_more_messages_and_parts_than_the_limit_are_a_400_before_any_rendering() -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": ""}] * 3}] * 2  # 2 messages + 6 parts
+    assert len(parse_messages(messages, reserved=RESERVED, max_parts=8).template_messages) == 2
+    with pytest.raises(InvalidRequestError, match=r"8 messages and content parts; the limit is 7") as info:
+        parse_messages(messages, reserved=RESERVED, max_parts=7)
+    assert info.value.param == "messages"
