@@ -260,15 +260,15 @@ class Ingress:
         or, when only its Decoder was lost, from the lost attempt's preprocessed request).
         """
         builders: dict[int, CompletionBuilder] = {}  # attempt number -> its builder, for those that got an output
-        firsts: list[float] = []  # when the first attempt's first output came (s after arrival)
+        firsts: list[float] = []  # when each attempt's first output came (s after arrival)
         kept: Kept[PreprocessedRequest] = Kept()  # the preprocessed request, kept when the Decoder alone was lost
 
         async def attempt(number: int) -> CompletionBuilder:
             if number:
                 self.stats.observe_retry(after_first_output=number - 1 in builders, reused=kept.ready)
             first, outputs, pre = await self._first(chat, number, deadline, timing, kept, count_retry=False)
-            if not firsts:
-                firsts.append(time.perf_counter() - started)
+            firsts.append(time.perf_counter() - started)  # NOTE: the answered attempt's is the last
+            if len(firsts) == 1:
                 self.stats.observe_ttft(firsts[0])
             builders[number] = builder = CompletionBuilder(
                 chat.request_id, self._model_id(), n=chat.sampling.n,
@@ -299,7 +299,7 @@ class Ingress:
         except Exception as exc:
             self._done(failures.failure_status(exc), started, tokens())
             return failures.error_response(exc)
-        self._done("ok", started, builder.choices.tokens, firsts[0], chat.sampling.n)
+        self._done("ok", started, builder.choices.tokens, firsts[-1], chat.sampling.n)
         return answer
 
     def _abandoned(self, outputs: Any, started: float) -> None:

@@ -74,9 +74,9 @@ async def drain(chunks: AsyncIterator[bytes], declared: str | None, max_bytes: i
 async def validated(raw: bytes, model: type[M]) -> M:
     """The body parsed (`parse_json`) and validated as `model`; a body past `THREAD_BYTES` in a worker thread.
 
-    NOTE: a body of millions of values (a 64 MiB one of empty text parts) took seconds to parse and validate,
-    every other request of the replica waiting on the event loop meanwhile; in a thread they go on (the GIL is
-    shared, not held).
+    NOTE: a body of millions of values (a 64 MiB one of empty text parts) took seconds to validate, every other
+    request of the replica waiting on the event loop meanwhile; in a thread the event loop runs between the
+    validation's Python callbacks (the JSON decode itself, in C, still holds the GIL while it runs).
     """
     if len(raw) <= THREAD_BYTES:
         return model.model_validate(parse_json(raw))
@@ -109,16 +109,20 @@ def parse_json(raw: bytes) -> Any:
 
 
 # JSON's escape of a UTF-16 surrogate that no other completes: a high one not followed by a low one, or a low one
-# not after a high one (a pair is one character, an emoji; a lone one no character at all). NOTE: an escaped
-# backslash before "u" may match too: then only the check below runs, and finds nothing
+# not after a high one (a pair is one character, an emoji; a lone one no character at all). NOTE: a backslash
+# before another is ambiguous (an escaped backslash, then text "ud83d"): it counts as a match, and only the check
+# below runs (a false positive costs that check; a miss would be a 500 later)
 _LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
-                                    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+                                    r"|(?<![^\\]\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 WALKED_BYTES = 1 << 20  # bodies up to this size are walked for the path of a lone surrogate (bytes)
 
 
 def _encodes_whole(value: Any) -> bool:
     """Whether every string of `value`, keys included, is valid Unicode (one C-speed pass)."""
-    return _encodes(json.dumps(value, ensure_ascii=False))
+    try:
+        return _encodes(json.dumps(value, ensure_ascii=False))
+    except RecursionError:  # NOTE: dumps recurses a level deeper than loads did
+        raise InvalidRequestError("the request body's JSON is nested too deeply") from None
 
 
 def _lone_surrogate(value: Any) -> str | None:

@@ -31,7 +31,7 @@ from mmserve.api.template_fields import TemplateFields
 from mmserve.api.unserved import UNSERVED, check_served, log_unknown
 from mmserve.api.vllm_fields import VllmFields
 from mmserve.errors import InvalidRequestError, InvalidSamplingError
-from mmserve.messages import ChatRequest, SamplingDefaults, SamplingParams
+from mmserve.messages import MAX_TOKEN_ID_ENTRIES, ChatRequest, SamplingDefaults, SamplingParams
 
 _T = TypeVar("_T")
 
@@ -235,6 +235,9 @@ _TOKEN_ID = re.compile(r"-?[0-9]{1,18}")  # a logit_bias key: a token id, in a 6
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's `{"token id": bias}` as (id, bias) pairs; a key that is no token id is a 400."""
+    if len(bias or {}) > MAX_TOKEN_ID_ENTRIES:  # NOTE: before the per-key work, on the event loop
+        raise with_param(InvalidSamplingError(f"logit_bias may hold {MAX_TOKEN_ID_ENTRIES} token ids at most, got "
+                                              f"{len(bias or {})}"), "logit_bias")
     pairs = []
     for key, value in (bias or {}).items():
         if not _TOKEN_ID.fullmatch(key):  # NOTE: ASCII digits only (str.isdigit takes "²", which int() refuses)

@@ -50,8 +50,6 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
     return backend
 
 
-MAX_INCOMPLETE = 8  # tokens since the last text before undecodable bytes are sent as they decode (tokens)
-
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Iterable[int] = (),
@@ -103,12 +101,8 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special)
         full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
-        waiting = len(full) <= len(prefix) or full.endswith("\ufffd")  # nothing new, or a character incomplete
-        if waiting and len(self._ids) - self._read_offset < MAX_INCOMPLETE:
-            return ""
-        # NOTE: past that, no character is still coming (UTF-8's take 4 bytes at most): the bytes are broken and
-        # go as U+FFFD, as a whole decode shows them (or the tokens decode to nothing); waiting on re-decoded an
-        # ever longer window every token
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing new, or a character still incomplete
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full[len(prefix) :]
 

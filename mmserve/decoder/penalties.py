@@ -109,8 +109,8 @@ def check_allowed(p: SamplingParams, never: tuple[int, ...], eos_token_ids: tupl
 
 # (id(allowed ids), id(ids left out)) -> (the allowed ids, those left out, the rest as a tensor)
 _ALLOWED: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] = {}
-_ALLOWED_KEPT = 64  # requests whose allowed ids are kept as tensors (NOTE: a step would otherwise build them)
-_ALLOWED_KEPT_IDS = 1 << 20  # ids kept in all (the oldest requests' go first; a request's own may pass it alone)
+_ALLOWED_KEPT = 128  # tensors kept, two per request (its allowed ids; those less the never-sampled)
+_ALLOWED_KEPT_IDS = 1 << 21  # ids kept in all (the oldest requests' go first; a request's own may pass it alone)
 _ALLOWED_LOCK = threading.Lock()  # NOTE: one process may step several decoders (the in-process Engine's tests)
 
 

@@ -87,16 +87,15 @@ class IngressMetrics:
     def observe_request(self, status: RequestStatus, seconds: float, prompt_tokens: int = 0,
                         generated_tokens: int = 0, first_s: float | None = None, choices: int = 1) -> None:
         """A request ended: its outcome, token counts and, for one answered in full, its arrival-to-end latency
-        and, from its first token's time `first_s`, the time of each later token of a choice (its `choices` made
-        side by side).
+        and, from its first token's time `first_s`, its mean time per later token (one choice only: choices end at
+        different times, and the total would not say whose tokens took the time).
 
         NOTE: only those: a refusal or a failure ends at once, and counted there it would make the latency of
         an overloaded server look better (its outcome is in `mmserve_requests_total`)."""
         if status == "ok":
             self.latency.observe(seconds)
-            per_choice = generated_tokens // max(choices, 1)
-            if first_s is not None and per_choice > 1:
-                self.tpot.observe((seconds - first_s) / (per_choice - 1))
+            if first_s is not None and choices == 1 and generated_tokens > 1:
+                self.tpot.observe((seconds - first_s) / (generated_tokens - 1))
         with self._lock:
             self._requests[status] += 1
             self._prompt_tokens += prompt_tokens
@@ -118,8 +117,9 @@ class IngressMetrics:
                       self.ttft.value()),
             histogram("mmserve_e2e_request_latency_seconds",
                       "Request arrival to its end, of requests answered in full.", self.latency.value()),
-            histogram("mmserve_time_per_output_token_seconds",
-                      "A choice's time per token after its first, of requests answered in full.", self.tpot.value()),
+            histogram("mmserve_request_time_per_output_token_seconds",
+                      "A request's mean time per token after its first, of one-choice requests answered in full.",
+                      self.tpot.value()),
         )
 
 

@@ -304,7 +304,7 @@ REQUIRED_FAMILIES = {
     "mmserve_encoder_cache_hits": "counter",
     "mmserve_decoder_embedding_cache_hits": "counter",
     "mmserve_time_to_first_token_seconds": "histogram",
-    "mmserve_time_per_output_token_seconds": "histogram",
+    "mmserve_request_time_per_output_token_seconds": "histogram",
     "mmserve_encoder_batch_size": "histogram",
     "mmserve_decoder_running_requests": "gauge",
     "mmserve_decoder_waiting_requests": "gauge",
@@ -354,8 +354,8 @@ def test_models_health_and_metrics(client, e2e_server):
     assert ttft["mmserve_time_to_first_token_seconds_count"] >= 1
     assert ttft["mmserve_time_to_first_token_seconds_bucket"] == ttft["mmserve_time_to_first_token_seconds_count"]
     # NOTE: the request above had tokens after its first: the ingress timed them
-    tpot = _unlabelled(families, "mmserve_time_per_output_token_seconds")
-    assert tpot["mmserve_time_per_output_token_seconds_count"] >= 1
+    tpot = _unlabelled(families, "mmserve_request_time_per_output_token_seconds")
+    assert tpot["mmserve_request_time_per_output_token_seconds_count"] >= 1
     batches = _unlabelled(families, "mmserve_encoder_batch_size")
     assert batches["mmserve_encoder_batch_size_count"] >= 1 and batches["mmserve_encoder_batch_size_sum"] >= 1
     text = body.decode()

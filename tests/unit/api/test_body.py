@@ -93,6 +93,8 @@ def test_json_decodes_as_is() -> None:
     (b'{"cache_salt": "\\udfff", "x": "\\ud83d\\ude00"}', "cache_salt"),
     (b'{"stop": ["ok", "\\uDC00"]}', "stop[1]"),
     (b'{"\\ud800": 1}', None),
+    # an escaped backslash, the text "ud83d", then a lone low surrogate: no pair, though it reads like one
+    (b'{"a": "\\\\ud83d\\ude00"}', "a"),
 ])
 def test_a_lone_surrogate_anywhere_is_a_400_naming_where(raw: bytes, param: str | None) -> None:
     """JSON may escape half a character; no text may hold one (the tokenizer, hashing and cache keys raise)."""
@@ -123,6 +125,17 @@ def test_a_big_body_is_neither_walked_for_valid_pairs_nor_for_a_path(monkeypatch
     with pytest.raises(InvalidRequestError) as info:
         parse_json(b'{"a": ["\\ud800"]}')
     assert walked == [1] and info.value.param == "a[0]"  # a small one: named
+
+
+def test_a_big_body_too_deep_to_check_whole_is_a_400(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmserve.api import body
+
+    def too_deep(*args: object, **kwargs: object) -> str:
+        raise RecursionError
+
+    monkeypatch.setattr(body.json, "dumps", too_deep)  # NOTE: dumps recurses a level deeper than loads
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        parse_json(b'{"pad": "' + b"x" * body.WALKED_BYTES + b'", "a": "\\ud800"}')
 
 
 def test_a_big_body_is_validated_off_the_event_loop() -> None:

@@ -542,9 +542,9 @@ def test_penalties_and_biases_map_to_sampling() -> None:
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, -0.25, 1.1, 2)
     assert s.logit_bias == ((42, -100.0), (7, 3.0)) and s.stop_token_ids == (9,) and s.adjusts_logits
     # one token's entries fold: ids named twice ("7" and "007") or repeated count once, up to the bound too
-    folded = parse({"messages": USER, "logit_bias": {"7": 1, "007": 2, **{str(i): 0 for i in range(100, 1123)}},
+    folded = parse({"messages": USER, "logit_bias": {"7": 1, "007": 2, **{str(i): 0 for i in range(100, 1122)}},
                     "stop_token_ids": [5] * 2000 + [6]}).to_chat_request("r", 16).sampling
-    assert folded.logit_bias[0] == (7, 2.0) and len(folded.logit_bias) == 1024 and folded.stop_token_ids == (5, 6)
+    assert folded.logit_bias[0] == (7, 2.0) and len(folded.logit_bias) == 1023 and folded.stop_token_ids == (5, 6)
     assert not parse({"messages": USER}).to_chat_request("r", 16).sampling.adjusts_logits
 
 

@@ -39,7 +39,7 @@ REQUIRED = [
     "mmserve_image_processor_calls_total", "mmserve_encoder_forward_passes_total",
     "mmserve_processor_cache_bytes", "mmserve_encoder_cache_tokens", "mmserve_decoder_kv_blocks_free",
     "mmserve_requests_total", "mmserve_generated_tokens_total", "mmserve_e2e_request_latency_seconds",
-    "mmserve_time_per_output_token_seconds",
+    "mmserve_request_time_per_output_token_seconds",
     "mmserve_prefix_cache_queries_total", "mmserve_prefix_cache_hits_total", "mmserve_decoder_kv_blocks_cached",
     "mmserve_decoder_computed_tokens_total", "mmserve_decoder_sampled_tokens_total", "mmserve_decoder_kv_blocks",
 ]
@@ -139,18 +139,18 @@ def buckets(fams: dict, name: str) -> dict[str, float]:
     return {dict(labels)["le"]: v for (sample, labels), v in fams[name].items() if sample == name + "_bucket"}
 
 
-def test_time_per_output_token_is_a_choices_time_after_its_first_token_of_full_answers_only() -> None:
+def test_time_per_output_token_is_a_requests_time_after_its_first_token_of_full_one_choice_answers() -> None:
     from mmserve.runtime.ingress_metrics import IngressMetrics
 
     ingress = IngressMetrics()
     ingress.observe_request("ok", 2.5, 10, 21, first_s=0.5)  # 20 tokens after the first in 2 s: 0.1 s each
-    ingress.observe_request("ok", 1.5, 10, 2 * 11, first_s=0.5, choices=2)  # two choices of 11, side by side
+    ingress.observe_request("ok", 1.5, 10, 2 * 11, first_s=0.5, choices=2)  # two choices: whose tokens took it?
     ingress.observe_request("ok", 1.0, 10, 1, first_s=0.5)  # one token: no time after the first
     ingress.observe_request("aborted", 9.0, 10, 50, first_s=0.5)  # not answered in full
     ingress.observe_request("ok", 1.0, 10, 30)  # its first token's time unknown (e.g. never came)
     tpot = ingress.tpot.value()
-    assert sum(tpot.counts) == 2 and tpot.sum == pytest.approx(0.1 + 0.1)
-    assert "mmserve_time_per_output_token_seconds" in ingress.snapshot().metrics
+    assert sum(tpot.counts) == 1 and tpot.sum == pytest.approx(0.1)
+    assert "mmserve_request_time_per_output_token_seconds" in ingress.snapshot().metrics
 
 
 def test_batch_size_histogram_is_cumulative_and_summed() -> None:
