@@ -78,9 +78,10 @@ async def validated(raw: bytes, model: type[M]) -> M:
     request of the replica waiting on the event loop meanwhile; in a thread the event loop runs between the
     validation's Python callbacks (the JSON decode itself, in C, still holds the GIL while it runs).
     """
-    if len(raw) <= THREAD_BYTES:
+    def parse() -> M:
         return model.model_validate(parse_json(raw))
-    return await asyncio.to_thread(lambda: model.model_validate(parse_json(raw)))
+
+    return parse() if len(raw) <= THREAD_BYTES else await asyncio.to_thread(parse)
 
 
 def parse_json(raw: bytes) -> Any:

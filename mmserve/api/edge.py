@@ -36,6 +36,8 @@ def configure(name: str, *, limit: int, on_refused: Callable[[], None], cors_ori
     admission.limit, admission.on_refused = limit, on_refused
     origins(name).allowed = cors_origins
     api_keys(name).accepted = keys = parse_keys(environ.get(API_KEY_ENV))
-    logger.info("%s", f"/v1 requests need one of {len(keys)} API keys ({API_KEY_ENV})" if keys else
-             f"/v1 requests need no API key ({API_KEY_ENV} is not set)")
+    if keys:
+        logger.info("/v1 requests need one of %d API keys (%s)", len(keys), API_KEY_ENV)
+    else:
+        logger.info("/v1 requests need no API key (%s is not set)", API_KEY_ENV)
     return admission
