@@ -14,7 +14,7 @@ from mmserve.decoder.embedding_cache import EmbeddingCacheStats
 class DecoderStats:
     running: int  # sequences holding KV blocks (requests)
     waiting: int  # sequences queued or preempted, and requests hashed or awaiting embeddings before that (requests)
-    free_blocks: int  # KV pages in the pool (pages: one layer's block each)
+    free_blocks: int  # KV pages no sequence holds, unheld prefix-cache entries included (pages: one layer's block each)
     total_blocks: int  # KV pages overall (pages)
     steps: int  # forwards run since start (steps)
     kv_cache_bytes: int  # bytes of KV tensors (bytes)

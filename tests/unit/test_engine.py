@@ -318,6 +318,23 @@ def test_an_image_one_pixel_off_or_another_salt_shares_no_block_past_the_templat
     assert d.num_cached_tokens == 0  # another salt: not even the template's first block
 
 
+def test_a_salt_keeps_a_text_only_prompt_out_of_every_other_tenants_blocks(engine):
+    """No image carries the salt here: the decoder's block hashes alone must keep two tenants' equal text apart."""
+    text = "A shared system prompt that many tenants send word for word, long enough for several blocks. " * 3
+
+    def salted(rid: str, salt: str | None) -> ChatRequest:
+        request = chat(rid, text=text)
+        return ChatRequest(rid, request.messages, request.sampling, cache_salt=salt)
+
+    [a] = engine.generate([salted("ts1", "tenant-a")])
+    assert len(engine.preprocess(salted("ts0", "tenant-a")).prompt_token_ids) > 3 * engine.config.decoder.block_size
+    [b] = engine.generate([salted("ts2", "tenant-b")])
+    [unsalted] = engine.generate([salted("ts3", None)])
+    [again] = engine.generate([salted("ts4", "tenant-a")])
+    assert a.num_cached_tokens == b.num_cached_tokens == unsalted.num_cached_tokens == 0
+    assert again.num_cached_tokens >= 3 * engine.config.decoder.block_size  # the same tenant does hit
+
+
 def test_embeddings_skipped_for_a_prefix_the_cache_then_lost_are_fetched(engine):
     """The prefix looked cached when the request came (so its image was not encoded), but by admission the
     blocks are gone: the step asks for the embeddings, the service fetches them, the answer is unchanged."""

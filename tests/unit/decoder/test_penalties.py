@@ -25,6 +25,8 @@ INF = -math.inf
     (SamplingParams(frequency_penalty=-1.0), [2.0, -1.0, 1.5, 5.0]),  # negative: encourages repeats
     (SamplingParams(repetition_penalty=2.0), [1.0, -1.0, 0.25, 1.5]),  # prompt and output tokens; > 0 halved
     (SamplingParams(repetition_penalty=2.0, logit_bias=((1, 3.0),)), [1.0, 2.0, 0.25, 1.5]),  # 1 is not seen
+    # a seen token's bias goes first: (3 + 1) / 2, not 3 / 2 + 1
+    (SamplingParams(repetition_penalty=2.0, logit_bias=((3, 1.0),)), [1.0, -1.0, 0.25, 2.0]),
     (SamplingParams(logit_bias=((1, 5.0), (3, -100.0), (99, 1.0))), [2.0, 4.0, 0.5, -97.0]),  # 99: no such id
     (SamplingParams(min_tokens=5, stop_token_ids=(0,)), [INF, -1.0, 0.5, INF]),  # eos (3) and stop id masked
     (SamplingParams(min_tokens=3), ROW),  # three tokens out already
@@ -39,6 +41,12 @@ INF = -math.inf
 def test_each_adjustment_as_defined(params: SamplingParams, expected: list[float]) -> None:
     out = penalized(torch.tensor([ROW]), [params], [OUTPUT], [PROMPT], eos_token_ids=(3,))
     assert out[0].tolist() == pytest.approx(expected)
+
+
+def test_the_repetition_penalty_pushes_a_seen_negative_logit_further_down() -> None:
+    """A seen token's logit < 0 is multiplied (-1 -> -2), so a repeat gets less likely, never more."""
+    out = penalized(torch.tensor([ROW]), [SamplingParams(repetition_penalty=2.0)], [OUTPUT], [[1]], eos_token_ids=(3,))
+    assert out[0].tolist() == pytest.approx([2.0, -2.0, 0.25, 1.5])
 
 
 def test_rows_that_ask_nothing_are_untouched_and_nothing_is_copied_when_none_asks() -> None:

@@ -301,6 +301,8 @@ def test_max_model_len_ends_generation_with_length() -> None:
         ({"stop_token_ids": (9,)}, [5, 9], "stop", 2),
         ({"ignore_eos": True}, [1, 106, 5, 1], "length", 4),
         ({"ignore_eos": True, "stop_token_ids": (9,)}, [1, 9], "stop", 2),
+        ({}, [5, 5, 5, 106], "stop", 4),  # the end on the last token allowed is a stop, not the length
+        ({"stop_token_ids": (9,)}, [5, 5, 5, 9], "stop", 4),
     ],
 )
 def test_finish_conditions(sampling: dict, tokens: list[int], reason: str, n_out: int) -> None:

@@ -112,7 +112,21 @@ def test_an_items_key_follows_the_checkpoints_image_processor_files_under_one_se
     assert keys[0] != keys[1]
 
 
-@pytest.mark.parametrize("library", ["transformers", "torchvision", "PIL"])
+@pytest.mark.parametrize("name", ["preprocessor_config.json", "processor_config.json"])
+def test_the_fingerprint_reads_every_file_the_image_processor_reads(tiny_ckpt_224: Path, tmp_path: Path,
+                                                                     name: str) -> None:
+    """Either file changed (or written where there was none) is another fingerprint."""
+    from mmserve.preprocess.hashing import processor_fingerprint
+
+    copy = Path(shutil.copytree(tiny_ckpt_224, tmp_path / "copy"))
+    path = copy / name
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, "do_pan_and_scan": not config.get("do_pan_and_scan", False)}))
+    assert processor_fingerprint(copy) != processor_fingerprint(tiny_ckpt_224)
+
+
+# NOTE: named here, not read from hashing.PROCESSING_LIBRARIES: a library dropped from it must fail this test
+@pytest.mark.parametrize("library", ["transformers", "numpy", "torch", "torchvision", "PIL"])
 def test_an_items_key_follows_the_version_of_the_libraries_that_process_it(
         tiny_ckpt_224: Path, library: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rolling upgrade to an image with another transformers, torchvision (installed or not) or Pillow may

@@ -59,15 +59,21 @@ def test_the_chosen_forms_follow_the_thread_count_and_rows_past_them_take_linear
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_dtype_onednn_cannot_pack_here_is_measured_plain(dtype: torch.dtype) -> None:
-    """float16 packing needs AVX-512 FP16 or AVX-NE-CONVERT: where the CPU lacks them, the forms stay plain."""
+def test_a_dtype_onednn_cannot_pack_here_is_measured_plain(dtype: torch.dtype, monkeypatch) -> None:
+    """float16 packing needs AVX-512 FP16 or AVX-NE-CONVERT: where the CPU lacks them, the forms stay plain.
+    NOTE: oneDNN's refusal is made here, so the test holds on a CPU that can pack both dtypes too."""
+    def cannot_pack(w: torch.Tensor, rows: int) -> torch.Tensor:
+        raise RuntimeError(f"no {w.dtype} packing on this CPU")
+
+    if onednn_packing_available():
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", cannot_pack)
     forms = MatmulForms()
     forms.calibrate([torch.randn(64, 32).to(dtype), torch.randn(32, 64).to(dtype)], {1}, max_rows=2, big_rows=16,
                     rounds=1)
     x, w = torch.randn(3, 32).to(dtype), torch.randn(48, 32).to(dtype)
     torch.testing.assert_close(forms.product(x, forms.pack(w)).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
-    if matmul_forms._packed([w], 16) is None:  # this CPU's oneDNN cannot pack the dtype: never chosen
-        assert forms.pack_rows is None and not forms.pack(w).is_mkldnn
+    assert matmul_forms._packed([w], 16) is None  # oneDNN cannot pack the dtype: never chosen
+    assert forms.pack_rows is None and forms.pack_hint is None and not forms.pack(w).is_mkldnn
 
 
 @pytest.mark.skipif(not onednn_packing_available(), reason="this torch build has no oneDNN packing")
