@@ -161,9 +161,26 @@ class KVBlockManager:
             while n < m and all(self.cache.find(k, hashes[n]) is not None for k in full):
                 n += 1
             m = n
-        while m > 0 and not all(self._cached(k, hashes, self._first_read(kind, m), m)
-                                for k, kind in enumerate(self.kinds) if kind.window is not None):
-            m -= 1
+        return self._window_hit(hashes, m)
+
+    def _window_hit(self, hashes: list[bytes], m: int) -> int:
+        """The longest end of at most `m` blocks at which every sliding kind finds cached the blocks its window
+        reads. NOTE: right to left, each block looked up once per kind: a block missing at b rules out every
+        end past it (their windows hold it), so the next end tried is b (trying ends one by one, each with its
+        window, looked a window up per end)."""
+        assert self.cache is not None
+        sliding = [(k, kind) for k, kind in enumerate(self.kinds) if kind.window is not None]
+        found_above = {k: m for k, _ in sliding}  # kind -> every block from it up to the end: found cached
+        settled = False
+        while not settled and m > 0:
+            settled = True
+            for k, kind in sliding:
+                lo, b = self._first_read(kind, m), min(found_above[k], m) - 1
+                while b >= lo and self.cache.find(k, hashes[b]) is not None:
+                    b -= 1
+                found_above[k] = b + 1
+                if b >= lo:  # missing
+                    m, settled = b, False
         return m
 
     def start_from_cache(self, blocks: SeqBlocks, hashes: list[bytes], limit: int) -> int:
@@ -197,10 +214,6 @@ class KVBlockManager:
         if kind.window is None:
             return 0
         return _first_block(blocks * self.block_size, kind.window, self.block_size)
-
-    def _cached(self, k: int, hashes: list[bytes], lo: int, hi: int) -> bool:
-        assert self.cache is not None
-        return all(self.cache.find(k, hashes[b]) is not None for b in range(lo, hi))
 
     def peak_pages(self, num_tokens: int, chunk: int) -> int:
         """Pages a sequence of `num_tokens` holds at most while a step computes `chunk` of them."""

@@ -214,3 +214,48 @@ def test_a_running_sequence_grows_into_free_cached_blocks_without_preempting() -
     run("a", list(range(100, 116)), 1)  # leaves 4 cached blocks, all free
     run("b", list(range(200, 208)), 20)  # grows to 7 blocks: 3 of them evicted from the cache
     assert preempted == 0 and sched.stats().free_blocks == 8
+
+
+class _Found:
+    """A prefix cache stand-in that finds the (kind, block) pairs it is given, and counts its lookups."""
+
+    def __init__(self, present: set[tuple[int, bytes]]) -> None:
+        self.present, self.lookups = present, 0
+
+    def find(self, kind: int, block_hash: bytes) -> object | None:
+        self.lookups += 1
+        return object() if (kind, block_hash) in self.present else None
+
+
+def _is_hit(m: int, kinds: tuple, present: set[tuple[int, bytes]], blocks: list[bytes], window: int) -> bool:
+    """The rule read directly: full kinds find blocks [0, m), sliding ones those a query at m * BS reads."""
+    first = max(m * BS - window + 1, 0) // BS
+    return all((k, blocks[b]) in present for k, kind in enumerate(kinds)
+               for b in range(0 if kind.window is None else first, m))
+
+
+def test_the_longest_hit_of_sliding_layers_is_found_in_linear_lookups() -> None:
+    """Against a direct reading of the rule: an end of m blocks is a hit when full layers find blocks [0, m) and a
+    sliding layer those its window reads from a query at m * BS; cached blocks drawn at random, and one sliding
+    block missing in the middle (a search that tried ends one by one looked up most of a window at each end
+    whose window held it). At most one lookup per kind and block."""
+    window = 81  # 20 to 21 blocks
+    rng = np.random.default_rng(0)
+    blocks = [bytes([b]) for b in range(40)]
+    for pattern in ((SLIDING,), (SLIDING, FULL, SLIDING)):
+        manager = KVBlockManager(BlockPool(8), AttentionPattern(pattern, window, True, 1.0, None), BS,
+                                 PrefixCache(BlockPool(8)))
+        kinds = manager.kinds
+        one_missing = {(k, h) for k, kind in enumerate(kinds) for h in blocks
+                       if kind.window is None or h != blocks[20]}
+        for trial in range(201):
+            density = rng.uniform(0.5, 1.0)
+            present = one_missing if trial == 200 else \
+                {(k, h) for k in range(len(kinds)) for h in blocks if rng.random() < density}
+            found = _Found(present)
+            manager.cache = found  # type: ignore[assignment]
+            limit = len(blocks) if trial == 200 else int(rng.integers(0, len(blocks) + 1))
+
+            longest = max(m for m in range(limit + 1) if _is_hit(m, kinds, present, blocks, window))
+            assert manager.cached_prefix(blocks, limit) == longest, trial
+            assert found.lookups <= len(kinds) * (limit + 1), (pattern, trial, found.lookups)
