@@ -619,6 +619,8 @@ def test_n_choices_interleaved_build_one_response_and_one_stream() -> None:
     assert [(c.index, c.message.content, c.finish_reason) for c in body.choices] == [(0, "xyz", "stop"),
                                                                                    (1, "pq", "length")]
     assert (body.usage.prompt_tokens, body.usage.completion_tokens, body.usage.total_tokens) == (7, 5, 12)
+    # NOTE: the prompt's cached share is choice 0's (the later choices find its blocks, which is no cache hit)
+    assert body.usage.prompt_tokens_details is not None and body.usage.prompt_tokens_details.cached_tokens == 0
     chunks = ChunkBuilder("chatcmpl-n", "gemma-3", n=2, include_usage=True)
     events = [e for out in mixed for e in chunks.events(out)]
     assert events.count(SSE_DONE) == 1 and events[-1] == SSE_DONE
@@ -632,6 +634,7 @@ def test_n_choices_interleaved_build_one_response_and_one_stream() -> None:
     assert "".join(c["delta"].get("content", "") for c in by_choice[0]) == "xyz"
     assert [c["finish_reason"] for c in by_choice[1]] == [None, None, "length"]
     assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 5  # after both finished
+    assert bodies[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 # --- the served model's sampling defaults -------------------------------------------------------

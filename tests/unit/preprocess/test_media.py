@@ -100,11 +100,19 @@ def test_alpha_is_composited_on_white() -> None:
     assert image.getpixel((0, 0)) == (255, 255, 255) and image.getpixel((1, 0)) == (255, 0, 0)
 
 
-@pytest.mark.parametrize("mode", ["L", "LA", "P", "CMYK", "I;16"])
-def test_other_modes_become_rgb(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "color", "rgb"), [
+    ("L", 90, (90, 90, 90)),
+    ("LA", (90, 0), (255, 255, 255)),  # fully transparent: on white, as an RGBA image
+    ("LA", (90, 255), (90, 90, 90)),
+    ("P", 0, (0, 0, 0)),  # PIL's default palette: entry 0 black
+    ("CMYK", (0, 0, 0, 0), (255, 255, 255)),  # no ink: white (JPEG, lossy, checked loosely below)
+    ("I;16", 0, (0, 0, 0)),
+])
+def test_other_modes_become_rgb(mode: str, color: object, rgb: tuple[int, int, int]) -> None:
     fmt = "JPEG" if mode == "CMYK" else "PNG"
-    image = decode_image(encode(Image.new(mode, (5, 4)), fmt), max_pixels=100)
+    image = decode_image(encode(Image.new(mode, (5, 4), color), fmt), max_pixels=100)  # type: ignore[arg-type]
     assert image.mode == "RGB" and image.size == (5, 4)
+    assert all(abs(a - b) <= 2 for a, b in zip(image.getpixel((2, 1)), rgb, strict=True)), image.getpixel((2, 1))
 
 
 def test_palette_transparency_is_composited() -> None:
