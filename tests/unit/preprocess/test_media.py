@@ -112,7 +112,8 @@ def test_other_modes_become_rgb(mode: str, color: object, rgb: tuple[int, int, i
     fmt = "JPEG" if mode == "CMYK" else "PNG"
     image = decode_image(encode(Image.new(mode, (5, 4), color), fmt), max_pixels=100)  # type: ignore[arg-type]
     assert image.mode == "RGB" and image.size == (5, 4)
-    assert all(abs(a - b) <= 2 for a, b in zip(image.getpixel((2, 1)), rgb, strict=True)), image.getpixel((2, 1))
+    pixel = image.getpixel((2, 1))
+    assert isinstance(pixel, tuple) and all(abs(a - b) <= 2 for a, b in zip(pixel, rgb, strict=True)), pixel
 
 
 def test_palette_transparency_is_composited() -> None:
