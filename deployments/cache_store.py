@@ -235,7 +235,12 @@ class SharedProcessorCache:
                 self._down_until = monotonic() + LOOKUP_TIMEOUT_S
                 answer.set_result(None)
                 return
-            answer.set_result(pick(found))
+            try:
+                picked = pick(found)
+            except Exception as exc:  # NOTE: the request waiting on `answer` must hear of it (a malformed answer)
+                answer.set_exception(exc)
+                return
+            answer.set_result(picked)
             self._notice(found.epoch)  # NOTE: after the answer: a refill must not hold up the request
 
         self._store.submit(method, *args, timeout_s=LOOKUP_TIMEOUT_S).add_done_callback(settle)

@@ -58,6 +58,9 @@ async def awaited(response: Any) -> Any:
         raise
 
 
+LOOP_GRACE_S = 5.0  # how long past its own timeout a thread waits for the loop to report a call's end (s)
+
+
 class FromThread:
     """Calls on a DeploymentHandle made from a worker thread, run on the replica's event loop.
 
@@ -79,8 +82,16 @@ class FromThread:
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
         """`await handle.method.remote(*args)` on the loop; blocks this (worker) thread for the answer,
-        at most `timeout_s` (then TimeoutError, and the call is cancelled)."""
-        return self.submit(method, *args, timeout_s=timeout_s).result()
+        at most `timeout_s` (then TimeoutError, and the call is cancelled).
+
+        NOTE: this thread waits a little past `timeout_s` itself: the timeout runs on the loop, and a loop held
+        up (a shutdown joining this very thread) would otherwise leave it waiting for ever."""
+        answer = self.submit(method, *args, timeout_s=timeout_s)
+        try:
+            return answer.result(timeout_s + LOOP_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            answer.cancel()
+            raise
 
     def submit(self, method: str, *args: Any, timeout_s: float) -> concurrent.futures.Future[Any]:
         """As `call`, without waiting: the answer's future (TimeoutError after `timeout_s`)."""

@@ -8,6 +8,7 @@ not own the stage (mmserve's services) nor the metrics.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -53,5 +54,5 @@ class StepReplica:
         reporter, service = getattr(self, "reporter", None), getattr(self, "service", None)  # None: __init__ failed
         if reporter is not None:
             await reporter.close()
-        if service is not None:
-            service.stop()
+        if service is not None:  # NOTE: off the loop: the step thread may wait on it (a call through a handle)
+            await asyncio.to_thread(service.stop)

@@ -253,7 +253,10 @@ class DecoderService:
         live = self._live.get(request_id)
         if live is None:
             return  # it is ending; the decoder drops it
-        fetch = asyncio.run_coroutine_threadsafe(self._fetch(live, indices), live.loop)
+        try:
+            fetch = asyncio.run_coroutine_threadsafe(self._fetch(live, indices), live.loop)
+        except RuntimeError:  # NOTE: its consumer's loop has closed: it is ending, not the step's batch mates
+            return
         live.fetching.add(fetch)
         fetch.add_done_callback(live.fetching.discard)
 

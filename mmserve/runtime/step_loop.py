@@ -9,12 +9,14 @@ step does. Used alike by the in-process Engine and by the Ray deployments.
 Failure contract: an action's exception fails its request only. A step's exception with a
 `request_ids` attribute fails those requests only (the stage has already dropped them), and the outputs it
 carries (`outputs`: what the step finished for others) are delivered as a step's would be; any other
-step exception fails every waiting request and calls `abort_all`, and the loop carries on. A step's outputs
+step exception fails every waiting request and calls `abort_all`, and the loop carries on (if `abort_all`
+raises too, the stage's books are broken and the thread ends, as below). A step's outputs
 and failures reach a consumer only once an action submitted for its channel (its add) has run: an id opened
 again right after an abort does not receive what a step or an older action of the old request brings.
 
 Lifetime: `stop()` ends the thread after the step under way and joins it; requests still waiting then
-fail with `StageStopped`, and later submissions fail at once. A loop its owner never stopped is
+fail with `StageStopped`, and later submissions fail at once; the same when a BaseException ends the thread
+(`check_health` then fails: its host replaces the stage). A loop its owner never stopped is
 stopped at interpreter exit (an `atexit` hook), so no step thread is still inside torch while the
 interpreter tears down (which aborts the process).
 """
@@ -63,6 +65,7 @@ class StepLoop:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._dead = False  # the step thread died (a BaseException escaped it): nothing runs any more
         self._step_started: float | None = None  # when the step under way began (s, time.monotonic); None: none
         self._calls: dict[asyncio.Future, asyncio.AbstractEventLoop] = {}  # `call`s not answered yet
 
@@ -88,7 +91,8 @@ class StepLoop:
         """
         channel = None if request_id is None else self._channels.get(request_id)
         with self._lock:
-            if not self._stopped:
+            closed = self._stopped or self._dead
+            if not closed:
                 self._actions.append((request_id, action, channel))
                 if self._thread is None:
                     # NOTE: a daemon, so a forgotten loop cannot keep the interpreter alive; the exit
@@ -96,9 +100,12 @@ class StepLoop:
                     self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                     self._thread.start()
                     _LIVE.add(self)
-        if self._stopped and request_id is not None:
-            self._deliver(request_id, RequestFailed(request_id, StageStopped(f"{self.name} is stopped")))
+        if closed and request_id is not None:
+            self._deliver(request_id, RequestFailed(request_id, StageStopped(self._closed_why())))
         self._wake.set()
+
+    def _closed_why(self) -> str:
+        return f"the step thread of {self.name} died" if self._dead else f"{self.name} is stopped"
 
     async def call(self, action: Callable[[], Any]) -> Any:
         """Run `action` in the loop thread before the next step and return its result (or raise its error)."""
@@ -112,9 +119,12 @@ class StepLoop:
                 result, error = None, exc
             loop.call_soon_threadsafe(_settle, future, result, error)
 
-        if self._stopped:
-            raise StageStopped(f"{self.name} is stopped")
-        self._calls[future] = loop
+        with self._lock:  # NOTE: with stop()'s flag: a call registered here is failed by stop() if not run
+            closed = self._stopped or self._dead
+            if not closed:
+                self._calls[future] = loop
+        if closed:
+            raise StageStopped(self._closed_why())
         future.add_done_callback(lambda f: self._calls.pop(f, None))
         self.submit(None, run)
         return await future
@@ -161,10 +171,10 @@ class StepLoop:
                 sent = time.monotonic()
                 if items:
                     yield merge(items)
+                    if items[-1].finished:  # NOTE: a failure after it (a later step failed whole) ends nothing
+                        return
                 if failed is not None:
                     raise failed.error
-                if items[-1].finished:
-                    return
                 deadline = sent + interval_s()
         finally:
             self._channels.pop(request_id, None)
@@ -196,23 +206,37 @@ class StepLoop:
             thread.join(timeout_s)
             if thread.is_alive():
                 log.warning("%s: step thread still running %s s after stop", self.name, timeout_s)
+        self._fail_waiting(f"{self.name} stopped")
+
+    def _fail_waiting(self, why: str) -> None:
+        """Fail every request and call still waiting with StageStopped(why); queued actions never run."""
         with self._lock:
             self._actions.clear()  # never run: their requests and calls fail below
+            calls = list(self._calls.items())
         for request_id in list(self._channels):
-            self._deliver(request_id, RequestFailed(request_id, StageStopped(f"{self.name} stopped")))
-        for future, loop in list(self._calls.items()):
+            self._deliver(request_id, RequestFailed(request_id, StageStopped(why)))
+        for future, loop in calls:
             with contextlib.suppress(RuntimeError):  # that loop has closed
-                loop.call_soon_threadsafe(_settle, future, None, StageStopped(f"{self.name} stopped"))
+                loop.call_soon_threadsafe(_settle, future, None, StageStopped(why))
 
     # ---- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopped:
-            self._wake.wait()
-            self._wake.clear()
-            if self.batch_wait_s > 0:
-                time.sleep(self.batch_wait_s)
-            while not self._stopped and (self._run_actions() or self._has_work()):
-                self._one_step()
+        try:
+            while not self._stopped:
+                self._wake.wait()
+                self._wake.clear()
+                if self.batch_wait_s > 0:
+                    time.sleep(self.batch_wait_s)
+                while not self._stopped and (self._run_actions() or self._has_work()):
+                    self._one_step()
+        except BaseException as exc:
+            # NOTE: nothing will run a step again: whoever waits, or submits from now on, fails at once
+            # (check_health reports it, and a Ray replica then exits to be replaced)
+            log.critical("%s: the step thread died (%r); failing every request", self.name, exc)
+            with self._lock:
+                self._dead = True
+            self._fail_waiting(f"the step thread of {self.name} died ({exc!r})")
+            raise
 
     def _run_actions(self) -> bool:
         with self._lock:
@@ -249,14 +273,16 @@ class StepLoop:
             outputs = self._step()
         except Exception as exc:
             named = getattr(exc, "request_ids", None)
-            if named is None:
-                log.exception("%s: step failed; aborting every request", self.name)
-                named = list(self._channels)
-                self._abort_all()
-            for out in getattr(exc, "outputs", ()):
-                self._deliver(out.request_id, out, from_step=True)
-            for request_id in named:
-                self._deliver(request_id, RequestFailed(request_id, exc), from_step=True)
+            try:
+                if named is None:
+                    log.exception("%s: step failed; aborting every request", self.name)
+                    named = list(self._channels)
+                    self._abort_all()  # NOTE: if this raises too, the stage's books are broken: the thread ends
+            finally:
+                for out in getattr(exc, "outputs", ()):
+                    self._deliver(out.request_id, out, from_step=True)
+                for request_id in named or ():
+                    self._deliver(request_id, RequestFailed(request_id, exc), from_step=True)
             return
         finally:
             self._step_started = None

@@ -83,6 +83,21 @@ def test_any_other_store_error_is_the_lookups() -> None:
         cache.find_source("bytes-key").result(timeout=5)
 
 
+class MalformedStore(FailingStore):
+    """Answers every call, with something that is no StoreLookup."""
+
+    def submit(self, method: str, *args: Any, timeout_s: float) -> Future[Any]:
+        self.calls.append((method, args, timeout_s))
+        answered: Future[Any] = Future()
+        answered.set_result(object())
+        return answered
+
+
+def test_an_answer_the_lookup_cannot_read_fails_the_lookup_and_does_not_leave_it_waiting() -> None:
+    with pytest.raises(AttributeError):
+        client(MalformedStore(RuntimeError())).find_source("bytes-key").result(timeout=5)
+
+
 @pytest.mark.parametrize(("lost", "as_"), [
     (OwnerDiedError("00" * 28, None, ""), MakerGoneError), (ObjectLostError("00" * 28, None, ""), ItemLostError),
     (GetTimeoutError("slow"), ItemLostError)])

@@ -51,3 +51,28 @@ def test_an_answered_call_is_returned_and_not_cancelled() -> None:
         return await waiter
 
     assert asyncio.run(run()) == "embeddings" and call.cancels == 0
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")  # the loop never ran it
+def test_a_thread_calling_through_a_loop_that_never_runs_the_call_gives_up_past_its_timeout(monkeypatch) -> None:
+    """A call's timeout runs on the replica's loop; with that loop held up (a shutdown joining the calling
+    thread), the thread gives up by itself a little later, and the call is cancelled."""
+    import time
+
+    from deployments import handles
+
+    class Handle:
+        def options(self, **_: Any) -> Handle:
+            return self
+
+    monkeypatch.setattr(handles, "LOOP_GRACE_S", 0.2)
+    caller = handles.FromThread(Handle())
+    held_up = asyncio.new_event_loop()  # NOTE: never run, as a loop blocked in a join
+    caller._loop = held_up
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            caller.call("kept_copy", "key", timeout_s=0.1)
+        assert time.monotonic() - started < 5  # a bound on a hang, not a timing
+    finally:
+        held_up.close()

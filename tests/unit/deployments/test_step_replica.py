@@ -69,3 +69,26 @@ def test_the_probe_passes_the_hung_step_bound_and_shutdown_pushes_the_last_metri
     asyncio.run(replica.__del__())
     assert log == ["health 60.0", "health 0.5", "health 0.5", "exit 1", "last metrics", "stop"]
     asyncio.run(StepReplica().__del__())  # a replica whose __init__ failed: nothing to close
+
+
+@pytest.mark.filterwarnings("ignore:coroutine 'StepReplica.__del__' was never awaited")
+def test_shutdown_joins_the_step_thread_off_the_loop_which_that_thread_may_be_waiting_on() -> None:
+    """The step thread may be inside a call made through the replica's loop (a lost copy asked for again) when
+    the shutdown joins it: joined on the loop, each waited for the other (30 s)."""
+    class WaitsOnTheLoop(Service):
+        def stop(self) -> None:  # the join: done once a call that needs the replica's loop has run there
+            ran = threading.Event()
+            loops[0].call_soon_threadsafe(ran.set)
+            self.log.append("stop" if ran.wait(5) else "stop waited on a blocked loop")
+
+    log: list[str] = []
+    loops: list[asyncio.AbstractEventLoop] = []  # the replica's
+    replica = StepReplica()
+    replica.service, replica.stuck_after_s = WaitsOnTheLoop(log), 60.0
+
+    async def shut_down() -> None:
+        loops.append(asyncio.get_running_loop())
+        await replica.__del__()
+
+    asyncio.run(shut_down())
+    assert log == ["stop"]

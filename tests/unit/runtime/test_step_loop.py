@@ -341,3 +341,69 @@ def test_an_older_action_under_a_reused_id_does_not_make_a_new_consumer_take_the
             loop.stop()
 
     assert asyncio.run(asyncio.wait_for(run(), 10)) == ["new"]
+
+
+def test_a_failure_after_a_finished_output_ends_nothing() -> None:
+    """A request finished in one step, its consumer not there yet; the next step failed whole: it finished."""
+    got = asyncio.run(_collect(idle_loop(), [out(1, "a", n=1, finished=True), RequestFailed("r", ValueError("x"))],
+                               merge_outputs))
+    assert [(o.new_token_ids, o.finished) for o in got] == [([1], True)]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+@pytest.mark.parametrize("how", ["step", "abort_all"])
+def test_a_step_thread_that_dies_fails_whoever_waits_and_whatever_comes_later(how: str) -> None:
+    """A BaseException out of a step, or an abort_all that fails after a failed step (the stage's books broken):
+    nothing will step again, so nothing may wait for it: the named requests get the step's error, the rest and
+    every later submission or call StageStopped, at once."""
+    def step() -> list:
+        raise SystemExit("the step thread ends") if how == "step" else RuntimeError("a step failed whole")
+
+    def abort_all() -> None:
+        raise ValueError("the books are broken")
+
+    async def run() -> list[BaseException]:
+        loop = StepLoop(step, lambda: True, abort_all)
+        loop.open("r")
+        loop.submit("r", lambda: None)
+        errors: list[BaseException] = []
+        for rid in ("r", "late"):
+            if rid == "late":
+                loop.open("late")
+                loop.submit("late", lambda: None)
+            try:
+                async for _ in loop.outputs(rid):
+                    pass
+            except BaseException as exc:
+                errors.append(exc)
+        with pytest.raises(StageStopped, match="died"):
+            await loop.call(lambda: 42)
+        return errors
+
+    first, late = asyncio.run(asyncio.wait_for(run(), 10))
+    if how == "step":
+        assert isinstance(first, StageStopped) and "died" in str(first)
+    else:
+        assert isinstance(first, RuntimeError) and str(first) == "a step failed whole"  # its own error
+    assert isinstance(late, StageStopped) and "died" in str(late)
+
+
+def test_a_call_racing_a_stop_on_another_thread_fails_and_does_not_hang() -> None:
+    """stop() on another thread between a call's check and its registration: the call is failed, not left."""
+    class Racing(dict):
+        def __setitem__(self, key: object, value: object) -> None:
+            threading.Thread(target=loop.stop).start()
+            time.sleep(0.05)  # NOTE: room for the stop to run to its end, were it not held off
+            super().__setitem__(key, value)
+
+    loop = StepLoop(lambda: [], lambda: False, lambda: None)
+    loop._calls = Racing()
+
+    async def run() -> object:
+        return await asyncio.wait_for(loop.call(lambda: 42), 5)
+
+    try:
+        answer = asyncio.run(run())
+    except StageStopped:
+        answer = None
+    assert answer in (42, None)  # run before the stop, or failed by it
