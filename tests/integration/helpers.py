@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -137,6 +138,16 @@ def wait_running(name: str, timeout: float = 300) -> None:
             status = serve.status().applications.get(name)
             raise AssertionError(f"app {name} not RUNNING after {timeout:.0f} s: {status}")
         time.sleep(0.5)
+
+
+def exited(pid: int) -> bool:
+    """Whether the local process `pid` has ended (a zombie not yet reaped runs no more). NOTE: ray.kill returns
+    before the process ends; the test cluster's nodes all run on this machine, so a replica's pid is local."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")  # the state, after "pid (comm)"
 
 
 def replica_states(app: str, deployment: str) -> dict[str, int]:

@@ -30,10 +30,12 @@ from tests.integration.conftest import AppInfo, ClusterInfo, shutdown_handles
 from tests.integration.helpers import (
     data_url,
     deploy,
+    exited,
     get_text,
     info_of_every_replica,
     post_json,
     replica_actors,
+    replica_states,
     replica_suffix,
     throttled,
 )
@@ -100,8 +102,9 @@ def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[s
     owned = [i for i, r in enumerate(owners) if r == survivor]
     victim = next(a for a in replica_actors(APP, "Encoder") if replica_suffix(a["name"]) != survivor)
     ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
+    wait_until(lambda: exited(victim["pid"]), timeout=60, interval=0.01, what="the killed Encoder's process to exit")
     hits_before = after[survivor]["cache_hits"]
-    for i, image in enumerate(HOT):  # none may fail (`ask` asserts a 200)
+    for i, image in enumerate(HOT):  # none may fail (`ask` asserts a 200), the victim's keys included
         ask(app, image_message(4000 + i, image))
     live: dict[str, dict[str, Any]] = {}
     for _ in range(10):  # the survivor, whether or not Serve's replacement is up yet
@@ -111,7 +114,28 @@ def balance_and_kill(app: AppInfo, keys: dict[str, tuple[bytes, int]]) -> dict[s
     return {"shares": shares, "spot": len(spot), "spill": spill, "spot_owner": target, "load_fallbacks": fallbacks,
             **slow,
             "owned_by_survivor": len(owned),
-            "survivor_hits": live[survivor]["cache_hits"] - hits_before if survivor in live else None}
+            "survivor_hits": live[survivor]["cache_hits"] - hits_before if survivor in live else None,
+            **replaced(app, keys, survivor, victim["name"])}
+
+
+def replaced(app: AppInfo, keys: dict[str, tuple[bytes, int]], survivor: str, victim: str) -> dict[str, Any]:
+    """Once Serve's replacement runs, the hot images again (all cached on the survivor by now): each goes to its
+    owner among the survivor and the newcomer, a hit on the survivor, a forward pass on the newcomer."""
+    def running() -> bool:
+        names = {a["name"] for a in replica_actors(APP, "Encoder")}
+        return victim not in names and len(names) == 2 and replica_states(APP, "Encoder") == {"RUNNING": 2}
+
+    wait_until(running, timeout=180, interval=0.5, what="Serve to replace the killed Encoder replica")
+    before = encoders(app)
+    newcomer = next(r for r in before if r != survivor)
+    owners = [owner([keys[key]], sorted(before)) for key in HOT]
+    for i, image in enumerate(HOT):
+        ask(app, image_message(4100 + i, image))
+    after = encoders(app)
+    return {"owned_by_newcomer": owners.count(newcomer), "kept_by_survivor": owners.count(survivor),
+            **{f"{who}_{what}": after[r][what] - before[r][what] for who, r in (("survivor", survivor),
+                                                                              ("newcomer", newcomer))
+               for what in ("cache_hits", "cache_queries", "forward_passes")}}
 
 
 def slowed(app: AppInfo, before: dict[str, dict[str, Any]], fallbacks: float) -> dict[str, Any]:
@@ -268,3 +292,7 @@ def test_uniform_load_spreads_and_a_killed_encoder_moves_only_its_keys(measured)
     # the hot images the survivor owned were cached there and still hit: their keys did not move
     assert got["owned_by_survivor"] > 0 and got["survivor_hits"] is not None, got
     assert got["survivor_hits"] >= got["owned_by_survivor"], got
+    # with Serve's replacement up, each hot image goes to its owner among the two: the survivor's still hit
+    assert got["survivor_cache_hits"] == got["survivor_cache_queries"] == got["kept_by_survivor"], got
+    assert got["newcomer_cache_queries"] == got["newcomer_forward_passes"] == got["owned_by_newcomer"], got
+    assert got["newcomer_cache_hits"] == 0 and got["kept_by_survivor"] + got["owned_by_newcomer"] == len(HOT), got

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,6 +27,7 @@ from tests.integration.helpers import (
     SSEStream,
     chat_body,
     data_url,
+    exited,
     get_text,
     replica_actors,
     replica_states,
@@ -194,15 +194,6 @@ def retries(app: AppInfo) -> dict[str, float]:
             for s in family.samples if s.name == "mmserve_request_retries_total"}
 
 
-def _exited(pid: int) -> bool:
-    """Whether the local process `pid` has ended (a zombie not yet reaped runs no more)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:  # gone
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")  # the state, after "pid (comm)"
-
-
 def _kill_one(app: AppInfo, deployment: str, out: list[Outcome],
               counter: itertools.count) -> tuple[float, float, Callable[[], bool]]:
     """Kill one replica of `deployment`: (kill time, time its process had exited, in monotonic s; whether
@@ -216,7 +207,7 @@ def _kill_one(app: AppInfo, deployment: str, out: list[Outcome],
     ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
     # NOTE: ray.kill returns before the process ends (on a busy machine, long before): until then the
     # replica may still begin a stream. The cluster's nodes all run on this machine: its pid is local.
-    wait_until(lambda: _exited(victim["pid"]), timeout=60, interval=0.01,
+    wait_until(lambda: exited(victim["pid"]), timeout=60, interval=0.01,
                what=f"the killed {deployment} replica's process to exit")
     died = time.monotonic()
 
