@@ -377,7 +377,10 @@ def test_logprobs_streamed_and_not_agree(client, e2e_server):
     assert len(content) == full.usage.completion_tokens
     for token in content:
         best = [alt.logprob for alt in token.top_logprobs]
-        assert len(best) == 3 and best == sorted(best, reverse=True) and token.logprob <= best[0] + 1e-6
+        assert len(best) == 3 and best == sorted(best, reverse=True)
+        # greedy: the sampled token is the most likely one, with its log-probability
+        assert token.token == token.top_logprobs[0].token and token.logprob == pytest.approx(best[0], abs=1e-6)
+        assert token.logprob <= 0
     streamed = [t for chunk in client.chat.completions.create(**kwargs, stream=True) for choice in chunk.choices
                 if choice.logprobs is not None for t in choice.logprobs.content]
     # NOTE: the second request reuses the first's prefix blocks, so its prefill runs fewer rows, which may take

@@ -29,6 +29,8 @@ MEMORY_GROWTH = 1.10  # the most a replica's resident memory may grow between th
 HOT = [data_url(encode_image(make_image(40_000 + k))) for k in range(3)]
 WIDE = data_url(encode_image(make_image(40_010, size=(900, 300))))
 MAX_TOKENS = 8
+ABORT_MAX_TOKENS = 600  # an aborted stream's: far past where its client leaves, so that a drop shows
+STOPPED_WITHIN = 300  # tokens an aborted stream may still sample after its client left (the cancel's trip)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ def plan(i: int) -> Plan:
         Plan("pan_and_scan", user("Read it.", WIDE), {**greedy, "extra_body": {"mm_processor_kwargs":
                                                                              {"do_pan_and_scan": True}}}, stream=True),
         Plan("sampled", user("What is this?", HOT[i % 3]), seeded),
-        Plan("abort", user("Describe at length.", HOT[i % 3]), greedy, stream=True, abort=True),
+        Plan("abort", user("Describe at length.", HOT[i % 3]), {**greedy, "max_tokens": ABORT_MAX_TOKENS,
+                                                                 "extra_body": {"ignore_eos": True}},
+             stream=True, abort=True),
         _bad(i),
         Plan("hot_stream", user("What is this?", HOT[i % 3]), greedy, stream=True),
         Plan("text", user("Tell me a story."), greedy),
@@ -110,9 +114,17 @@ def resident(server: Server) -> dict[str, float]:
             if f.name == RESIDENT_BYTES for s in f.samples}
 
 
+def aborted(server: Server) -> float:
+    """Requests the ingress counted as aborted (their client left) so far."""
+    _, _, body = http_get(server.base_url + "/metrics")
+    return sum(s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
+               if s.name == "mmserve_requests_total" and s.labels.get("status") == "aborted")
+
+
 def test_soak(e2e_server: Server) -> None:
     plans = [plan(i) for i in range(REQUESTS)]
     results: list[Result] = []
+    aborted_before, sampled_before = aborted(e2e_server), scrape(e2e_server)["mmserve_decoder_sampled_tokens_total"]
     with client_for(e2e_server) as client, ThreadPoolExecutor(CONCURRENCY) as pool:
         results += pool.map(lambda p: run(client, e2e_server, p), plans[:WINDOW])
         first = resident(e2e_server)
@@ -138,6 +150,12 @@ def test_soak(e2e_server: Server) -> None:
     # gauges reach /metrics only with its next push (1 s apart, plus the push itself on a busy machine);
     # a request or KV block that leaked stays for good
     metrics = wait_until(idle, timeout=30, interval=0.5, what="the stages to hold nothing")
+    # the aborts were real: every one counted, and the decoder stopped each long before its max_tokens
+    aborts = sum(p.abort for p in plans)
+    wait_until(lambda: aborted(e2e_server) - aborted_before == aborts, timeout=30, interval=0.5,
+               what=f"{aborts} aborted requests counted")
+    sampled = metrics["mmserve_decoder_sampled_tokens_total"] - sampled_before
+    assert sampled <= (len(plans) - aborts) * MAX_TOKENS + aborts * STOPPED_WITHIN, sampled
     assert metrics["mmserve_processor_cache_bytes"] <= metrics["mmserve_processor_cache_capacity_bytes"]
     assert metrics["mmserve_encoder_cache_tokens"] <= metrics["mmserve_encoder_cache_capacity_tokens"]
     # NOTE: Preprocess autoscales (1-2 replicas) under this load: replicas are compared where both
