@@ -35,7 +35,10 @@ from mmserve.runtime.metrics_board import STALE_AFTER_S
 log = logging.getLogger(__name__)
 
 
-HUNG_STEP_MIN_S = 60.0  # the shortest step that counts as hung (AppArgs.hung_step_s)
+# the shortest step that counts as hung (AppArgs.hung_step_s). NOTE: longer than an Encoder step that waits out
+# two pixel reads' timeouts (a miss's own copy, then other requests' copies: cache_store.READ_TIMEOUT_S, 60 s)
+# and runs its forward: such a step is slow, not hung, and replacing its replica would lose its cache
+HUNG_STEP_MIN_S = 180.0
 
 
 class AppArgs(StrictArgs):

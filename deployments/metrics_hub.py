@@ -93,9 +93,11 @@ class MetricsReporter:
         async with self._pushing:
             snapshot = merge([self.snapshot(), resident_memory_snapshot(self.source)])
             self._seq += 1
-            sent = self.hub.report.remote(self.source, snapshot, final, seq=self._seq)
-            await asyncio.wait_for(awaited(sent), HUB_TIMEOUT_S)
-            self.mirror.update(snapshot)
+            try:
+                sent = self.hub.report.remote(self.source, snapshot, final, seq=self._seq)
+                await asyncio.wait_for(awaited(sent), HUB_TIMEOUT_S)
+            finally:  # NOTE: Ray's copy goes on while the hub is unreachable: the one view left then
+                self.mirror.update(snapshot)
 
     async def _loop(self) -> None:
         while True:

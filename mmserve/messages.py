@@ -117,7 +117,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """NOTE: a temperature below 1e-5 is greedy too (vLLM's rule): dividing by it only magnifies ties."""
+        """NOTE: a temperature below 1e-5 is greedy too (vLLM's sampler's cutoff): dividing by it only magnifies
+        ties. vLLM's request path first raises a temperature in (0, 0.01) to 0.01; not done here."""
         return self.temperature < 1e-5 or self.top_k == 1
 
 

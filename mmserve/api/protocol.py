@@ -178,7 +178,7 @@ class ChatCompletionRequest(StructuredFields, TemplateFields):  # NOTE: response
         extra = self.model_extra or {}
         check_served({**{name: getattr(self, name) for name in UNSERVED if name in type(self).model_fields}, **extra})
         log_unknown(extra)
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # NOTE: 0 alone is no ask (vLLM's rule; some clients send it)
             raise with_param(InvalidRequestError("top_logprobs requires logprobs: true"), "top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise with_param(InvalidRequestError("stream_options is only allowed when stream is true"),
@@ -196,7 +196,7 @@ class ChatCompletionRequest(StructuredFields, TemplateFields):  # NOTE: response
             top_p=_first(self.top_p, defaults.top_p, 1.0),
             top_k=0 if self.top_k == -1 else _first(self.top_k, defaults.top_k, 0),  # NOTE: -1 is vLLM's "off"
             min_p=_first(self.min_p, defaults.min_p, 0.0),
-            seed=self.seed,
+            seed=None if self.seed == -1 else self.seed,  # NOTE: -1 is vLLM's "no seed" (a fresh draw each time)
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,

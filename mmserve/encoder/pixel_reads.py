@@ -54,13 +54,29 @@ def read_misses(misses: Sequence[tuple[Reader, MultiModalFeatureSpec]], waiting:
     for k, (req, spec) in enumerate(misses):
         late_own = TimeoutError(f"the pixels of item {spec.identifier} did not arrive in time") \
             if k in alternates else None
-        ready = [copy for copy, here in zip(alternates[k], arrived[k], strict=True) if here] if late_own \
-            else [(req, spec), *_alternates(req, spec, others)]
         try:
-            read.append((spec, _read_first(ready)))
+            if late_own:
+                read.append((spec, _read_first([c for c, here in zip(alternates[k], arrived[k], strict=True) if here])))
+            else:
+                read.append((spec, _own_else_others(req, spec, others)))
         except Exception as exc:  # e.g. its pixels' owner died and the store has no copy
             failed.append((spec, late_own or exc))  # NOTE: a late own copy is the reason, whatever the others did
     return read, failed
+
+
+def _own_else_others(req: Reader, spec: MultiModalFeatureSpec, others: list[Reader]) -> ProcessedItem:
+    """The miss's own copy; failing that, the first of the other requests' copies to read, brought together
+    first (NOTE: read one by one, each stuck copy would hold the step a whole read's timeout); else the own
+    copy's error."""
+    try:
+        return _read(req, spec)
+    except Exception as own:
+        alternates = _alternates(req, spec, others)
+        [arrived] = _prefetch([alternates])
+        try:
+            return _read_first([copy for copy, here in zip(alternates, arrived, strict=True) if here])
+        except Exception:
+            raise own from None
 
 
 def _alternates(req: Reader, spec: MultiModalFeatureSpec, waiting: list[Reader]) -> list[Copy]:

@@ -171,6 +171,7 @@ class EncoderStage:
                 spec = req.features[req.next_index]
                 hit = self.manager.check_and_update_cache(req.request_id, spec.identifier)
                 if not hit:
+                    self._hold_cached_rest(req)
                     # NOTE: a step's first miss may take more than the budget and then runs alone, as an item
                     # with more crops than one forward does (vLLM too raises its budget to the largest item)
                     room = budget if misses else max(budget, spec.num_embeds)
@@ -184,6 +185,13 @@ class EncoderStage:
                 self._count(req, spec.identifier, hit)
                 req.next_index += 1
         return misses
+
+    def _hold_cached_rest(self, req: _Pending) -> None:
+        """Reference the request's later items that are cached now, before one of its misses makes room: the
+        room must not be made by evicting what the request itself is about to hit. NOTE: its distinct items fit
+        the cache together (checked at add), so holding them cannot keep its own misses out."""
+        for spec in req.features[req.next_index + 1:]:
+            self.manager.check_and_update_cache(req.request_id, spec.identifier)
 
     def _count(self, req: _Pending, identifier: str, hit: bool) -> None:
         """The stats of one lookup (see `add_request` on early encodes)."""

@@ -110,9 +110,10 @@ class IngressMetrics:
             Metric("mmserve_requests_total", "counter", "Requests ended, by outcome.", ("status",), requests),
             Metric("mmserve_request_retries_total", "counter", "Attempts made again after a lost replica.",
                    ("phase", "preprocess"), retries),
-            counter("mmserve_prompt_tokens_total", "Prompt tokens of ended requests, image tokens included.",
-                    prompt),
-            counter("mmserve_generated_tokens_total", "Tokens generated for ended requests.", generated),
+            counter("mmserve_prompt_tokens_total", "Prompt tokens (image tokens included) of requests that had an "
+                    "output, counted as each ends (per step: mmserve_decoder_computed_tokens_total).", prompt),
+            counter("mmserve_generated_tokens_total", "Tokens generated, counted as their request ends (per step: "
+                    "mmserve_decoder_sampled_tokens_total).", generated),
             histogram("mmserve_time_to_first_token_seconds", "Request arrival to first content token.",
                       self.ttft.value()),
             histogram("mmserve_e2e_request_latency_seconds",

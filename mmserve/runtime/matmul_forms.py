@@ -153,7 +153,9 @@ class MatmulForms:
 
 
 class PackedLinear(torch.nn.Module):
-    """An `nn.Linear` whose weight oneDNN holds packed (`MatmulForms.pack`); the same product and bias."""
+    """An `nn.Linear` whose weight oneDNN holds packed (`MatmulForms.pack`): the same product and bias up to
+    float rounding (NOTE: another summation order: not bit-equal at real sizes, e.g. SigLIP's 1152-wide layers
+    differ by ~1e-5; within the parity tolerance, and greedy tokens may differ only at near-ties)."""
 
     def __init__(self, linear: torch.nn.Linear, forms: MatmulForms) -> None:
         super().__init__()

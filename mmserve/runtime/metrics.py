@@ -146,7 +146,7 @@ def processor_cache_snapshot(cache: ProcessorCacheStats) -> MetricsSnapshot:
         counter("mmserve_processor_cache_evictions_total", "Processor cache entries evicted.", cache.evictions),
         counter("mmserve_processor_cache_refused_total", "Items larger than the processor cache.", cache.refused),
         gauge("mmserve_processor_cache_bytes", "Bytes held by the processor cache.", cache.bytes_held),
-        gauge("mmserve_processor_cache_peak_bytes", "The most bytes the processor cache ever held.",
+        gauge("mmserve_processor_cache_peak_bytes", "The most bytes the processor cache held (its index's own peak).",
               cache.peak_bytes_held),
         gauge("mmserve_processor_cache_capacity_bytes", "Processor cache capacity in bytes.", cache.capacity_bytes),
         gauge("mmserve_processor_cache_entries", "Items held by the processor cache.", cache.entries),
@@ -178,8 +178,8 @@ def encoder_snapshot(stats: EncoderStats) -> MetricsSnapshot:
         counter("mmserve_encoder_early_found_total",
                 "Encoder lookups that found their item encoded early for them (a miss run ahead).", stats.early_found),
         gauge("mmserve_encoder_cache_tokens", "Embedding rows booked in the encoder cache.", stats.cached_tokens),
-        gauge("mmserve_encoder_cache_peak_tokens", "The most embedding rows the encoder cache ever booked.",
-              stats.peak_cached_tokens),
+        gauge("mmserve_encoder_cache_peak_tokens",
+              "The most embedding rows an encoder cache booked, each replica's peak summed.", stats.peak_cached_tokens),
         gauge("mmserve_encoder_cache_capacity_tokens", "Encoder cache capacity in embedding rows.",
               stats.capacity_tokens),
         gauge("mmserve_encoder_cache_entries", "Items in the encoder cache.", stats.num_cached),
@@ -239,18 +239,22 @@ def merge(snapshots: Iterable[MetricsSnapshot]) -> MetricsSnapshot:
     """Sum over replicas: counters, gauges (running, waiting and bytes add up) and histogram buckets.
 
     NOTE: a metric whose kind or labels differ between snapshots (two versions side by side in a rolling
-    update) is taken from the later snapshot alone, logged: refusing would fail every scrape until the old
-    version's counts were retired. Under other labels it is another series to Prometheus, so the dropped one
-    reads as ended, not as a counter reset; a board lists the newest sources last (and the gone ones' sum first).
+    update) is summed over the snapshots of the last one's shape alone, the others dropped, logged: refusing
+    would fail every scrape until the old version's counts were retired, and keeping whichever shape came last
+    in turn made the sum jump with the order of the sources. Under other labels it is another series to
+    Prometheus, so the dropped one reads as ended, not as a counter reset; a board lists the newest sources
+    last (and the gone ones' sum first).
     """
+    snapshots = list(snapshots)
+    shapes = {name: (m.kind, m.labels) for snap in snapshots for name, m in snap.metrics.items()}  # the last's
     merged: dict[str, Metric] = {}
     for snap in snapshots:
         for name, metric in snap.metrics.items():
+            if (metric.kind, metric.labels) != shapes[name]:
+                log.warning("metric %s is a %s%s in one replica and a %s%s in a later one: the latter kept",
+                            name, metric.kind, metric.labels, *shapes[name])
+                continue
             seen = merged.get(name)
-            if seen is not None and (seen.kind, seen.labels) != (metric.kind, metric.labels):
-                log.warning("metric %s is a %s%s in one replica and a %s%s in another: the latter kept",
-                            name, seen.kind, seen.labels, metric.kind, metric.labels)
-                seen = None
             merged[name] = metric if seen is None else _add(seen, metric)
     return MetricsSnapshot(merged)
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from mmserve.runtime.metrics import MetricsSnapshot, merge, since
+from mmserve.runtime.metrics import HistogramValue, Metric, MetricsSnapshot, merge, since
 
 STALE_AFTER_S = 30.0  # a source silent this long is gone: its gauges stop counting, its counters stay (s)
 RETIRE_AFTER_S = 600.0  # ...and this long: its counters are folded into one sum and its entry dropped (s)
@@ -72,8 +72,14 @@ class MetricsBoard:
         with self._lock:
             now = self._clock()
             self._retire_silent(now)
+            self._retired = _on_bounds(self._retired, self._newest_bounds())
             snapshots = [s if now - t < STALE_AFTER_S else _without_gauges(s) for t, s in self._latest.values()]
             return merge([self._retired, *snapshots])
+
+    def _newest_bounds(self) -> dict[str, tuple[float, ...]]:
+        """Histogram name -> the bucket bounds of the newest source reporting it (the version rolling out)."""
+        return {name: value.bounds for _, snapshot in self._latest.values() for name, metric in snapshot.metrics.items()
+                for value in metric.values.values() if isinstance(value, HistogramValue)}
 
     def _retire_silent(self, now: float) -> None:
         """Retire the sources silent past RETIRE_AFTER_S (under the lock)."""
@@ -82,7 +88,9 @@ class MetricsBoard:
     def _retire(self, sources: list[str]) -> None:
         """Fold the counters of `sources` into the retired sum and drop their entries (under the lock)."""
         if sources:
-            self._retired = merge([self._retired, *(_without_gauges(self._latest.pop(s)[1]) for s in sources)])
+            gone = [_without_gauges(self._latest.pop(s)[1]) for s in sources]
+            bounds = self._newest_bounds()
+            self._retired = merge([_on_bounds(self._retired, bounds), *(_on_bounds(g, bounds) for g in gone)])
             for source in sources:
                 self._bases.pop(source, None)
                 _keep(self._retired_sources, source, None)
@@ -94,6 +102,19 @@ def _keep(names: OrderedDict[str, Any], name: str, value: Any) -> None:
     names.move_to_end(name)
     while len(names) > NAMES_KEPT:
         names.popitem(last=False)
+
+
+def _on_bounds(snapshot: MetricsSnapshot, bounds: dict[str, tuple[float, ...]]) -> MetricsSnapshot:
+    """`snapshot` without its histograms whose buckets are not `bounds`' (where named there).
+
+    NOTE: a release that changed a histogram's buckets: its live replicas sum with an old one's on the bounds they
+    share (`HistogramValue.__add__`), and the retired sum, kept in the old buckets, would hide the new ones for good;
+    dropped, it reads to Prometheus as one counter reset."""
+    def kept(metric: Metric) -> bool:
+        return metric.kind != "histogram" or metric.name not in bounds or \
+            all(v.bounds == bounds[metric.name] for v in metric.values.values() if isinstance(v, HistogramValue))
+
+    return MetricsSnapshot({n: m for n, m in snapshot.metrics.items() if kept(m)})
 
 
 def _without_gauges(snapshot: MetricsSnapshot) -> MetricsSnapshot:

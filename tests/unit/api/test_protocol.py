@@ -331,6 +331,16 @@ def test_stream_options_need_stream() -> None:
     assert error_body(info.value)[1]["error"]["param"] == "stream_options"
 
 
+def test_vllms_spellings_of_no_seed_and_no_top_logprobs_are_served_as_such() -> None:
+    """seed -1 is vLLM's "no seed" (each request draws afresh), and top_logprobs 0 without logprobs asks
+    nothing (some clients always send it): neither is a fixed seed nor a 400."""
+    assert parse({"messages": USER, "seed": -1}).to_chat_request("r", 16).sampling.seed is None
+    assert parse({"messages": USER, "seed": -2}).to_chat_request("r", 16).sampling.seed == -2
+    assert parse({"messages": USER, "top_logprobs": 0}).to_chat_request("r", 16).sampling.logprobs is None
+    with pytest.raises(InvalidRequestError, match="top_logprobs requires logprobs"):
+        parse({"messages": USER, "top_logprobs": 2}).to_chat_request("r", 16)
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": -3}, "max_completion_tokens"),

@@ -96,9 +96,13 @@ def test_a_push_to_a_hub_that_does_not_answer_ends_at_its_timeout_and_holds_no_l
     hub = SilentHub()
     reporter = _reporter(hub)
 
+    mirrored: list[MetricsSnapshot] = []
+    reporter.mirror.update = mirrored.append  # type: ignore[method-assign,assignment]
+
     async def run() -> None:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(reporter.push(), 5)
+        assert len(mirrored) == 1  # Ray's copy goes on while the hub does not answer
         hub.answering = True
         await asyncio.wait_for(reporter.push(), 5)  # the lock was let go
         await asyncio.wait_for(reporter.close(), 5)

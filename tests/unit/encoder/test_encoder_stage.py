@@ -251,6 +251,19 @@ def test_entries_a_waiting_request_holds_are_not_evicted_for_its_next_item() -> 
     assert len(r1.embeddings) == 2 and store.calls == ["x", "a", "b"]
 
 
+def test_room_for_a_requests_miss_is_not_made_by_evicting_its_own_later_hit() -> None:
+    """x (older) and z cached, held by nobody; r asks y (new), then x: y's room comes from z, and x hits."""
+    stage, store = _stage(cache_capacity_tokens=2 * MM_TOKENS, compute_budget_tokens=MM_TOKENS), Store()
+    store.items.update(x=_item(1), y=_item(2), z=_item(3))
+    for name in "xz":
+        stage.add_request(f"warm-{name}", [_spec(name, name)], store.resolve)
+        assert len(stage.step()) == 1
+    stage.add_request("r", [_spec("y", "y"), _spec("x", "x")], store.resolve)
+    (r,) = stage.step()
+    assert store.calls == ["x", "z", "y"] and "x" in stage.cache and "z" not in stage.cache  # x not encoded again
+    assert len(r.embeddings) == 2 and stage.stats().hits == 1
+
+
 def test_capacity_errors_at_add_request() -> None:
     stage = _stage(cache_capacity_tokens=3 * MM_TOKENS, compute_budget_tokens=2 * MM_TOKENS)
     with pytest.raises(CapacityError, match="cache_capacity_tokens"):
@@ -345,6 +358,21 @@ def test_a_steps_misses_are_prefetched_together_and_one_that_arrives_late_fails_
     assert store.calls == ["k", "j"] and "x" not in stage.manager  # the late item was not read (no second wait)
     assert [r.request_id for r in err.value.outputs] == ["ok1", "ok2"] and not stage.has_pending()
     assert stage.stats().forward_passes == 1
+
+
+def test_when_a_lone_misss_own_copy_fails_the_others_copies_are_brought_together_not_read_one_by_one() -> None:
+    """The Ray resolver does not wait for a step's one copy (nothing to overlap): if it then fails, the other
+    requests' copies of the item are prefetched under one wait, and a stuck one is not read (a timeout each)."""
+    class LoneUnwaited(PrefetchingStore):
+        def prefetch(self, specs: list[MultiModalFeatureSpec]) -> list[bool]:
+            return [True] if len(specs) < 2 else super().prefetch(specs)
+
+    stage, store = _stage(), LoneUnwaited(late={"stuck"})
+    store.items["good"] = _item(1)  # "gone": the first request's maker died; "stuck" never arrives
+    for rid, data in (("r1", "gone"), ("r2", "stuck"), ("r3", "good")):
+        stage.add_request(rid, [_spec("x", data)], store)
+    assert [r.request_id for r in stage.step()] == ["r1", "r2", "r3"]
+    assert store.prefetched == [["stuck", "good"]] and store.calls == ["gone", "good"]
 
 
 def test_a_request_found_cached_goes_on_from_a_step_whose_every_try_fails() -> None:

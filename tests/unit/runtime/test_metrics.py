@@ -223,6 +223,8 @@ def test_a_metric_whose_labels_differ_between_replicas_is_taken_from_the_later_o
     merged = merge([a, b, c])
     assert merged.metrics["x_total"].labels == ("k",) and merged.value("x_total", "v") == 5.0
     assert "x_total" in caplog.text
+    # the order of the sources does not change the sum: every snapshot of the kept shape counts
+    assert merge([b, a, c]).value("x_total", "v") == 5.0 and merge([b, c, a, b]).value("x_total", "v") == 7.0
 
 
 def test_since_subtracts_counts_and_keeps_gauges() -> None:

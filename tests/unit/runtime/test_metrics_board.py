@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mmserve.runtime import metrics_board
-from mmserve.runtime.metrics import Metric, MetricsSnapshot, snapshot_of
+from mmserve.runtime.metrics import HistogramValue, Metric, MetricsSnapshot, snapshot_of
 from mmserve.runtime.metrics_board import RETIRE_AFTER_S, STALE_AFTER_S, MetricsBoard
 
 
@@ -135,3 +135,20 @@ def test_reports_and_collects_from_many_threads_at_once_neither_fail_nor_count_t
     finally:
         sys.setswitchinterval(switch)
     assert not errors and board.collect().value("mmserve_requests_total") == 600
+
+
+def test_a_release_with_other_buckets_shows_them_once_the_old_replicas_are_gone() -> None:
+    """An old-version replica retiring into the board's sum must not keep the new version's buckets hidden."""
+    def snap(bounds: tuple[float, ...], n: int) -> MetricsSnapshot:
+        counts = (0,) * len(bounds) + (n,)
+        return snapshot_of(Metric("h_seconds", "histogram", "", (), {(): HistogramValue(bounds, counts, 50.0 * n)}))
+
+    board = MetricsBoard()
+    board.report("Ingress#old", snap((1.0, 10.0), 3))
+    board.report("Ingress#new", snap((1.0, 10.0, 100.0), 2))
+    during = board.collect().value("h_seconds")
+    assert isinstance(during, HistogramValue) and during.bounds == (1.0, 10.0) and during.count == 5  # shared bounds
+    board.report("Ingress#old", snap((1.0, 10.0), 4), final=True)
+    board.report("Ingress#new", snap((1.0, 10.0, 100.0), 3))
+    after = board.collect().value("h_seconds")
+    assert isinstance(after, HistogramValue) and after.bounds == (1.0, 10.0, 100.0) and after.count == 3
