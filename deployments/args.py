@@ -36,9 +36,11 @@ log = logging.getLogger(__name__)
 
 
 # the shortest step that counts as hung (AppArgs.hung_step_s). NOTE: longer than an Encoder step that waits out
-# two pixel reads' timeouts (a miss's own copy, then other requests' copies: cache_store.READ_TIMEOUT_S, 60 s)
-# and runs its forward: such a step is slow, not hung, and replacing its replica would lose its cache
-HUNG_STEP_MIN_S = 180.0
+# its pixel reads' timeouts and runs its forward: such a step is slow, not hung, and replacing its replica would
+# lose its cache. A step's reads wait at most: its misses' own copies together (cache_store.READ_TIMEOUT_S, 60 s),
+# a failed copy's lookup of the store's (LOOKUP_TIMEOUT_S, 5 s) and its read (60 s), the other requests' copies
+# together (60 s): 185 s for a step of one miss (each further failed own copy adds a lookup and a read)
+HUNG_STEP_MIN_S = 300.0
 
 
 class AppArgs(StrictArgs):

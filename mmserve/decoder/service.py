@@ -253,9 +253,12 @@ class DecoderService:
         live = self._live.get(request_id)
         if live is None:
             return  # it is ending; the decoder drops it
+        fetching = self._fetch(live, indices)
         try:
-            fetch = asyncio.run_coroutine_threadsafe(self._fetch(live, indices), live.loop)
-        except RuntimeError:  # NOTE: its consumer's loop has closed: it is ending, not the step's batch mates
+            fetch = asyncio.run_coroutine_threadsafe(fetching, live.loop)
+        except RuntimeError:  # NOTE: its consumer's loop has closed: that request ends, not the step's batch mates
+            fetching.close()
+            self.loop.submit(None, lambda: self.decoder.abort(request_id))  # nothing else will (its KV back)
             return
         live.fetching.add(fetch)
         fetch.add_done_callback(live.fetching.discard)

@@ -7,7 +7,7 @@ gets the floor interval; with many streams the interval grows so that the replic
 send about `messages_per_s`, but never past the ceiling, so that a reader still sees text arrive
 several times a second. A caller that reads only the whole answer (`SamplingParams.final_only`) gets
 its first output (its errors still get their HTTP status) and then one message at its end.
-Does not own: the merging or the waiting (runtime.step_loop.StepLoop.outputs), nor counting streams
+Does not own: the merging or the waiting (runtime.output_channel.read), nor counting streams
 (the decoder service).
 """
 

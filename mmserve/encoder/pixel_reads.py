@@ -3,7 +3,8 @@
 Owns: reading each missed item through its request's resolver (`Resolver`: `ray.get` in the Ray app, the
 item itself in process), else through another waiting request's reference to the same item, and saying which
 items could not be read, with why; where the resolver can (`Prefetcher`), the misses' own copies are brought
-at once, under one deadline, before any is read (and other requests' copies of a late one under a second).
+at once, under one deadline, before any is read (and other requests' copies of those late or unreadable, under
+a second).
 Does not own: the encoder cache's books, the vision forward, nor what a failure does to the requests
 (stage.py).
 """
@@ -40,43 +41,36 @@ Read = tuple[list[tuple[MultiModalFeatureSpec, ProcessedItem]], list[tuple[Multi
 def read_misses(misses: Sequence[tuple[Reader, MultiModalFeatureSpec]], waiting: Iterable[Reader]) -> Read:
     """(the misses read, in order; those that could not be, each with the first error met).
 
-    NOTE: each miss's own copy is brought first, all of them together; other waiting requests' copies of an item
-    only for the misses whose own copy did not arrive (a second wait, for those alone): a far copy that no miss
-    needs never holds the step.
+    NOTE: each miss's own copy is brought first, all of them together, then read; other waiting requests' copies of
+    an item only for the misses whose own copy did not arrive or could not be read, all of those together (a second
+    wait): a far copy that no miss needs never holds the step, and stuck copies are never waited for one by one.
     """
-    read: list[tuple[MultiModalFeatureSpec, ProcessedItem]] = []
-    failed: list[tuple[MultiModalFeatureSpec, BaseException]] = []
     others = list(waiting)
     own = _prefetch([[copy] for copy in misses])
-    late = [k for k, [here] in enumerate(own) if not here]
-    alternates = {k: _alternates(*misses[k], others) for k in late}
-    arrived = dict(zip(late, _prefetch([alternates[k] for k in late]), strict=True))
+    late = {k for k, [here] in enumerate(own) if not here}
+    got: dict[int, ProcessedItem] = {}
+    errors: dict[int, BaseException] = {}
     for k, (req, spec) in enumerate(misses):
-        late_own = TimeoutError(f"the pixels of item {spec.identifier} did not arrive in time") \
-            if k in alternates else None
+        if k not in late:
+            try:
+                got[k] = _read(req, spec)
+            except Exception as exc:  # e.g. its pixels' owner died: another request's copy may serve
+                errors[k] = exc
+    again = [k for k in range(len(misses)) if k not in got]
+    alternates = {k: _alternates(*misses[k], others) for k in again}
+    arrived = dict(zip(again, _prefetch([alternates[k] for k in again]), strict=True))
+    read: list[tuple[MultiModalFeatureSpec, ProcessedItem]] = []
+    failed: list[tuple[MultiModalFeatureSpec, BaseException]] = []
+    for k, (_, spec) in enumerate(misses):
+        if k in got:
+            read.append((spec, got[k]))
+            continue
         try:
-            if late_own:
-                read.append((spec, _read_first([c for c, here in zip(alternates[k], arrived[k], strict=True) if here])))
-            else:
-                read.append((spec, _own_else_others(req, spec, others)))
-        except Exception as exc:  # e.g. its pixels' owner died and the store has no copy
-            failed.append((spec, late_own or exc))  # NOTE: a late own copy is the reason, whatever the others did
+            read.append((spec, _read_first([c for c, here in zip(alternates[k], arrived[k], strict=True) if here])))
+        except Exception:  # NOTE: the own copy's lateness or error is the reason, whatever the others did
+            failed.append((spec, errors.get(k) or TimeoutError(
+                f"the pixels of item {spec.identifier} did not arrive in time")))
     return read, failed
-
-
-def _own_else_others(req: Reader, spec: MultiModalFeatureSpec, others: list[Reader]) -> ProcessedItem:
-    """The miss's own copy; failing that, the first of the other requests' copies to read, brought together
-    first (NOTE: read one by one, each stuck copy would hold the step a whole read's timeout); else the own
-    copy's error."""
-    try:
-        return _read(req, spec)
-    except Exception as own:
-        alternates = _alternates(req, spec, others)
-        [arrived] = _prefetch([alternates])
-        try:
-            return _read_first([copy for copy, here in zip(alternates, arrived, strict=True) if here])
-        except Exception:
-            raise own from None
 
 
 def _alternates(req: Reader, spec: MultiModalFeatureSpec, waiting: list[Reader]) -> list[Copy]:

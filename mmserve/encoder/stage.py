@@ -191,7 +191,9 @@ class EncoderStage:
         room must not be made by evicting what the request itself is about to hit. NOTE: its distinct items fit
         the cache together (checked at add), so holding them cannot keep its own misses out."""
         for spec in req.features[req.next_index + 1:]:
-            self.manager.check_and_update_cache(req.request_id, spec.identifier)
+            if spec.identifier in self.cache:  # NOTE: encoded ones only: one booked this step is safe from eviction
+                self.manager.check_and_update_cache(req.request_id, spec.identifier)  # (its booker holds it), and a
+                # reference to it would fail this request with its booker's should its encoding fail
 
     def _count(self, req: _Pending, identifier: str, hit: bool) -> None:
         """The stats of one lookup (see `add_request` on early encodes)."""

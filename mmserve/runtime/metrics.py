@@ -194,7 +194,8 @@ def decoder_snapshot(stats: DecoderStats) -> MetricsSnapshot:
         gauge("mmserve_decoder_running_requests", "Sequences holding KV blocks.", stats.running),
         gauge("mmserve_decoder_waiting_requests",
               "Sequences queued or preempted, and requests awaiting their embeddings before that.", stats.waiting),
-        gauge("mmserve_decoder_kv_blocks_free", "Free KV cache pages (one layer's block each).", stats.free_blocks),
+        gauge("mmserve_decoder_kv_blocks_free", "KV cache pages no sequence holds, unheld prefix-cache entries "
+              "included (one layer's block each).", stats.free_blocks),
         gauge("mmserve_decoder_kv_blocks", "KV cache pages overall (blocks x layers).", stats.total_blocks),
         gauge("mmserve_decoder_kv_cache_bytes", "Bytes of KV cache tensors.", stats.kv_cache_bytes),
         counter("mmserve_decoder_steps_total", "Decoder forward steps.", stats.steps),

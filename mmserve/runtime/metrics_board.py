@@ -1,17 +1,18 @@
 """Every replica's latest metrics, summed into one snapshot: what the metrics hub keeps.
 
-Owns: the latest snapshot of each source (a replica), when each came, and the rules for sources gone quiet:
-past `STALE_AFTER_S` a source's gauges stop counting (its counters and histograms stay), past
-`RETIRE_AFTER_S` its counters are folded into one sum and its entry dropped, so the board does not grow with
-every replica ever started. A source that says it is going (`report(..., final=True)`: a replica shutting down)
-is retired at once with its last counts. Reports carry their number (`seq`, from 1): one older than the
-source's last is dropped (a push that timed out and landed late, or raced the last). A source whose first report
-here is not its first report (`seq` > 1) counted before, elsewhere or before it retired here: it counts from
-that report (its base) on. So a replaced hub (its node lost, or an edit of the app's arguments, which replaces
-every replica) is a restarted exporter whose counters start again from zero, rather than one whose counters fall
-and then jump back by every replica's lifetime count (which Prometheus's `rate()` reads as that many new events);
-and a source retired for its silence that comes back is not counted twice. Reports without a number (tests)
-from a retired source are dropped instead. The names kept for that are bounded (`NAMES_KEPT`).
+Owns: the latest snapshot of each source (a replica), when each came, and the rules for sources gone quiet: past
+`STALE_AFTER_S` a source's gauges stop counting (its counters and histograms stay), past `RETIRE_AFTER_S` its
+counters are folded into one sum and its entry dropped, so the board does not grow with every replica ever started.
+A source that says it is going (`report(..., final=True)`: a replica shutting down) is retired at once with its last
+counts; once no live source reports a histogram in the buckets its retired sum is in (a release changed them), that
+sum is dropped (one reset). Reports carry their number (`seq`, from 1): one older than the source's last is dropped
+(a push that timed out and landed late, or raced the last). A source whose first report here is not its first report
+(`seq` > 1) counted before, elsewhere or before it retired here: it counts from that report (its base) on. So a
+replaced hub (its node lost, or an edit of the app's arguments, which replaces every replica) is a restarted
+exporter whose counters start again from zero, rather than one whose counters fall and then jump back by every
+replica's lifetime count (which Prometheus's `rate()` reads as that many new events); and a source retired for its
+silence that comes back is not counted twice. Reports without a number (tests) from a retired source are dropped
+instead. The names kept for that are bounded (`NAMES_KEPT`).
 Thread-safe (the hub's handlers may run in Serve's thread pool).
 Does not own what is measured nor the snapshot's arithmetic (metrics.py), nor how snapshots travel
 (deployments/metrics_hub.py).
@@ -72,14 +73,18 @@ class MetricsBoard:
         with self._lock:
             now = self._clock()
             self._retire_silent(now)
-            self._retired = _on_bounds(self._retired, self._newest_bounds())
+            self._retired = _on_bounds(self._retired, self._live_bounds())
             snapshots = [s if now - t < STALE_AFTER_S else _without_gauges(s) for t, s in self._latest.values()]
             return merge([self._retired, *snapshots])
 
-    def _newest_bounds(self) -> dict[str, tuple[float, ...]]:
-        """Histogram name -> the bucket bounds of the newest source reporting it (the version rolling out)."""
-        return {name: value.bounds for _, snapshot in self._latest.values() for name, metric in snapshot.metrics.items()
-                for value in metric.values.values() if isinstance(value, HistogramValue)}
+    def _live_bounds(self) -> dict[str, set[tuple[float, ...]]]:
+        """Histogram name -> the bucket bounds the live sources report it with."""
+        bounds: dict[str, set[tuple[float, ...]]] = {}
+        for _, snapshot in self._latest.values():
+            for name, metric in snapshot.metrics.items():
+                bounds.setdefault(name, set()).update(
+                    v.bounds for v in metric.values.values() if isinstance(v, HistogramValue))
+        return bounds
 
     def _retire_silent(self, now: float) -> None:
         """Retire the sources silent past RETIRE_AFTER_S (under the lock)."""
@@ -88,9 +93,7 @@ class MetricsBoard:
     def _retire(self, sources: list[str]) -> None:
         """Fold the counters of `sources` into the retired sum and drop their entries (under the lock)."""
         if sources:
-            gone = [_without_gauges(self._latest.pop(s)[1]) for s in sources]
-            bounds = self._newest_bounds()
-            self._retired = merge([_on_bounds(self._retired, bounds), *(_on_bounds(g, bounds) for g in gone)])
+            self._retired = merge([self._retired, *(_without_gauges(self._latest.pop(s)[1]) for s in sources)])
             for source in sources:
                 self._bases.pop(source, None)
                 _keep(self._retired_sources, source, None)
@@ -104,15 +107,15 @@ def _keep(names: OrderedDict[str, Any], name: str, value: Any) -> None:
         names.popitem(last=False)
 
 
-def _on_bounds(snapshot: MetricsSnapshot, bounds: dict[str, tuple[float, ...]]) -> MetricsSnapshot:
-    """`snapshot` without its histograms whose buckets are not `bounds`' (where named there).
+def _on_bounds(snapshot: MetricsSnapshot, live: dict[str, set[tuple[float, ...]]]) -> MetricsSnapshot:
+    """`snapshot` (the retired sum) without its histograms in buckets no live source reports them with any more.
 
-    NOTE: a release that changed a histogram's buckets: its live replicas sum with an old one's on the bounds they
-    share (`HistogramValue.__add__`), and the retired sum, kept in the old buckets, would hide the new ones for good;
-    dropped, it reads to Prometheus as one counter reset."""
+    NOTE: a release that changed a histogram's buckets: while replicas of both versions live, they and the retired
+    sum add up on the bounds they share (`HistogramValue.__add__`); once the last old one is gone, the retired sum,
+    kept in the old buckets, would hide the new ones for good. Dropped then, once: one counter reset to Prometheus."""
     def kept(metric: Metric) -> bool:
-        return metric.kind != "histogram" or metric.name not in bounds or \
-            all(v.bounds == bounds[metric.name] for v in metric.values.values() if isinstance(v, HistogramValue))
+        return metric.kind != "histogram" or metric.name not in live or \
+            all(v.bounds in live[metric.name] for v in metric.values.values() if isinstance(v, HistogramValue))
 
     return MetricsSnapshot({n: m for n, m in snapshot.metrics.items() if kept(m)})
 

@@ -1,7 +1,8 @@
 """One request's outputs, handed from a stage's step thread to the event loop of the request's consumer.
 
-Owns: the hand-over and its wake-ups. Does not own what the outputs are, their merging or pacing (the
-step loop's `outputs` decides when to take them), nor which requests exist (the step loop).
+Owns: the hand-over and its wake-ups, and reading a request's outputs off its channel (`read`: one by one, or
+merged and paced by a stream interval). Does not own what the outputs are, nor which requests exist (the step
+loop).
 
 NOTE: the consumer's event loop is woken only when it waits for what just came: for any output while it
 waits for the next one, and for a last one (finished or failed) while it waits out a stream interval.
@@ -16,6 +17,7 @@ import asyncio
 import math
 import threading
 import time
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from mmserve.messages import RequestFailed
@@ -80,3 +82,40 @@ class OutputChannel:
 def _wake(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+async def read(channel: OutputChannel, merge: Callable[[list[Any]], Any] | None = None,
+               interval_s: Callable[[], float] = lambda: 0.0) -> AsyncGenerator[Any]:
+    """A request's outputs off `channel` until (and including) its finished one; failures are raised.
+
+    With `merge`, the outputs that queued up while the consumer was busy come as one, `merge(items)`;
+    with `interval_s` too (asked after each output yielded, and counted from when it went: it may
+    change with load; inf = only at the end), outputs that come sooner than that wait for the rest of
+    the interval, gathering company (a finished or failed one never waits). So the first output goes
+    at once and later ones at most one interval late, at least one per interval while they keep coming.
+    """
+    if merge is None:
+        while True:
+            for item in await channel.take():
+                if isinstance(item, RequestFailed):
+                    raise item.error
+                yield item
+                if item.finished:
+                    return
+    deadline: float | None = None
+    while True:
+        items = await channel.take(deadline)
+        if not items:  # none came within the interval: the next goes at once
+            items = await channel.take()
+        # NOTE: a failure ends the request, but outputs may follow it (an action that failed it, e.g. a
+        # late fetch of its embeddings, then a step that ran it before its abort): those are not sent
+        at = next((k for k, item in enumerate(items) if isinstance(item, RequestFailed)), None)
+        failed, items = (None, items) if at is None else (items[at], items[:at])
+        sent = time.monotonic()
+        if items:
+            yield merge(items)
+            if items[-1].finished:  # NOTE: a failure after it (a later step failed whole) ends nothing
+                return
+        if failed is not None:
+            raise failed.error
+        deadline = sent + interval_s()

@@ -34,7 +34,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from mmserve.messages import RequestFailed
-from mmserve.runtime.output_channel import OutputChannel
+from mmserve.runtime.output_channel import OutputChannel, read
 
 log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[StepLoop] = weakref.WeakSet()  # loops with a thread, for the exit hook
@@ -141,41 +141,12 @@ class StepLoop:
 
     async def outputs(self, request_id: str, merge: Callable[[list[Any]], Any] | None = None,
                       interval_s: Callable[[], float] = lambda: 0.0) -> AsyncGenerator[Any]:
-        """Outputs of one request until (and including) its finished one; failures are raised.
-
-        With `merge`, the outputs that queued up while the consumer was busy come as one, `merge(items)`;
-        with `interval_s` too (asked after each output yielded, and counted from when it went: it may
-        change with load; inf = only at the end), outputs that come sooner than that wait for the rest of
-        the interval, gathering company (a finished or failed one never waits). So the first output goes
-        at once and later ones at most one interval late, at least one per interval while they keep coming.
-        """
-        channel = self._channels[request_id]
+        """Outputs of one request until (and including) its finished one; failures are raised. With `merge`,
+        those that queued up come as one, paced by `interval_s` (`output_channel.read`)."""
         try:
-            if merge is None:
-                while True:
-                    for item in await channel.take():
-                        if isinstance(item, RequestFailed):
-                            raise item.error
-                        yield item
-                        if item.finished:
-                            return
-            deadline: float | None = None
-            while True:
-                items = await channel.take(deadline)
-                if not items:  # none came within the interval: the next goes at once
-                    items = await channel.take()
-                # NOTE: a failure ends the request, but outputs may follow it (an action that failed it, e.g. a
-                # late fetch of its embeddings, then a step that ran it before its abort): those are not sent
-                at = next((k for k, item in enumerate(items) if isinstance(item, RequestFailed)), None)
-                failed, items = (None, items) if at is None else (items[at], items[:at])
-                sent = time.monotonic()
-                if items:
-                    yield merge(items)
-                    if items[-1].finished:  # NOTE: a failure after it (a later step failed whole) ends nothing
-                        return
-                if failed is not None:
-                    raise failed.error
-                deadline = sent + interval_s()
+            async with contextlib.aclosing(read(self._channels[request_id], merge, interval_s)) as outputs:
+                async for item in outputs:
+                    yield item
         finally:
             self._channels.pop(request_id, None)
 

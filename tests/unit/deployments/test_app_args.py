@@ -165,8 +165,11 @@ def test_a_push_interval_past_a_third_of_the_hubs_patience_is_refused() -> None:
         parse_args({"metrics_push_interval_s": STALE_AFTER_S})
 
 
-def test_a_step_counts_as_hung_past_every_requests_deadline_and_a_minute_at_least() -> None:
+def test_a_step_counts_as_hung_past_every_requests_deadline_and_its_pixel_reads_waits() -> None:
     from deployments.args import HUNG_STEP_MIN_S, parse_args
+    from deployments.cache_store import LOOKUP_TIMEOUT_S, READ_TIMEOUT_S
 
     assert parse_args({}).hung_step_s() == parse_args({}).ingress.request_timeout_s
     assert parse_args({"ingress": {"request_timeout_s": 6}}).hung_step_s() == HUNG_STEP_MIN_S
+    # a step of one miss may wait out: its own copy, a failed copy's lookup and read, the others' copies; + a forward
+    assert HUNG_STEP_MIN_S > 3 * READ_TIMEOUT_S + LOOKUP_TIMEOUT_S + 60

@@ -375,6 +375,17 @@ def test_when_a_lone_misss_own_copy_fails_the_others_copies_are_brought_together
     assert store.prefetched == [["stuck", "good"]] and store.calls == ["gone", "good"]
 
 
+def test_the_other_copies_of_every_miss_whose_own_copy_failed_are_brought_in_one_wait() -> None:
+    stage, store = _stage(), PrefetchingStore(late={"stuck"})
+    store.items.update(good_x=_item(1), good_y=_item(2))  # "gone_x", "gone_y": their makers died
+    for rid, mm_hash, data in (("r1", "x", "gone_x"), ("r2", "y", "gone_y"), ("r3", "x", "stuck"),
+                               ("r4", "x", "good_x"), ("r5", "y", "good_y")):
+        stage.add_request(rid, [_spec(mm_hash, data)], store)
+    assert len(stage.step()) == 5
+    assert store.prefetched == [["gone_x", "gone_y"], ["stuck", "good_x", "good_y"]]  # not one wait per miss
+    assert store.calls == ["gone_x", "gone_y", "good_x", "good_y"]
+
+
 def test_a_request_found_cached_goes_on_from_a_step_whose_every_try_fails() -> None:
     """A stuck object store fails each step's misses after a read's timeout: a request whose items are cached
     must not wait for a step that succeeds."""

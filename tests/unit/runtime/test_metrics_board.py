@@ -138,17 +138,28 @@ def test_reports_and_collects_from_many_threads_at_once_neither_fail_nor_count_t
 
 
 def test_a_release_with_other_buckets_shows_them_once_the_old_replicas_are_gone() -> None:
-    """An old-version replica retiring into the board's sum must not keep the new version's buckets hidden."""
+    """Old-version replicas retiring into the board's sum must not keep the new version's buckets hidden; the old
+    sum goes once, when the last old replica does (one reset to Prometheus, not one per replica)."""
     def snap(bounds: tuple[float, ...], n: int) -> MetricsSnapshot:
         counts = (0,) * len(bounds) + (n,)
         return snapshot_of(Metric("h_seconds", "histogram", "", (), {(): HistogramValue(bounds, counts, 50.0 * n)}))
 
+    def count() -> tuple[tuple[float, ...], int]:
+        value = board.collect().value("h_seconds")
+        assert isinstance(value, HistogramValue)
+        return value.bounds, value.count
+
+    old, new = (1.0, 10.0), (1.0, 10.0, 100.0)
     board = MetricsBoard()
-    board.report("Ingress#old", snap((1.0, 10.0), 3))
-    board.report("Ingress#new", snap((1.0, 10.0, 100.0), 2))
-    during = board.collect().value("h_seconds")
-    assert isinstance(during, HistogramValue) and during.bounds == (1.0, 10.0) and during.count == 5  # shared bounds
-    board.report("Ingress#old", snap((1.0, 10.0), 4), final=True)
-    board.report("Ingress#new", snap((1.0, 10.0, 100.0), 3))
-    after = board.collect().value("h_seconds")
-    assert isinstance(after, HistogramValue) and after.bounds == (1.0, 10.0, 100.0) and after.count == 3
+    board.report("Ingress#old1", snap(old, 3))
+    board.report("Ingress#old2", snap(old, 5))
+    board.report("Ingress#new1", snap(new, 2))
+    assert count() == (old, 10)  # on the bounds they share
+    board.report("Ingress#old1", snap(old, 4), final=True)
+    assert count() == (old, 11)  # an old replica still lives: the retired sum stays
+    board.report("Ingress#new1", snap(new, 3))
+    board.report("Ingress#old2", snap(old, 6), final=True)
+    assert count() == (new, 3)  # the last old one gone: the new buckets, and one drop
+    board.report("Ingress#new2", snap(new, 1))
+    board.report("Ingress#new1", snap(new, 4), final=True)
+    assert count() == (new, 5)  # a new replica retiring keeps its counts
