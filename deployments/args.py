@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 
 # the shortest step that counts as hung (AppArgs.hung_step_s). NOTE: longer than an Encoder step that waits out
 # its pixel reads' timeouts and runs its forward: such a step is slow, not hung, and replacing its replica would
-# lose its cache. A step's reads wait at most: its misses' own copies together (cache_store.READ_TIMEOUT_S, 60 s),
-# a failed copy's lookup of the store's (LOOKUP_TIMEOUT_S, 5 s) and its read (60 s), the other requests' copies
-# together (60 s): 185 s for a step of one miss (each further failed own copy adds a lookup and a read)
+# lose its cache. A miss whose copy is lost waits: its own copy (cache_store.READ_TIMEOUT_S, 60 s), the store's
+# copy of it (a lookup, LOOKUP_TIMEOUT_S, 5 s, and a read, 60 s), the other requests' copies together (60 s):
+# 185 s; each further copy lost among those adds a lookup and a read (not bounded: several failures at once)
 HUNG_STEP_MIN_S = 300.0
 
 

@@ -258,10 +258,22 @@ class DecoderService:
             fetch = asyncio.run_coroutine_threadsafe(fetching, live.loop)
         except RuntimeError:  # NOTE: its consumer's loop has closed: that request ends, not the step's batch mates
             fetching.close()
-            self.loop.submit(None, lambda: self.decoder.abort(request_id))  # nothing else will (its KV back)
+            self.loop.submit(request_id, lambda: self._end_abandoned(live))
             return
         live.fetching.add(fetch)
         fetch.add_done_callback(live.fetching.discard)
+
+    def _end_abandoned(self, live: _Live) -> None:
+        """On the step thread: end a request whose consumer's loop closed without its own ending running (which
+        aborts it, unless it did so meanwhile: then the id may be another request's already)."""
+        request_id = live.pre.request_id
+        if self._live.get(request_id) is not live:
+            return
+        del self._live[request_id]
+        live.ended = True
+        self.decoder.abort(request_id)  # its KV back
+        # NOTE: raised to be delivered to that closed loop, which drops the request's channel there
+        raise RuntimeError(f"request {request_id}: its consumer's event loop has closed")
 
     async def _fetch(self, live: _Live, indices: list[int]) -> None:
         request_id = live.pre.request_id

@@ -108,14 +108,16 @@ def _keep(names: OrderedDict[str, Any], name: str, value: Any) -> None:
 
 
 def _on_bounds(snapshot: MetricsSnapshot, live: dict[str, set[tuple[float, ...]]]) -> MetricsSnapshot:
-    """`snapshot` (the retired sum) without its histograms in buckets no live source reports them with any more.
+    """`snapshot` (the retired sum) without its histograms whose buckets lack a bound every live source has.
 
     NOTE: a release that changed a histogram's buckets: while replicas of both versions live, they and the retired
     sum add up on the bounds they share (`HistogramValue.__add__`); once the last old one is gone, the retired sum,
     kept in the old buckets, would hide the new ones for good. Dropped then, once: one counter reset to Prometheus."""
-    def kept(metric: Metric) -> bool:
-        return metric.kind != "histogram" or metric.name not in live or \
-            all(v.bounds in live[metric.name] for v in metric.values.values() if isinstance(v, HistogramValue))
+    def kept(metric: Metric) -> bool:  # NOTE: its bounds hold every bound the live sources share (all they sum on)
+        if metric.kind != "histogram" or not live.get(metric.name):
+            return True
+        shared = set.intersection(*(set(bounds) for bounds in live[metric.name]))
+        return all(shared <= set(v.bounds) for v in metric.values.values() if isinstance(v, HistogramValue))
 
     return MetricsSnapshot({n: m for n, m in snapshot.metrics.items() if kept(m)})
 

@@ -463,12 +463,15 @@ def test_a_late_fetch_for_a_request_whose_loop_has_closed_fails_nothing_in_the_s
     abort, service.decoder.abort = service.decoder.abort, aborted.append
     try:
         service._on_missing("gone", [0])  # raised RuntimeError('Event loop is closed') into the step
-        assert not service._live["gone"].fetching
         asyncio.run(service.loop.call(lambda: None))  # the actions queued before this one have run
-        assert aborted == ["gone"]  # nothing else would end it: its consumer is gone
+        assert aborted == ["gone"] and "gone" not in service._live  # nothing else would end it: its consumer is gone
+        service._live["gone"] = _Live(pre, None, closed, asyncio.Lock())  # its own ending ran first: a new "gone"
+        service.loop.submit("gone", lambda: service._end_abandoned(_Live(pre, None, closed, asyncio.Lock())))
+        asyncio.run(service.loop.call(lambda: None))
+        assert aborted == ["gone"]  # the abandoned one's late end does not abort the new request of that id
     finally:
         service.decoder.abort = abort
-        del service._live["gone"]
+        service._live.pop("gone", None)
 
 
 def test_penalties_and_biases_change_what_is_generated(engine):

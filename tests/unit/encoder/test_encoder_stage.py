@@ -264,6 +264,18 @@ def test_room_for_a_requests_miss_is_not_made_by_evicting_its_own_later_hit() ->
     assert len(r.embeddings) == 2 and stage.stats().hits == 1
 
 
+def test_a_request_whose_miss_waits_does_not_hold_an_item_booked_this_step_by_another() -> None:
+    """r1 books x this step; r2's y does not fit the step's budget. Holding x for r2 gains nothing (r1's booking
+    keeps it) and tied r2 to x's fate: x's pixels are lost, r1 fails, r2 waits for its next step."""
+    stage, store = _stage(cache_capacity_tokens=4 * MM_TOKENS, compute_budget_tokens=MM_TOKENS), Store()
+    store.items["y"] = _item(1)  # "x_lost": its maker died
+    stage.add_request("r1", [_spec("x", "x_lost")], store.resolve)
+    stage.add_request("r2", [_spec("y", "y"), _spec("x", "x_lost")], store.resolve)
+    with pytest.raises(EncoderStepError) as err:
+        stage.step()
+    assert err.value.request_ids == ["r1"] and stage.has_pending()
+
+
 def test_capacity_errors_at_add_request() -> None:
     stage = _stage(cache_capacity_tokens=3 * MM_TOKENS, compute_budget_tokens=2 * MM_TOKENS)
     with pytest.raises(CapacityError, match="cache_capacity_tokens"):

@@ -163,3 +163,27 @@ def test_a_release_with_other_buckets_shows_them_once_the_old_replicas_are_gone(
     board.report("Ingress#new2", snap(new, 1))
     board.report("Ingress#new1", snap(new, 4), final=True)
     assert count() == (new, 5)  # a new replica retiring keeps its counts
+
+
+def test_buckets_a_release_moved_elsewhere_reset_once_whatever_retires_first() -> None:
+    """Old (1, 10), new (2, 20): they share no bound. A new replica retiring while an old one lives leaves the
+    retired sum on no bounds at all; it must stay until the last old replica is gone."""
+    def snap(bounds: tuple[float, ...], n: int) -> MetricsSnapshot:
+        counts = (0,) * len(bounds) + (n,)
+        return snapshot_of(Metric("h_seconds", "histogram", "", (), {(): HistogramValue(bounds, counts, 1.0 * n)}))
+
+    def count() -> int:
+        value = board.collect().value("h_seconds")
+        assert isinstance(value, HistogramValue)
+        return value.count
+
+    old, new = (1.0, 10.0), (2.0, 20.0)
+    board = MetricsBoard()
+    for name, bounds, n in (("o1", old, 100), ("o2", old, 5), ("n1", new, 2), ("n2", new, 1)):
+        board.report(name, snap(bounds, n))
+    assert count() == 108
+    board.report("o1", snap(old, 100), final=True)
+    board.report("n2", snap(new, 1), final=True)  # a new one retires while an old one lives
+    assert count() == 108
+    board.report("o2", snap(old, 5), final=True)
+    assert count() == 2  # the last old one gone: the one reset
