@@ -378,6 +378,8 @@ def test_a_step_thread_that_dies_fails_whoever_waits_and_whatever_comes_later(ho
                 errors.append(exc)
         with pytest.raises(StageStopped, match="died"):
             await loop.call(lambda: 42)
+        assert loop._thread is not None
+        await asyncio.to_thread(loop._thread.join, 5)  # NOTE: its death reported within this test (its filter)
         return errors
 
     first, late = asyncio.run(asyncio.wait_for(run(), 10))
