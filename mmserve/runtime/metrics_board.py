@@ -4,14 +4,14 @@ Owns: the latest snapshot of each source (a replica), when each came, and the ru
 `STALE_AFTER_S` a source's gauges stop counting (its counters and histograms stay), past `RETIRE_AFTER_S` its
 counters are folded into one sum and its entry dropped, so the board does not grow with every replica ever started.
 A source that says it is going (`report(..., final=True)`: a replica shutting down) is retired at once with its last
-counts; once no live source reports a histogram in the buckets its retired sum is in (a release changed them), that
-sum is dropped (one reset). Reports carry their number (`seq`, from 1): one older than the source's last is dropped
-(a push that timed out and landed late, or raced the last). A source whose first report here is not its first report
-(`seq` > 1) counted before, elsewhere or before it retired here: it counts from that report (its base) on. So a
-replaced hub (its node lost, or an edit of the app's arguments, which replaces every replica) is a restarted
-exporter whose counters start again from zero, rather than one whose counters fall and then jump back by every
-replica's lifetime count (which Prometheus's `rate()` reads as that many new events); and a source retired for its
-silence that comes back is not counted twice. Reports without a number (tests) from a retired source are dropped
+counts; once the buckets a histogram's retired sum is in lack a bound every live source has (a release moved them),
+that sum is dropped (one reset). Reports carry their number (`seq`, from 1): one older than the source's last is
+dropped (a push that timed out and landed late, or raced the last). A source whose first report here is not its
+first report (`seq` > 1) counted before, elsewhere or before it retired here: it counts from that report (its base)
+on. So a replaced hub (its node lost, or an edit of the app's arguments, which replaces every replica) is a
+restarted exporter whose counters start again from zero, rather than one whose counters fall and then jump back by
+every replica's lifetime count (which Prometheus's `rate()` reads as that many new events); and a source retired for
+its silence that comes back is not counted twice. Reports without a number (tests) from a retired source are dropped
 instead. The names kept for that are bounded (`NAMES_KEPT`).
 Thread-safe (the hub's handlers may run in Serve's thread pool).
 Does not own what is measured nor the snapshot's arithmetic (metrics.py), nor how snapshots travel

@@ -40,7 +40,10 @@ class OutputChannel:
         self.joined = False  # set by the step loop's thread when an action submitted for it runs (step_loop.py)
 
     def put(self, item: Any) -> None:
-        """Queue `item`; raises RuntimeError if the consumer's loop has closed."""
+        """Queue `item`; raises RuntimeError if the consumer's loop has closed (NOTE: asked first: a consumer
+        not waiting in `take` would otherwise be handed outputs it will never read, kept for ever)."""
+        if self.loop.is_closed():
+            raise RuntimeError("the consumer's event loop is closed")
         with self._lock:
             self._items.append(item)
             waiter = self._waiter

@@ -409,3 +409,18 @@ def test_a_call_racing_a_stop_on_another_thread_fails_and_does_not_hang() -> Non
     except StageStopped:
         answer = None
     assert answer in (42, None)  # run before the stop, or failed by it
+
+
+def test_a_consumer_whose_loop_closed_while_it_was_not_waiting_loses_its_channel_at_the_next_delivery() -> None:
+    """Its loop closed with the consumer parked (not in `take`): what comes for it is not kept for ever, and its
+    id can be opened again."""
+    loop = idle_loop()
+    consumer = asyncio.new_event_loop()
+
+    async def open_it() -> None:
+        loop.open("r")
+
+    consumer.run_until_complete(open_it())
+    consumer.close()
+    loop._deliver("r", out(1, "a", n=1))
+    assert not loop.has_consumer("r")
