@@ -129,10 +129,12 @@ class Decoder:
         structured = request.sampling.structured
         if structured is not None and matcher is None:
             matcher = self.grammars.matcher(structured)  # before any KV is held
+        # NOTE: everything that may raise before the scheduler takes it: a sequence it holds without a state here
+        # would fail every later step
+        state = _OutputState(seq=seq, detokenizer=IncrementalDetokenizer.for_request(self.tokenizer, request.sampling),
+                             generator=make_generator(request.sampling.seed), matcher=matcher)
         self.scheduler.add(seq, sibling)
-        detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, request.sampling)
-        self._states[seq.request_id] = _OutputState(seq=seq, detokenizer=detokenizer,
-                                                    generator=make_generator(request.sampling.seed), matcher=matcher)
+        self._states[seq.request_id] = state
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already finished."""

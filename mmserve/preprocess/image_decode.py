@@ -21,12 +21,15 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG co
 
 
 def quiet_pillow_bomb_warnings() -> None:
-    """Ignore Pillow's warning about a header past its own pixel limit (our cap refuses such an image anyway).
+    """Ignore Pillow's warnings: about a header past its own pixel limit (our cap refuses such an image anyway), and
+    about what it skips in a file's metadata (TIFF tags, EXIF) while it decodes.
 
-    NOTE: its message holds the pixel count, and Python's default filter keeps each distinct message in a registry
-    for ever: a client could grow it by a few hundred bytes with every size it makes up. Ignored ones are not kept.
+    NOTE: their messages hold values the file chose (a pixel count, a tag id, a size), and Python's default filter
+    keeps each distinct message in a registry for ever (and prints it once): a client could grow it by a few
+    hundred bytes with every image it makes up. Ignored ones are not kept.
     """
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+    warnings.filterwarnings("ignore", module=r"PIL\.")
 
 
 quiet_pillow_bomb_warnings()

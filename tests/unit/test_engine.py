@@ -474,6 +474,26 @@ def test_a_late_fetch_for_a_request_whose_loop_has_closed_fails_nothing_in_the_s
         service._live.pop("gone", None)
 
 
+def test_a_request_the_decoder_fails_to_take_leaves_nothing_that_fails_later_steps(engine, monkeypatch):
+    """Decoder.add failing after the scheduler took the sequence (its generator, from a seed torch refuses) left
+    the sequence there without its state: every later step raised, every request on that decoder failed."""
+    from mmserve.decoder import decoder as decoder_module
+    from mmserve.messages import DecodeRequest
+
+    def refused(seed: int | None) -> None:
+        raise ValueError(f"seed {seed} refused")
+
+    monkeypatch.setattr(decoder_module, "make_generator", refused)
+    orphan = DecodeRequest("orphan", list(range(2, 20)), [], [], SamplingParams(max_tokens=2, seed=7))
+    with pytest.raises(ValueError, match="refused"):
+        asyncio.run(engine.decoder_service.loop.call(lambda: engine.decoder.add(orphan)))
+    monkeypatch.undo()
+    [after] = engine.generate([chat("after-orphan", text="Say something", max_tokens=4)])
+    assert len(after.token_ids) == 4
+    with pytest.raises(InvalidSamplingError, match="seed"):  # and such a seed is refused before the decoder
+        SamplingParams(seed=2**64).validate()
+
+
 def test_penalties_and_biases_change_what_is_generated(engine):
     [plain] = engine.generate([chat("p0", text="Say something", max_tokens=8)])
     favourite = plain.token_ids[0]

@@ -59,6 +59,33 @@ def _png_header_claiming(width: int, height: int) -> bytes:
     return bytes(data)
 
 
+def _jpeg_with_a_tag_past_its_file(tag: int, size: int) -> bytes:
+    """An 8x8 JPEG whose EXIF has one tag (`tag`, `size` bytes) whose data lies past the end of the file: Pillow
+    skips it with a warning that names the tag."""
+    ifd = struct.pack("<2sHI", b"II", 42, 8) + struct.pack("<H", 1) + struct.pack("<HHII", tag, 7, size, 26) + \
+        struct.pack("<I", 0)
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, "JPEG", exif=b"Exif\x00\x00" + ifd)
+    return buffer.getvalue()
+
+
+def test_metadata_pillow_skips_with_a_warning_leaves_nothing_behind() -> None:
+    """Pillow warns of each TIFF tag or EXIF entry it skips, with the file's own values in the message: a kept
+    warning per tag made up would grow a registry (and print a line) with every such image."""
+    def kept() -> int:
+        return sum(len(vars(m).get("__warningregistry__", {})) for m in list(sys.modules.values())
+                   if m is not None and getattr(m, "__name__", "").startswith("PIL"))
+
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # NOTE: Python's own filters, as a replica has them (pytest records every warning)
+        warnings.simplefilter("default")
+        image_decode.quiet_pillow_bomb_warnings()  # what importing the module does there
+        before = kept()
+        for i in range(20):
+            assert decode_image(_jpeg_with_a_tag_past_its_file(1000 + i, 100 + i), max_pixels=10_000).size == (8, 8)
+    assert kept() <= before + 1
+
+
 def test_headers_past_pillows_own_limit_leave_nothing_behind(no_pixel_decoding: None) -> None:
     """Pillow warns past its limit with the size in the message; a kept warning per size made up would grow."""
     registry = vars(Image).setdefault("__warningregistry__", {})
