@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # (or a scrape) that waited on would hold the next ones behind it
 HUB_TIMEOUT_S = 2.0
 MIRROR_REPLAY = 1000  # observations of one histogram bucket replayed into Ray's mirror per push
+MIRROR_BACKLOG = 10 * MIRROR_REPLAY  # observations of one bucket left for later pushes at most; the rest dropped
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
@@ -115,6 +116,7 @@ class _RayMirror:
         self.tags = {"stage": deployment}
         self._objects: dict[str, Any] = {}
         self._last: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._dropping: set[tuple[str, tuple[str, ...]]] = set()  # histograms whose excess was dropped (logged once)
 
     def update(self, snapshot: MetricsSnapshot) -> None:
         for metric in snapshot.metrics.values():
@@ -134,13 +136,21 @@ class _RayMirror:
                 obj.inc(delta, tags=tags)
         else:  # histogram: replay the new observations bucket by bucket at the bucket's bound
             # NOTE: at most MIRROR_REPLAY a bucket per push (each is a call on the replica's event loop); the rest
-            # go with the next pushes, so the mirror's counts catch up. Its sums are approximate (bounds).
+            # go with the next pushes, so the mirror's counts catch up after a burst. Past MIRROR_BACKLOG left over
+            # (a sustained rate no push keeps up with) the excess is dropped: the mirror under-counts that bucket
+            # rather than falling further behind for ever. Its sums are approximate (bounds).
             previous = last or replace(value, counts=(0,) * len(value.counts), sum=0.0)
-            replayed = [min(new, MIRROR_REPLAY) for new in _diff(value, previous)]
+            new = _diff(value, previous)
+            replayed = [min(n, MIRROR_REPLAY) for n in new]
+            dropped = [max(0, n - r - MIRROR_BACKLOG) for n, r in zip(new, replayed, strict=True)]
             for bound, n in zip((*value.bounds, value.bounds[-1] * 2), replayed, strict=True):
                 for _ in range(n):
                     obj.observe(bound, tags=tags)
-            value = replace(value, counts=tuple(p + n for p, n in zip(previous.counts, replayed, strict=True)))
+            if any(dropped) and key not in self._dropping:
+                self._dropping.add(key)
+                log.warning("Ray's copy of %s falls behind its observations: the excess is dropped", metric.name)
+            value = replace(value, counts=tuple(p + r + d for p, r, d in zip(previous.counts, replayed, dropped,
+                                                                            strict=True)))
         self._last[key] = value
 
     def _object(self, metric: Metric) -> Any:

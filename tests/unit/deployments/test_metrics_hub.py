@@ -143,3 +143,28 @@ def test_a_burst_of_observations_reaches_rays_mirror_over_the_next_pushes(monkey
     assert (observed.count(1.0), observed.count(2.0), observed.count(4.0)) == (25, 3, 1)  # caught up, none lost
     mirror.update(snap((25, 3, 1)))
     assert len(observed) == 29  # nothing replayed twice
+
+
+def test_a_rate_no_push_keeps_up_with_leaves_rays_mirror_a_bounded_backlog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three pushes' worth of observations every push: the mirror replays its share each time and drops what is past
+    its backlog, instead of falling further behind (and replaying more) for ever."""
+    from mmserve.runtime.metrics import HistogramValue
+
+    observed: list[float] = []
+
+    class Histogram:
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def observe(self, value: float, tags: dict[str, str]) -> None:
+            observed.append(value)
+
+    monkeypatch.setattr(metrics_hub.ray_metrics, "Histogram", Histogram)
+    monkeypatch.setattr(metrics_hub, "MIRROR_REPLAY", 10)
+    monkeypatch.setattr(metrics_hub, "MIRROR_BACKLOG", 50)
+    mirror = metrics_hub._RayMirror("Ingress")
+    for push in range(1, 101):
+        value = HistogramValue((1.0,), (30 * push, 0), 0.0)
+        mirror.update(snapshot_of(Metric("mmserve_ttft_seconds", "histogram", "", (), {(): value})))
+        assert len(observed) == 10 * push  # the same share replayed every push
+        last = mirror._last[("mmserve_ttft_seconds", ())]
+        assert 30 * push - last.counts[0] <= 50  # left for later: bounded
