@@ -117,9 +117,8 @@ def test_closing_with_the_hub_gone_ends_quietly(monkeypatch: pytest.MonkeyPatch)
     asyncio.run(asyncio.wait_for(_reporter(SilentHub()).close(), 5))  # no error: the app may be going too
 
 
-def test_a_burst_of_observations_reaches_rays_mirror_over_the_next_pushes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mmserve.runtime.metrics import HistogramValue
-
+def _observed_by_ray(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Ray's Histogram replaced by one that records every value observed into the returned list."""
     observed: list[float] = []
 
     class Histogram:
@@ -129,6 +128,13 @@ def test_a_burst_of_observations_reaches_rays_mirror_over_the_next_pushes(monkey
             observed.append(value)
 
     monkeypatch.setattr(metrics_hub.ray_metrics, "Histogram", Histogram)
+    return observed
+
+
+def test_a_burst_of_observations_reaches_rays_mirror_over_the_next_pushes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmserve.runtime.metrics import HistogramValue
+
+    observed = _observed_by_ray(monkeypatch)
     monkeypatch.setattr(metrics_hub, "MIRROR_REPLAY", 10)
     mirror = metrics_hub._RayMirror("Ingress")
 
@@ -150,15 +156,7 @@ def test_a_rate_no_push_keeps_up_with_leaves_rays_mirror_a_bounded_backlog(monke
     its backlog, instead of falling further behind (and replaying more) for ever."""
     from mmserve.runtime.metrics import HistogramValue
 
-    observed: list[float] = []
-
-    class Histogram:
-        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
-
-        def observe(self, value: float, tags: dict[str, str]) -> None:
-            observed.append(value)
-
-    monkeypatch.setattr(metrics_hub.ray_metrics, "Histogram", Histogram)
+    observed = _observed_by_ray(monkeypatch)
     monkeypatch.setattr(metrics_hub, "MIRROR_REPLAY", 10)
     monkeypatch.setattr(metrics_hub, "MIRROR_BACKLOG", 50)
     mirror = metrics_hub._RayMirror("Ingress")
