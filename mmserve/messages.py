@@ -102,8 +102,9 @@ class SamplingParams:
             (1 <= self.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
-            (self.seed is None or -(2**63) <= self.seed < 2**63,  # NOTE: choice i's seed + i stays within torch's
-             f"seed must be a 64-bit signed integer, got {self.seed}"),  # (it takes up to 2**64 - 1)
+            # NOTE: int64, as OpenAI documents; choice i's seed + i stays within torch's range (up to 2**64 - 1)
+            (self.seed is None or -(2**63) <= self.seed < 2**63,
+             f"seed must be a 64-bit signed integer, got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -35,9 +35,6 @@ from mmserve.messages import MAX_TOKEN_ID_ENTRIES, ChatRequest, SamplingDefaults
 
 _T = TypeVar("_T")
 
-_SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI documents; torch rejects seeds past uint64
-
-
 # --- request ------------------------------------------------------------------------------------
 
 
@@ -188,8 +185,6 @@ class ChatCompletionRequest(StructuredFields, TemplateFields):  # NOTE: response
         max_param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
                           default_max_tokens)
-        if self.seed is not None and not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
-            raise with_param(InvalidSamplingError(f"seed must be a 64-bit signed integer, got {self.seed}"), "seed")
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=_first(self.temperature, defaults.temperature, 1.0),

@@ -50,7 +50,6 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
     return backend
 
 
-
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Iterable[int] = (),
                  stop: tuple[str, ...] = (), skip_special_tokens: bool = True, include_stop: bool = False,

@@ -187,13 +187,14 @@ class EncoderStage:
         return misses
 
     def _hold_cached_rest(self, req: _Pending) -> None:
-        """Reference the request's later items that are cached now, before one of its misses makes room: the
+        """Reference the request's later items that are encoded now, before one of its misses makes room: the
         room must not be made by evicting what the request itself is about to hit. NOTE: its distinct items fit
-        the cache together (checked at add), so holding them cannot keep its own misses out."""
+        the cache together (checked at add), so holding them cannot keep its own misses out; one booked this step
+        is not held (its booker keeps it from eviction, and a reference would fail this request with its booker
+        should its encoding fail)."""
         for spec in req.features[req.next_index + 1:]:
-            if spec.identifier in self.cache:  # NOTE: encoded ones only: one booked this step is safe from eviction
-                self.manager.check_and_update_cache(req.request_id, spec.identifier)  # (its booker holds it), and a
-                # reference to it would fail this request with its booker's should its encoding fail
+            if spec.identifier in self.cache:
+                self.manager.check_and_update_cache(req.request_id, spec.identifier)
 
     def _count(self, req: _Pending, identifier: str, hit: bool) -> None:
         """The stats of one lookup (see `add_request` on early encodes)."""

@@ -82,8 +82,9 @@ class MetricsBoard:
         bounds: dict[str, set[tuple[float, ...]]] = {}
         for _, snapshot in self._latest.values():
             for name, metric in snapshot.metrics.items():
-                bounds.setdefault(name, set()).update(
-                    v.bounds for v in metric.values.values() if isinstance(v, HistogramValue))
+                if metric.kind == "histogram":
+                    bounds.setdefault(name, set()).update(
+                        v.bounds for v in metric.values.values() if isinstance(v, HistogramValue))
         return bounds
 
     def _retire_silent(self, now: float) -> None:
