@@ -113,8 +113,11 @@ def parse_json(raw: bytes) -> Any:
 # not after a high one (a pair is one character, an emoji; a lone one no character at all). NOTE: a backslash
 # before another is ambiguous (an escaped backslash, then text "ud83d"): it counts as a match, and only the check
 # below runs (a false positive costs that check; a miss would be a 500 later)
-_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
-                                    r"|(?<![^\\]\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+# NOTE: one branch opening with the literal `\u`, which `re` skips to at C speed; a low surrogate's look back
+# comes after it (a look back tried at every position of the body, an image's base64 included, held the event
+# loop for a time that was most of an image request's parse: docs/benchmarks.md)
+_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD](?:[89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                                    r"|[c-fC-F][0-9a-fA-F]{2}(?<![^\\]\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}))")
 WALKED_BYTES = 1 << 20  # bodies up to this size are walked for the path of a lone surrogate (bytes)
 
 

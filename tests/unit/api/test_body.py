@@ -4,6 +4,8 @@ bodies and headers of overload (503 + Retry-After) and deadlines (504)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 from collections.abc import AsyncIterator
 
 import pytest
@@ -168,3 +170,22 @@ def test_overload_is_a_503_with_retry_after_and_a_deadline_a_504() -> None:
     assert error_headers(DeadlineExceededError("too slow")) == {"x-should-retry": "false"}
     assert error_headers(ValueError("x")) == {}
     assert error_body(RuntimeError("secret"))[1]["error"]["message"] == "internal server error"
+
+
+def test_the_lone_surrogate_filter_misses_none_and_flags_only_escapes_that_may_be_lone() -> None:
+    """The pattern that decides whether a body is checked at all: every body holding a lone surrogate matches
+    it, and one without matches only where an escaped backslash precedes a `u` (the rule's ambiguity)."""
+    from mmserve.api import body
+
+    rng = random.Random(7)
+    pieces = ["\ud83d", "\ude00", "\U0001f600", "\\", "u", "d", "D", "8", "c", "e", "0", "é", "x", " "]
+    for _ in range(20_000):
+        value = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        text = json.dumps({"a": value}, ensure_ascii=rng.random() < 0.8)  # NOTE: non-ASCII raw or escaped
+        if "\ud83d" in text or "\ude00" in text:
+            continue  # NOTE: a raw lone surrogate is not UTF-8: the decode refuses that body first
+        matched = body._LONE_SURROGATE_ESCAPE.search(text) is not None
+        if not body._encodes(json.loads(text)["a"]):  # NOTE: an escaped pair decodes to one character
+            assert matched, text
+        elif "\\\\u" not in text:
+            assert not matched, text
