@@ -10,6 +10,10 @@ kwargs change the output or what their defaults are (the model's prompt rule say
 Hashing decoded pixels, not the request's bytes, makes a PNG and a lossless WebP of one picture
 share a key, while any change to the pixels, the model or the processing gives a new one.
 
+NOTE: both keys are BLAKE3-256 (vLLM's multimodal hasher's choice): a new image's pixels are hashed on its
+request's path, megabytes of them, and BLAKE3 reads them several times faster than blake2b or SHA-256 on one
+core (docs/benchmarks.md); the small digests elsewhere (fingerprints, prefix blocks) stay blake2b.
+
 A request's `cache_salt` goes into both keys: every cache keyed by them (the ProcessorCache, the encoder
 cache, the decoder's embedding cache, the prefix cache's item keys) then shares an item only between
 requests with the same salt (or none), so no timing tells one salt whether another sent an image.
@@ -26,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import PIL
+from blake3 import blake3
 from PIL import Image
 
-DIGEST_BYTES = 32
+DIGEST_BYTES = 32  # an item key's digest (bytes)
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # what the image processor reads
 # whose code makes the tiles from the pixels (transformers resizes with torchvision where it is installed, else Pillow)
 PROCESSING_LIBRARIES = ("transformers", "numpy", "torch", "torchvision")
@@ -62,7 +67,7 @@ def _version(distribution: str) -> str:
 
 def hash_image(image: Image.Image, *, model_id: str, kwargs: Mapping[str, Any],
                defaults: Mapping[str, Any] | None = None, salt: str | None = None) -> str:
-    """Hex blake2b-256 of the image's pixels and everything that changes its processed form.
+    """Hex BLAKE3-256 of the image's pixels and everything that changes its processed form.
 
     `kwargs` are the request's output-changing processor kwargs; `defaults` (if given) fills the
     ones left out, so passing a default explicitly hashes the same as leaving it out. `salt`: the
@@ -75,27 +80,27 @@ def hash_image(image: Image.Image, *, model_id: str, kwargs: Mapping[str, Any],
         "size": list(image.size),  # (width, height)
         "kwargs": {k: _canonical(v) for k, v in resolved.items()},
     }, salt)
-    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    digest = blake3()
     digest.update(canonical_json(header).encode())
     palette = image.getpalette() if image.mode in ("P", "PA") else None
     if palette is not None:  # NOTE: "P" pixels are palette indices; the palette is part of the picture
         digest.update(b"\x00palette\x00" + bytes(palette))
     digest.update(b"\x00pixels\x00")
     digest.update(image.tobytes())
-    return digest.hexdigest()
+    return digest.hexdigest(DIGEST_BYTES)
 
 
 def hash_source(data: bytes, *, model_id: str, kwargs: Mapping[str, Any], salt: str | None = None) -> str:
-    """Hex blake2b-256 of an item's encoded bytes (as the request sent them), the model id, the
+    """Hex BLAKE3-256 of an item's encoded bytes (as the request sent them), the model id, the
     output-changing kwargs and the cache salt: equal bytes decode to equal pixels, so this key may stand for
     the content hash of what they decode to. Never equal to a `hash_image` key (another header)."""
     header = _salted({"source": "bytes", "model_id": model_id,
                       "kwargs": {k: _canonical(v) for k, v in kwargs.items()}}, salt)
-    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    digest = blake3()
     digest.update(canonical_json(header).encode())
     digest.update(b"\x00bytes\x00")
     digest.update(data)
-    return digest.hexdigest()
+    return digest.hexdigest(DIGEST_BYTES)
 
 
 def _salted(header: dict[str, Any], salt: str | None) -> dict[str, Any]:

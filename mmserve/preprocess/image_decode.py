@@ -56,7 +56,7 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
         raise MediaError(f"image is {width}x{height} pixels, more than the {max_pixels}-pixel limit")
     try:
         image.load()  # decodes the first frame; raises on truncated or corrupt data
-        image = ImageOps.exif_transpose(image)
+        ImageOps.exif_transpose(image, in_place=True)  # NOTE: in place: else an image with no tag is copied whole
     except Exception as err:
         raise MediaError(f"image data is corrupt or truncated ({err})") from err
     try:
