@@ -14,11 +14,11 @@
 # Each part runs under a time limit of its own, so that a hang costs that part only; each test under 240 s.
 # Logs go to $OUT (or ./device-out).
 #
-# The device image has torch, transformers, safetensors, tokenizers, pillow and numpy, not llguidance:
-# carry its wheel (Python 3.12 there) in .whl, ignored by git:
+# The device image has torch, transformers, safetensors, tokenizers, pillow and numpy, not llguidance nor
+# blake3: carry their wheels (Python 3.12 there) in .whl, ignored by git:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl llguidance
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl llguidance blake3
 # then `run` with carry [".whl"] and the command `bash scripts/device_check.sh`. A dry run on the CPU (the same
 # tests, the CUDA one skipped), with python3 the venv's: `MMSERVE_TEST_DEVICE=cpu OUT=/tmp/dc bash scripts/device_check.sh`.
 set -uo pipefail
@@ -40,8 +40,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$out/env.log"
-# NOTE: every test and the benchmark import the grammar engine: without it all would fail after their loads
-python3 -c "import llguidance" 2>> "$out/env.log" || { echo "llguidance is missing: carry .whl (above)" | tee -a "$out/env.log"; exit 1; }
+# NOTE: every test and the benchmark import the grammar engine and the item hasher: without them all would fail
+# after their loads
+python3 -c "import llguidance, blake3" 2>> "$out/env.log" \
+  || { echo "llguidance or blake3 is missing: carry .whl (above)" | tee -a "$out/env.log"; exit 1; }
 python3 -c "import pytest_timeout" 2> /dev/null \
   || echo "pytest-timeout is missing: no limit per test (each part's own still holds)" | tee -a "$out/env.log"
 stamp() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$out/parts.log"; }
