@@ -8,6 +8,7 @@ Not thread-safe: one caller drives `add`, `abort` and `step` (the engine's step 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from mmserve.runtime.step_threads import StepThreads
 from mmserve.runtime.weight_layout import weight_layout
 
 TIMED_CHUNK = 256  # rows of the prefill chunk timed beside the decodes' when choosing the matmul forms
+PIECES_KEPT = 1 << 16  # tokens whose text and bytes a decoder keeps for log-probs (count)
 log = logging.getLogger(__name__)
 
 # Called with the request ids and their (n, vocab) logits of every step; tests use it for parity.
@@ -70,6 +72,8 @@ class Decoder:
     ):
         device = torch.device(device)
         self.spec, self.tokenizer, self.on_logits = spec, tokenizer, on_logits
+        # NOTE: a token's text is a function of its id: each top log-prob of each step asks for one
+        self._piece = functools.lru_cache(maxsize=PIECES_KEPT)(functools.partial(token_piece, tokenizer))
         self.kv = KVCache(spec, config, dtype=dtype, device=device)
         self.pool = BlockPool(self.kv.num_pages)
         self.hasher = BlockHasher(spec.model_id, str(dtype), config.block_size)
@@ -177,13 +181,13 @@ class Decoder:
         ids = [seq.request_id for seq in result.seqs]
         if self.on_logits is not None:
             self.on_logits(ids, result.logits)
-        adjust = any(seq.sampling.adjusts_logits for seq in result.seqs)  # NOTE: else no token lists built
+        adjust = any(seq.sampling.adjusts_logits for seq in result.seqs)  # NOTE: token lists copied for those only
         row_masks = self.grammar_step.finish(masks, ids)
         sampled = self.sampler.sample(
             result.logits,
             [seq.sampling for seq in result.seqs],
             [self._states[rid].generator for rid in ids],
-            [seq.output_token_ids for seq in result.seqs] if adjust else None,
+            [seq.output_token_ids if seq.sampling.adjusts_logits else [] for seq in result.seqs] if adjust else None,
             [seq.prompt_token_ids for seq in result.seqs] if adjust else None,
             row_masks,
         )  # (n,)
@@ -202,9 +206,6 @@ class Decoder:
         finished |= ended
         return [*(self._emit(rid, tok, rid in finished, logprobs.get(i))
                   for i, (rid, tok) in enumerate(zip(ids, tokens, strict=True)) if rid not in broken), *failed]
-
-    def _piece(self, token_id: int) -> tuple[str, bytes]:
-        return token_piece(self.tokenizer, token_id)
 
     def _execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepLogits, list[RequestFailed]]:
         """The step's forward. If it raises, each sequence runs again alone, and only those that fail by
@@ -269,7 +270,7 @@ class Decoder:
             finished=finished,
             finish_reason=finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(seq.output_token_ids),
+            num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
             logprobs=logprobs if logprobs is not None or seq.sampling.logprobs is None else [],
             stop_reason=stop_reason,

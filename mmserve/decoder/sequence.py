@@ -95,7 +95,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """NOTE: a copy, as long as the output: per step, count with `num_output_tokens`."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_prefill(self) -> bool:
