@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import socket
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ from bench_lib.path import (  # noqa: E402
     messages,
     served,
 )
+from bench_lib.procs import machine_cpu_s  # noqa: E402
 from bench_lib.report import write_results  # noqa: E402
 
 # NOTE: 2 ms above Serve's floor for text, 5 ms for an image; 0.3 ms per token (issue 17)
@@ -135,12 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     for k in range(3):  # warm-up: every stage's first forward pays torch's one-time costs (the no-op app too)
         probes(engine, client, 1, ServeFloor(), first=5_000 + k)  # NOTE: images the timed reps never send
     floor = ServeFloor()
+    start_s, (_, steal_s) = time.monotonic(), machine_cpu_s()
     runs = probes(engine, client, args.reps, floor)
     long = messages("Write a long story.", None)
     streams = [pair(lambda: in_process(engine, long, STREAM_TOKENS), lambda: served(client, long, STREAM_TOKENS), k)
                for k in range(max(args.reps, 3))]
     repeats_encode = engine.config.decoder.embedding_cache_bytes == 0
-    results = {**summarize(floor.summary(), runs, streams, repeats_encode), "app_args": app_args}
+    results = {**summarize(floor.summary(), runs, streams, repeats_encode), "app_args": app_args,
+               "steal_cores": (machine_cpu_s()[1] - steal_s) / (time.monotonic() - start_s)}
     if args.idle_tax_rounds:
         results["idle_tax"] = measure_idle_tax(engine, args.idle_tax_rounds)
     report(results)
@@ -221,6 +226,8 @@ def report(r: dict[str, Any]) -> None:
     print(f"per streamed token: in-process {pt['in_process']:.3f} ms, served {pt['served']:.3f}, overhead "
           f"{pt['overhead']:.3f} (median of the paired differences; of the medians {pt['medians_difference']:.3f}) "
           f"(<= {TARGETS['per token']}: {ok})")
+    print(f"the host's steal over the timed reps: {r['steal_cores']:.2f} cores (of {os.cpu_count()}; above 0, "
+          "the hypervisor held this machine's processes back, on either side of a pair)")
     tax = r.get("idle_tax")
     if tax:
         print(f"Serve's idle tax: its {tax['processes']} processes wake {tax['wakeups_per_s_total']:.0f} times a "

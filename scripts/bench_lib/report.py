@@ -60,7 +60,8 @@ def cell_table(results: dict[str, dict[str, dict[int, dict[str, Any]]]], systems
     'value (xR)' with R = mmserve / peer."""
     lines = []
     head = f"{'workload':8} {'c':>2} {'system':12} " + " ".join(f"{h:>18}" for _, h, *_ in COLUMNS)
-    head += f" {'out tok':>8} {'proc hit':>8} {'enc hit':>8} {'kv hit':>8} {'peak RSS MiB':>12} {'others':>6}"
+    head += f" {'out tok':>8} {'proc hit':>8} {'enc hit':>8} {'kv hit':>8} {'peak RSS MiB':>12}"
+    head += f" {'others':>6} {'steal':>6}"
     lines.append(head)
     lines.append("-" * len(head))
     for workload, by_system in results.items():
@@ -85,16 +86,20 @@ def cell_table(results: dict[str, dict[str, dict[int, dict[str, Any]]]], systems
                        for k in ("processor_cache_hit_rate", "encoder_cache_hit_rate", "prefix_cache_hit_rate")}
                 rss = row.get("peak_rss_bytes")
                 others = row.get("machine_load", {}).get("foreign_cores")
+                steal = row.get("machine_load", {}).get("steal_cores")
                 lines.append(f"{workload:8} {c:>2} {system:12} " + " ".join(cells)
                              + f" {toks:>8} {hit['processor_cache_hit_rate']:>8} {hit['encoder_cache_hit_rate']:>8}"
                              + f" {hit['prefix_cache_hit_rate']:>8}"
                              + f" {'-' if rss is None else rss >> 20:>12}"
-                             + f" {'-' if others is None else format(others, '.2f'):>6}")
+                             + f" {'-' if others is None else format(others, '.2f'):>6}"
+                             + f" {'-' if steal is None else format(steal, '.2f'):>6}")
         lines.append("")
     lines.append("Ratios in parentheses are mmserve / that row's system (req/s, tok/s: higher is better for "
                  "mmserve; latencies: lower is better). Peak RSS: serving process tree (mmserve: every Ray "
                  "process; generate/engine: the benchmark process itself). others: CPU cores that processes outside "
                  "this benchmark used during the cell (0 on a quiet machine; the machine has "
-                 f"{os.cpu_count()}). out tok ending in '?': the server sent no usage, so its non-empty stream "
-                 "chunks were counted (fewer than its tokens where a token decodes to no text).")
+                 f"{os.cpu_count()}). steal: CPU cores the hypervisor gave other machines while this one's "
+                 "processes waited to run (its /proc/stat steal time; a cell with steal was slowed by the host, "
+                 "not compared like with like). out tok ending in '?': the server sent no usage, so its non-empty "
+                 "stream chunks were counted (fewer than its tokens where a token decodes to no text).")
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """scripts/bench_lib: what a cell sends and counts, and the targets read from it: each cell's own hot images,
-a stream that stopped short counted as failed, a target over a cell with failures failing."""
+a stream that stopped short counted as failed, a target over a cell with failures failing, the machine's load
+printed beside each cell."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 from bench_lib import targets
 from bench_lib.loadgen import RequestResult, complete
+from bench_lib.report import cell_table
 from bench_lib.workloads import cell_requests
 
 
@@ -83,3 +85,12 @@ def test_the_grammar_cells_decoders_run_in_blocks_and_pair_each_step_with_its_pl
     assert "".join(ran) == "AAAABBBBBBBBAAAA" * 4  # 32 steps each
     # each block's first step dropped, then the first two pairs of blocks: a's 2nd-4th steps of its third block
     assert pairs[0] == (1009.0, 2009.0) and len(pairs) == 3 * 8 - 6
+
+
+def test_each_cell_shows_the_cores_others_and_the_host_took_meanwhile() -> None:
+    """A cell slowed by the hypervisor (steal) reads as slow as one slowed by a stray process: both are printed."""
+    row = {"req_per_s": 1.0, "machine_load": {"foreign_cores": 0.12, "own_cores": 1.0, "steal_cores": 0.39}}
+    table = cell_table({"unique": {"mmserve": {1: row}, "engine": {1: {"req_per_s": 2.0}}}}, ["mmserve", "engine"])
+    head, _, mine, peer = table.splitlines()[:4]
+    assert head.split()[-2:] == ["others", "steal"]
+    assert mine.split()[-2:] == ["0.12", "0.39"] and peer.split()[-2:] == ["-", "-"]
