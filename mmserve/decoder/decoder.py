@@ -34,6 +34,7 @@ from mmserve.decoder.sequence import PromptImages, Sequence
 from mmserve.decoder.stats import DecoderStats
 from mmserve.decoder.step_logprobs import step_logprobs
 from mmserve.decoder.thread_calibration import calibrate_threads, warm_up
+from mmserve.decoder.token_history import TokenHistory
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
@@ -56,6 +57,7 @@ class _OutputState:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     matcher: Any = None  # the request's llguidance matcher when its output is constrained
+    history: TokenHistory | None = None  # what its penalties read, when it asks for any
 
 
 class Decoder:
@@ -136,7 +138,9 @@ class Decoder:
         # NOTE: everything that may raise before the scheduler takes it: a sequence it holds without a state here
         # would fail every later step
         state = _OutputState(seq=seq, detokenizer=IncrementalDetokenizer.for_request(self.tokenizer, request.sampling),
-                             generator=make_generator(request.sampling.seed), matcher=matcher)
+                             generator=make_generator(request.sampling.seed), matcher=matcher,
+                             history=TokenHistory(seq.token_ids, seq.num_prompt_tokens)
+                             if request.sampling.adjusts_logits else None)
         self.scheduler.add(seq, sibling)
         self._states[seq.request_id] = state
 
@@ -181,14 +185,12 @@ class Decoder:
         ids = [seq.request_id for seq in result.seqs]
         if self.on_logits is not None:
             self.on_logits(ids, result.logits)
-        adjust = any(seq.sampling.adjusts_logits for seq in result.seqs)  # NOTE: token lists copied for those only
         row_masks = self.grammar_step.finish(masks, ids)
         sampled = self.sampler.sample(
             result.logits,
             [seq.sampling for seq in result.seqs],
             [self._states[rid].generator for rid in ids],
-            [seq.output_token_ids if seq.sampling.adjusts_logits else [] for seq in result.seqs] if adjust else None,
-            [seq.prompt_token_ids for seq in result.seqs] if adjust else None,
+            [self._states[rid].history for rid in ids],
             row_masks,
         )  # (n,)
         tokens = sampled.tolist()

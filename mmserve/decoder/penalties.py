@@ -20,30 +20,36 @@ Nothing here reads a device value back.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from mmserve.decoder.token_history import TokenHistory
 from mmserve.errors import InvalidSamplingError
 from mmserve.messages import SamplingParams
 from mmserve.runtime.host_copy import floats_to_device, ints_to_device, to_device
 
 
-def penalized(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-              prompts: list[list[int]], eos_token_ids: tuple[int, ...], never: tuple[int, ...] = ()) -> torch.Tensor:
-    """(n, vocab) float32 logits -> the same, adjusted (a new tensor when any row asks, else `logits`); `never`:
-    the ids the sampler never picks (left to it, but no token left beside them is no token left)."""
+def penalized(logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[TokenHistory | None],
+              eos_token_ids: tuple[int, ...], never: tuple[int, ...] = ()) -> torch.Tensor:
+    """(n, vocab) float32 logits -> the same, adjusted (a new tensor when any row asks, else `logits`);
+    `histories`: each row's tokens (needed for the rows that ask); `never`: the ids the sampler never picks
+    (left to it, but no token left beside them is no token left)."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
-        _adjust(logits[i], params[i], outputs[i], prompts[i], eos_token_ids, never)
+        history = histories[i]
+        if history is None:
+            raise ValueError(f"row {i} adjusts its logits and has no token history")
+        _adjust(logits[i], params[i], history, eos_token_ids, never)
     return logits
 
 
-def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: list[int],
-            eos_token_ids: tuple[int, ...], never: tuple[int, ...]) -> None:
+def _adjust(row: torch.Tensor, p: SamplingParams, history: TokenHistory, eos_token_ids: tuple[int, ...],
+            never: tuple[int, ...]) -> None:
     """Adjust one (vocab,) row in place.
 
     NOTE: which tokens and by how much is worked out on the host (numpy over the token lists) and sent in
@@ -59,21 +65,21 @@ def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: lis
     if bias:
         row.index_add_(0, ints_to_device([t for t, _ in bias], device), floats_to_device([v for _, v in bias], device))
     if p.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray([*prompt, *output], dtype=np.int64))  # (u,)
+        seen = history.seen()  # (u,)
         index = to_device(seen[(seen >= 0) & (seen < vocab)], device)
         values = row[index]
         row.index_copy_(0, index, torch.where(values > 0, values / p.repetition_penalty,
                                               values * p.repetition_penalty))
-    if (p.frequency_penalty or p.presence_penalty) and len(output):
-        ids, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)  # (u,) each
+    if (p.frequency_penalty or p.presence_penalty) and history.num_output:
+        ids, counts = history.output_counts()  # (u,) each
         kept = (ids >= 0) & (ids < vocab)
         # NOTE: float32, as the whole-row form computed it: frequency times count, plus presence once
         cost = np.float32(p.frequency_penalty) * counts[kept].astype(np.float32) + np.float32(p.presence_penalty)
         row.index_add_(0, to_device(ids[kept], device), to_device(-cost, device).to(row.dtype))
-    banned = [word[-1] for word in p.bad_words_token_ids if _completes(output, word) and 0 <= word[-1] < vocab]
+    banned = [word[-1] for word in p.bad_words_token_ids if _completes(history, word) and 0 <= word[-1] < vocab]
     if banned:
         row.index_fill_(0, ints_to_device(banned, device), float("-inf"))
-    if len(output) < p.min_tokens:
+    if history.num_output < p.min_tokens:
         ends = [t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
         row.index_fill_(0, ints_to_device(ends, device), float("-inf"))
     if p.allowed_token_ids is not None and eos_token_ids:
@@ -87,10 +93,9 @@ def _adjust(row: torch.Tensor, p: SamplingParams, output: list[int], prompt: lis
         row.index_copy_(0, ends_t, torch.where(nothing, 0.0, row.index_select(0, ends_t)))
 
 
-def _completes(output: list[int], word: tuple[int, ...]) -> bool:
+def _completes(history: TokenHistory, word: tuple[int, ...]) -> bool:
     """Whether the next token could complete `word`: the output ends with all of it but its last token."""
-    head = len(word) - 1
-    return head == 0 or (len(output) >= head and tuple(output[-head:]) == word[:-1])
+    return tuple(history.output_tail(len(word) - 1)) == word[:-1]
 
 
 def check_allowed(p: SamplingParams, never: tuple[int, ...], eos_token_ids: tuple[int, ...]) -> None:

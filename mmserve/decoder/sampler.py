@@ -22,6 +22,7 @@ import torch
 
 from mmserve.decoder.draw import draw_rows
 from mmserve.decoder.penalties import penalized
+from mmserve.decoder.token_history import TokenHistory
 from mmserve.messages import SamplingParams
 from mmserve.runtime.host_copy import ints_to_device, to_device
 
@@ -77,18 +78,18 @@ class Sampler:
         self._eos = eos_token_ids  # what `min_tokens` holds back
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               outputs: list[list[int]] | None = None, prompts: list[list[int]] | None = None,
-               forbidden: RowMasks | None = None) -> torch.Tensor:
-        """(n, vocab) logits, one params and generator per row (and, for penalties, each row's output and
-        prompt token ids; for structured output, the tokens some rows' grammars forbid) -> (n,) int64 token
+               histories: Sequence[TokenHistory | None] | None = None, forbidden: RowMasks | None = None
+               ) -> torch.Tensor:
+        """(n, vocab) logits, one params and generator per row (and, for penalties, each row's token history,
+        None for a row that asks none; for structured output, the tokens some rows' grammars forbid) -> (n,) int64 token
         ids; -1 for a row whose masks left it no token at all (possible only under a grammar)."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators")
         logits = logits.float()  # (n, V); NOTE: filter in float32 whatever the model dtype
         if any(p.adjusts_logits for p in params):
-            if outputs is None or prompts is None:
-                raise ValueError("penalties need each row's output and prompt token ids")
-            logits = penalized(logits, params, outputs, prompts, self._eos, self._never_tuple)
+            if histories is None:
+                raise ValueError("penalties need each row's token history")
+            logits = penalized(logits, params, histories, self._eos, self._never_tuple)
         never = self._never_on(logits.device)  # (k,)
         on_host = _numpy_can(logits)
         # NOTE: off the host the never-sampled tokens are filtered out before the pick, in a (n, V) copy on the

@@ -95,7 +95,8 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """NOTE: a copy, as long as the output: per step, count with `num_output_tokens`."""
+        """NOTE: a copy, as long as the output: per step, count with `num_output_tokens` (penalties read a
+        TokenHistory)."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property

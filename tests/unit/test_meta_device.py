@@ -18,6 +18,7 @@ from mmserve.config import EngineConfig
 from mmserve.decoder.decoder import Decoder
 from mmserve.decoder.sampler import RowMasks, Sampler, make_generator
 from mmserve.decoder.thread_calibration import warm_up
+from mmserve.decoder.token_history import TokenHistory
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, MultiModalFeatureSpec, PlaceholderRange, ProcessedItem, SamplingParams
@@ -95,7 +96,7 @@ def test_the_sampler_with_penalties_masks_and_draws_stays_on_the_device() -> Non
               SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5, presence_penalty=1.0)]
     masks = RowMasks((0, 2), torch.zeros(2, vocab, dtype=torch.bool, device=META))
     tokens = Sampler((7,), eos_token_ids=(1,)).sample(
-        logits, params, [make_generator(p.seed) for p in params], [[4, 4, 9]] * n, [[2, 3]] * n, masks)
+        logits, params, [make_generator(p.seed) for p in params], [TokenHistory.of([2, 3], [4, 4, 9])] * n, masks)
     assert tokens.device == META and tokens.shape == (n,) and tokens.dtype == torch.int64
 
 

@@ -11,6 +11,7 @@ import torch
 from mmserve.decoder import penalties
 from mmserve.decoder.penalties import check_allowed, penalized
 from mmserve.decoder.sampler import Sampler
+from mmserve.decoder.token_history import TokenHistory
 from mmserve.errors import InvalidSamplingError
 from mmserve.messages import SamplingParams
 
@@ -39,22 +40,24 @@ INF = -math.inf
      [1.0, -1.0, 0.25 - 0.5 - 0.25, 1.5 - 1.0 - 0.25]),  # repetition first, then the OpenAI penalties
 ])
 def test_each_adjustment_as_defined(params: SamplingParams, expected: list[float]) -> None:
-    out = penalized(torch.tensor([ROW]), [params], [OUTPUT], [PROMPT], eos_token_ids=(3,))
+    out = penalized(torch.tensor([ROW]), [params], [TokenHistory.of(PROMPT, OUTPUT)], eos_token_ids=(3,))
     assert out[0].tolist() == pytest.approx(expected)
 
 
 def test_the_repetition_penalty_pushes_a_seen_negative_logit_further_down() -> None:
     """A seen token's logit < 0 is multiplied (-1 -> -2), so a repeat gets less likely, never more."""
-    out = penalized(torch.tensor([ROW]), [SamplingParams(repetition_penalty=2.0)], [OUTPUT], [[1]], eos_token_ids=(3,))
+    out = penalized(torch.tensor([ROW]), [SamplingParams(repetition_penalty=2.0)], [TokenHistory.of([1], OUTPUT)],
+                    eos_token_ids=(3,))
     assert out[0].tolist() == pytest.approx([2.0, -2.0, 0.25, 1.5])
 
 
 def test_rows_that_ask_nothing_are_untouched_and_nothing_is_copied_when_none_asks() -> None:
     logits = torch.tensor([ROW, ROW])
-    out = penalized(logits, [SamplingParams(), SamplingParams(presence_penalty=1.0)], [OUTPUT] * 2, [PROMPT] * 2, ())
+    out = penalized(logits, [SamplingParams(), SamplingParams(presence_penalty=1.0)],
+                    [TokenHistory.of(PROMPT, OUTPUT)] * 2, ())
     assert out[0].tolist() == ROW and out[1].tolist() != ROW and logits[1].tolist() == ROW
     plain = [SamplingParams()] * 2
-    assert penalized(logits, plain, [OUTPUT] * 2, [PROMPT] * 2, ()) is logits
+    assert penalized(logits, plain, [TokenHistory.of(PROMPT, OUTPUT)] * 2, ()) is logits
 
 
 def test_the_sampler_samples_from_the_adjusted_logits() -> None:
@@ -62,9 +65,9 @@ def test_the_sampler_samples_from_the_adjusted_logits() -> None:
     greedy = SamplingParams(temperature=0.0)
     assert sampler.sample(torch.tensor([ROW]), [greedy], [None]).tolist() == [3]
     biased = SamplingParams(temperature=0.0, logit_bias=((1, 10.0),))
-    assert sampler.sample(torch.tensor([ROW]), [biased], [None], [OUTPUT], [PROMPT]).tolist() == [1]
+    assert sampler.sample(torch.tensor([ROW]), [biased], [None], [TokenHistory.of(PROMPT, OUTPUT)]).tolist() == [1]
     held = SamplingParams(temperature=0.0, min_tokens=4)
-    assert sampler.sample(torch.tensor([ROW]), [held], [None], [OUTPUT], [PROMPT]).tolist() == [0]
+    assert sampler.sample(torch.tensor([ROW]), [held], [None], [TokenHistory.of(PROMPT, OUTPUT)]).tolist() == [0]
 
 
 @pytest.mark.parametrize(("params", "never"), [
@@ -82,20 +85,21 @@ def test_allowed_ids_that_leave_no_token_are_refused(params: SamplingParams, nev
 def test_a_row_its_bad_words_leave_without_an_allowed_token_ends_instead_of_sampling_from_nothing() -> None:
     # allowed 2 only, and "3 2" a bad word: an output ending with 3 bans 2 too
     params = SamplingParams(allowed_token_ids=(2,), bad_words_token_ids=((3, 2),))
-    out = penalized(torch.tensor([ROW]), [params], [[2, 3]], [PROMPT], eos_token_ids=(3,))
+    out = penalized(torch.tensor([ROW]), [params], [TokenHistory.of(PROMPT, [2, 3])], eos_token_ids=(3,))
     assert out[0].tolist() == [INF, INF, INF, 0.0]  # the end (3) alone, at 0
-    assert penalized(torch.tensor([ROW]), [params], [[2]], [PROMPT], (3,))[0].tolist() == [INF, INF, 0.5, INF]
+    out = penalized(torch.tensor([ROW]), [params], [TokenHistory.of(PROMPT, [2])], (3,))
+    assert out[0].tolist() == [INF, INF, 0.5, INF]
 
 
 def test_a_row_whose_only_allowed_tokens_left_are_never_sampled_ends_too() -> None:
     """Allowed 1 and 2, "3 2" a bad word, and 1 a token the sampler never picks: nothing is left but the end."""
     params = SamplingParams(allowed_token_ids=(1, 2), bad_words_token_ids=((3, 2),))
-    out = penalized(torch.tensor([ROW]), [params], [[2, 3]], [PROMPT], (3,), never=(1,))
+    out = penalized(torch.tensor([ROW]), [params], [TokenHistory.of(PROMPT, [2, 3])], (3,), never=(1,))
     assert out[0].tolist() == [INF, -1.0, INF, 0.0]  # the end at 0: the sampler's pick, greedy or drawn
     for temperature in (0.0, 1.0):
         picked = Sampler(never=(1,), eos_token_ids=(3,)).sample(
-            torch.tensor([ROW]), [replace(params, temperature=temperature)], [None], outputs=[[2, 3]],
-            prompts=[PROMPT])
+            torch.tensor([ROW]), [replace(params, temperature=temperature)], [None],
+            histories=[TokenHistory.of(PROMPT, [2, 3])])
         assert int(picked[0]) == 3, temperature
 
 

@@ -17,6 +17,7 @@ from mmserve.decoder.sampler import (
     masked_by_torch,
     masked_on_cpu,
 )
+from mmserve.decoder.token_history import TokenHistory
 from mmserve.messages import SamplingParams
 from tests.numerics import assert_close_ulps
 
@@ -284,12 +285,11 @@ def test_the_accelerators_path_samples_what_the_hosts_does(monkeypatch: pytest.M
               SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5, logit_bias=((7, 2.0),)),
               SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, min_tokens=4),
               SamplingParams(temperature=1.0, presence_penalty=1.0)]
-    outputs, prompts = [[1, 2, 2, 9]] * 8, [[3, 7]] * 8
+    histories = [TokenHistory.of([3, 7], [1, 2, 2, 9])] * 8
 
     def sample() -> torch.Tensor:
         gens = [make_generator(100 + i) for i in range(8)]
-        return Sampler(banned, eos_token_ids=(1,)).sample(x, params, gens, outputs, prompts,
-                                                         RowMasks((1, 2, 5), forbid))
+        return Sampler(banned, eos_token_ids=(1,)).sample(x, params, gens, histories, RowMasks((1, 2, 5), forbid))
 
     on_host = sample()
     monkeypatch.setattr(sampler_module, "_numpy_can", lambda logits: False)
