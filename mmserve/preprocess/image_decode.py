@@ -42,7 +42,10 @@ def _openable_formats() -> tuple[str, ...]:
 
 
 def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
-    """Bytes -> RGB image; checks the pixel count from the header before decoding pixels."""
+    """Bytes -> RGB image; checks the pixel count from the header before decoding pixels.
+
+    NOTE: the image may be the opened file's own (its first frame, oriented in place, no copy): read its
+    pixels, never seek it (another frame of an animation would not be oriented, nor fit its size)."""
     formats = _openable_formats()
     check_structure(data)  # NOTE: before Pillow opens it: opening is linear in a container's segments too
     try:
