@@ -155,23 +155,33 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work: running sequences first (arrival order), then admit waiting ones."""
+        """Pick this step's work: running sequences first (their decodes, then their prefills' next chunks, each
+        in arrival order), then admit waiting ones.
+
+        NOTE: decodes before chunks: a long prompt's chunk, which takes all the budget it is left, would else
+        stop every decode that arrived after it for as many steps as its prefill lasts (vLLM bounds the same
+        with `long_prefill_token_threshold`). A chunk that must preempt takes the latest arrivals, as always,
+        and one already scheduled this step gives its tokens back.
+        """
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
+        scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        for seq in sorted(self.running, key=_prefilling):  # NOTE: stable: arrival order within each kind
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier one's growth
+                continue
             n = chunk_tokens(seq, budget)
+            taken = len(preempted)
             if n > 0 and self._grow_or_preempt(seq, n, preempted):
-                scheduled.append(ScheduledSeq(seq, n))
+                scheduled[seq.request_id] = ScheduledSeq(seq, n)
                 budget -= n
-            if seq.status is SequenceStatus.RUNNING:  # else it preempted itself: same index is next
-                i += 1
-        if not preempted:  # NOTE: a pool that just ran dry admits nobody this step
-            scheduled += self._admit(budget)
+            for rid in preempted[taken:]:
+                if (victim := scheduled.pop(rid, None)) is not None:
+                    budget += victim.num_new_tokens
+        admitted = [] if preempted else self._admit(budget)  # NOTE: a pool that just ran dry admits nobody
         missing, self._asks = self._asks, []
-        return SchedulerOutput(scheduled, preempted, missing)
+        return SchedulerOutput([*scheduled.values(), *admitted], preempted, missing)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
         """Record a finished step: advance progress, append sampled tokens, finish and free.
@@ -328,3 +338,8 @@ class Scheduler:
 
 def _arrival(seq: Sequence) -> int:
     return seq.arrival_order
+
+
+def _prefilling(seq: Sequence) -> bool:
+    """Whether a running `seq` has more than its next token to compute (a prefill's chunks, or a recompute)."""
+    return seq.num_tokens - seq.num_computed_tokens > 1

@@ -185,6 +185,37 @@ def test_span_blocks_head_of_queue_but_not_decodes() -> None:
     assert [s.num_new_tokens for s in d.step().scheduled] == [10]
 
 
+def test_a_long_prefills_chunks_take_what_the_decodes_leave_never_a_decode() -> None:
+    """A document cut before an image leaves room to admit two short chats; its next chunks would take the whole
+    budget for steps on end. The chats, admitted after it, still decode every step (a review's scenario)."""
+    sched = make_scheduler(budget=64, blocks=256)
+    d = Driver(sched)
+    sched.add(make_seq("doc", 300, spans=((50, 40),)))
+    sched.add(make_seq("b", 5, max_tokens=20))
+    sched.add(make_seq("c", 5, max_tokens=20))
+    out = d.step()  # the doc's chunk ends before its image (50 tokens); the chats take the 14 left
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("doc", 50), ("b", 5), ("c", 5)]
+    while seq_of(sched, "doc").num_computed_tokens < 300:
+        out = d.step()
+        assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled][:2] == [("b", 1), ("c", 1)]
+        assert out.num_batched_tokens == 64 or seq_of(sched, "doc").num_computed_tokens == 300
+
+
+def test_a_chunk_that_preempts_a_decode_scheduled_before_it_leaves_it_out_of_the_step() -> None:
+    """Decodes go first; a prefill that arrived earlier and must grow preempts the latest arrival, which may be a
+    decode this step already took: it leaves the step (its blocks are gone) and waits, as before."""
+    sched = make_scheduler(budget=16, block_size=4, blocks=6)
+    d = Driver(sched)
+    sched.add(make_seq("doc", 20, spans=((8, 12),)))
+    sched.add(make_seq("b", 4, max_tokens=20))
+    assert [(s.seq.request_id, s.num_new_tokens) for s in d.step().scheduled] == [("doc", 8), ("b", 4)]
+    out = d.step()  # b's decode takes a second page; the doc's span then needs 3 of the 2 left: b goes
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("doc", 12)]
+    assert out.preempted == ["b"] and seq_of(sched, "b").status is SequenceStatus.WAITING
+    d.run()
+    assert set(d.finished) == {"doc", "b"}
+
+
 def test_preemption_under_a_tiny_pool_then_completion() -> None:
     sched = make_scheduler(budget=64, block_size=4, blocks=8)
     d = Driver(sched)
