@@ -1,12 +1,13 @@
 """The encoder stage: a queue of requests whose images need embeddings, served one step at a time.
 
-Owns: the FIFO of pending requests, one encoder step (cache lookups, allocation under the per-step
-compute budget, the cache capacity and one forward's crops, ONE `embed_multimodal` for its misses), the tensor
+Owns: the queue of pending requests (arrival order), one encoder step (its booking, in turns across the
+requests under the per-step compute budget, the cache capacity and one forward's crops: booking.py; ONE
+`embed_multimodal` for its misses), the tensor
 cache kept in line with the manager's books, and the stage's stats. Does not own: the vision model
 (`EncoderRunner` wraps it), nor how requests arrive or leave (the engine, or a Ray deployment, calls
 `add_request` / `step` / `abort`).
 
-A request holds references to its entries from `add_request` until its embeddings are handed out by
+A request holds references to its entries from their booking until its embeddings are handed out by
 `step` (or it is aborted): what it found cached cannot be evicted while its other items wait for their
 turn. Handed out, the embeddings are the caller's (the cache's tensors are never written again; an
 evicted entry only drops the cache's own reference), so nothing downstream holds anything here and no
@@ -19,11 +20,11 @@ may be called beside them, from any thread.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from mmserve.config import EncoderConfig
+from mmserve.encoder.booking import Miss, Pending, StepBooking
 from mmserve.encoder.cache import EncoderCache
 from mmserve.encoder.cache_manager import EncoderCacheManager
 from mmserve.encoder.lookups import Lookups
@@ -34,28 +35,13 @@ from mmserve.messages import MultiModalFeatureSpec, PhaseTimes, ProcessedItem
 from mmserve.models.base import VisionEncoder
 
 
-@dataclass(eq=False)
-class _Pending:
-    request_id: str
-    features: list[MultiModalFeatureSpec]
-    resolve: Resolver
-    early: bool = False  # an early encode (`add_request`): its lookups are not counted
-    next_index: int = 0  # features before it are booked (hit or allocated) for this request
-    arrived: float = field(default_factory=time.perf_counter)  # added to the stage (s, perf_counter)
-    timings: list[tuple[str, float]] = field(default_factory=list)  # steps that encoded its items, early too (ms)
-
-    @property
-    def done(self) -> bool:
-        return self.next_index == len(self.features)
-
-
 class EncoderStage:
     def __init__(self, runner: EncoderRunner, config: EncoderConfig | None = None) -> None:
         self.config = config or EncoderConfig()
         self.runner = runner
         self.manager = EncoderCacheManager(self.config.cache_capacity_tokens, self.config.compute_budget_tokens)
         self.cache = EncoderCache()
-        self._pending: dict[str, _Pending] = {}  # FIFO: insertion order is arrival order
+        self._pending: dict[str, Pending] = {}  # FIFO: insertion order is arrival order
         self._live: set[str] = set()  # pending: added and not yet handed out or aborted
         self.lookups = Lookups()
 
@@ -92,7 +78,7 @@ class EncoderStage:
             if sizes.setdefault(spec.identifier, spec.num_embeds) != spec.num_embeds:
                 raise ValueError(f"item {spec.identifier} appears with different num_embeds in one request")
         self.manager.validate_request(sizes)
-        self._pending[request_id] = _Pending(request_id, list(features), resolve, early)
+        self._pending[request_id] = Pending(request_id, list(features), resolve, early)
         self._live.add(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -120,7 +106,7 @@ class EncoderStage:
         (as a step's hit and hand-out would leave them).
 
         NOTE: such a request is served at once instead of after the forward under way and the misses queued
-        before it (strict FIFO is for what needs a forward). Its cache read comes before the early check: an
+        before it (the queue is for what needs a forward). Its cache read comes before the early check: an
         entry is marked early before its tensor is put."""
         found = self.cache.get_all(spec.identifier for spec in features)
         if found is None or not self.lookups.served([spec.identifier for spec in features]):
@@ -155,48 +141,17 @@ class EncoderStage:
             raise
         return self._collect_done()
 
-    def _schedule(self) -> list[tuple[_Pending, MultiModalFeatureSpec]]:
-        """Book items FIFO across requests until one miss does not fit; return the misses."""
-        # NOTE: strict FIFO — stopping at the first miss that does not fit (rather than letting
-        # later, smaller items through) keeps a large image from starving; at most one request is
-        # then partially booked, and validation guarantees it fits once earlier ones are handed out.
-        # NOTE: and no more crops than one forward takes (`max_batch_items`; an item with more runs alone),
-        # so a step ends, and its requests go on to the decoder, after one forward: on a CPU a batch of
-        # images costs the same per image as one alone, and waiting for the whole batch only delays all.
-        budget = self.config.compute_budget_tokens  # embedding rows left to encode this step
-        crops = 0  # crops booked this step
-        misses: list[tuple[_Pending, MultiModalFeatureSpec]] = []
-        for req in self._pending.values():
-            while not req.done:
-                spec = req.features[req.next_index]
-                hit = self.manager.check_and_update_cache(req.request_id, spec.identifier)
-                if not hit:
-                    self._hold_cached_rest(req)
-                    # NOTE: a step's first miss may take more than the budget and then runs alone, as an item
-                    # with more crops than one forward does (vLLM too raises its budget to the largest item)
-                    room = budget if misses else max(budget, spec.num_embeds)
-                    if (misses and crops + _num_tiles(spec) > self.runner.max_batch_items) or \
-                            not self.manager.can_allocate(spec.num_embeds, room):
-                        return misses
-                    self.manager.allocate(req.request_id, spec.identifier, spec.num_embeds)
-                    budget -= spec.num_embeds
-                    crops += _num_tiles(spec)
-                    misses.append((req, spec))
-                self._count(req, spec.identifier, hit)
-                req.next_index += 1
-        return misses
+    def _schedule(self) -> list[Miss]:
+        """Book the pending requests' items in turns (booking.py) under the step's limits; return the misses.
 
-    def _hold_cached_rest(self, req: _Pending) -> None:
-        """Reference the request's later items that are encoded now, before one of its misses makes room: the
-        room must not be made by evicting what the request itself is about to hit. NOTE: its distinct items fit
-        the cache together (checked at add), so holding them cannot keep its own misses out; one booked this step
-        is not held (its booker keeps it from eviction, and a reference would fail this request with its booker
-        should its encoding fail)."""
-        for spec in req.features[req.next_index + 1:]:
-            if spec.identifier in self.cache:
-                self.manager.check_and_update_cache(req.request_id, spec.identifier)
+        NOTE: no more crops than one forward takes (`max_batch_items`; an item with more runs alone), so a
+        step ends, and its requests go on to the decoder, after one forward: on a CPU a batch of images costs
+        the same per image as one alone, and waiting for the whole batch only delays all."""
+        booking = StepBooking(self.manager, self.cache.__contains__, self.config.compute_budget_tokens,
+                              self.runner.max_batch_items, self._count)
+        return booking.run(self._pending.values())
 
-    def _count(self, req: _Pending, identifier: str, hit: bool) -> None:
+    def _count(self, req: Pending, identifier: str, hit: bool) -> None:
         """The stats of one lookup (see `add_request` on early encodes)."""
         req.timings += self.lookups.looked_up(identifier, hit, req.early)
 
@@ -206,7 +161,7 @@ class EncoderStage:
         self.lookups.forget(freed)
         self.cache.drop(freed)
 
-    def _encode(self, misses: list[tuple[_Pending, MultiModalFeatureSpec]]) -> None:
+    def _encode(self, misses: list[Miss]) -> None:
         """Encode the step's misses into the cache; raise EncoderStepError naming only the requests whose
         own item failed (its pixels could not be read, or its forward failed alone).
 
@@ -316,7 +271,3 @@ def _step_phases(started: float, resolved_at: float) -> PhaseTimes:
     now = time.perf_counter()
     return (("encoder.pixels", (resolved_at - started) * 1e3), ("encoder.forward", (now - resolved_at) * 1e3))
 
-
-def _num_tiles(spec: MultiModalFeatureSpec) -> int:
-    """Crops the item's pixels hold (ProcessedItem and StoredItem both say); 1 if it carries none."""
-    return int(getattr(spec.data, "num_tiles", 1))

@@ -197,6 +197,59 @@ def test_a_step_holds_one_forward_of_crops_and_a_bigger_item_runs_alone_in_chunk
     assert stage.stats().batch_sizes == {2: 2, 1: 3}
 
 
+def test_a_one_image_request_shares_the_next_forward_with_an_eight_image_one_ahead_of_it() -> None:
+    """Items are booked in turns: the one-image request behind an eight-image prompt goes out after the first
+    forward, not after the prompt's every forward; the prompt's items keep their order and all come."""
+    stage = _stage(max_batch_items=4)
+    stage.add_request("big", [_spec(f"b{i}", _item(i)) for i in range(8)])
+    stage.add_request("one", [_spec("o", _item(20))])
+    assert [r.request_id for r in stage.step()] == ["one"]  # big's 3 items beside it
+    assert stage.step() == [] and [r.request_id for r in stage.step()] == ["big"]
+    assert stage.stats().batch_sizes == {4: 2, 1: 1}
+
+
+def test_started_requests_never_hold_the_room_each_other_needs() -> None:
+    """Two requests of two 4-row items each, in a cache of 10 rows: booked in turns without care, each would
+    hold one item and wait for the room the other holds, for ever. The second starts once the first's need
+    fits beside its own; both come, and the books end empty of references."""
+    stage = _stage(cache_capacity_tokens=10, max_batch_items=4)
+    stage.add_request("a", [_spec("a0", _item(0)), _spec("a1", _item(1))])
+    stage.add_request("b", [_spec("b0", _item(2)), _spec("b1", _item(3))])
+    done: list[str] = []
+    for _ in range(6):
+        done += [r.request_id for r in stage.step()]
+    assert done == ["a", "b"] and not stage.has_pending()
+    assert stage.manager.referencing_requests() == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_requests_over_a_tight_cache_all_come(seed: int) -> None:
+    """Random prompts of 1-4 items (shared between prompts at times, 1-3 crops each) over a cache barely above
+    the largest prompt: every request is handed out, within a bounded number of steps, and the books end with
+    no reference left and within capacity."""
+    rng = np.random.default_rng(seed)
+    stage = _stage(cache_capacity_tokens=int(rng.integers(16, 33)), compute_budget_tokens=int(rng.integers(4, 33)),
+                   max_batch_items=int(rng.integers(1, 6)))
+    pool = [(f"h{k}", int(rng.integers(1, 4))) for k in range(10)]  # (identifier, crops)
+    wanted: set[str] = set()
+    for r in range(int(rng.integers(2, 9))):
+        picks = rng.choice(len(pool), size=int(rng.integers(1, 5)), replace=True)
+        specs = [_spec(pool[k][0], _item(int(k), pool[k][1]), pool[k][1] * MM_TOKENS) for k in picks]
+        try:
+            stage.add_request(f"r{r}", specs)
+        except CapacityError:
+            continue
+        wanted.add(f"r{r}")
+    done: list[str] = []
+    for _ in range(200):
+        done += [r.request_id for r in stage.step()]
+        if not stage.has_pending():
+            break
+    assert sorted(done) == sorted(wanted)
+    assert stage.manager.referencing_requests() == []
+    assert stage.manager.num_cached_tokens <= stage.manager.capacity_tokens
+
+
 def test_an_item_over_the_compute_budget_is_its_steps_only_miss() -> None:
     """Pan-and-scan with many crops needs more rows than one step's budget: it runs, alone, never refused."""
     stage = _stage(compute_budget_tokens=2 * MM_TOKENS)
