@@ -73,9 +73,9 @@ def check_image_budget(spec: ModelSpec, config: DecoderConfig) -> None:
     """Refuse a step budget below one image's tokens (every request with an image would be refused, after its
     encode); warn where an image's tokens, computed in one step, may wait for running decodes to end.
 
-    NOTE: running sequences take their budget in arrival order, one token each while they decode; an image
-    whose tokens attend both ways goes whole into one step's chunk, so with fewer than the image's tokens left
-    after `max_num_seqs - 1` decodes it waits (0 tokens a step) until earlier sequences finish.
+    NOTE: a step's decodes take their budget first, one token each; an image whose tokens attend both ways goes
+    whole into one step's chunk, so with fewer than the image's tokens left after `max_num_seqs - 1` decodes,
+    the oldest prefill goes before the decodes (they wait that step: scheduler.py) and later prefills wait for it.
     """
     if not (spec.attention.bidirectional_images and spec.mm_tokens_per_image):
         return
@@ -86,5 +86,6 @@ def check_image_budget(spec: ModelSpec, config: DecoderConfig) -> None:
     needed = spec.mm_tokens_per_image + config.max_num_seqs - 1
     if config.max_num_batched_tokens < needed:
         log.warning("decoder.max_num_batched_tokens=%d is below an image's %d tokens plus max_num_seqs - 1 = %d "
-                    "decodes: an image's prefill may wait until earlier requests finish; set it to at least %d",
+                    "decodes: a step that computes an image may hold the decodes back, and a prompt's image may "
+                    "wait for earlier prompts' prefills; set it to at least %d",
                     config.max_num_batched_tokens, spec.mm_tokens_per_image, config.max_num_seqs - 1, needed)

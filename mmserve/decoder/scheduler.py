@@ -46,7 +46,7 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq]  # running ones (arrival order), then those admitted this step
+    scheduled: list[ScheduledSeq]  # running ones (decodes, then prefills: `schedule`), then those admitted
     preempted: list[str]  # request ids sent back to the queue this step (their blocks are freed)
     # sequences that lack embeddings their next chunks need (their items' placeholders were cached when
     # the request came, and the cache let them go since): (sequence, feature indices)
@@ -161,12 +161,14 @@ class Scheduler:
         NOTE: decodes before chunks: a long prompt's chunk, which takes all the budget it is left, would else
         stop every decode that arrived after it for as many steps as its prefill lasts (vLLM bounds the same
         with `long_prefill_token_threshold`). A chunk that must preempt takes the latest arrivals, as always,
-        and one already scheduled this step gives its tokens back.
+        and one already scheduled this step gives its tokens back. Only the oldest prefill goes first, when
+        its next image fits the whole budget and not what the decodes leave (a budget `check_image_budget`
+        warns of): else it would wait for as long as new chats keep arriving.
         """
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
-        for seq in sorted(self.running, key=_prefilling):  # NOTE: stable: arrival order within each kind
+        for seq in _step_order(self.running, budget):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier one's growth
@@ -343,3 +345,14 @@ def _arrival(seq: Sequence) -> int:
 def _prefilling(seq: Sequence) -> bool:
     """Whether a running `seq` has more than its next token to compute (a prefill's chunks, or a recompute)."""
     return seq.num_tokens - seq.num_computed_tokens > 1
+
+
+def _step_order(running: list[Sequence], budget: int) -> list[Sequence]:
+    """Decodes, then prefills, each in arrival order; the oldest prefill first if only that lets it move."""
+    order = sorted(running, key=_prefilling)  # NOTE: stable: arrival order within each kind
+    decodes = sum(not _prefilling(seq) for seq in running)
+    oldest = order[decodes] if decodes < len(order) else None
+    if oldest is not None and chunk_tokens(oldest, budget - decodes) == 0 < chunk_tokens(oldest, budget):
+        order.remove(oldest)
+        order.insert(0, oldest)
+    return order

@@ -65,12 +65,16 @@ class StepBooking:
         self._needs: dict[str, int] = {}  # started request -> rows it still needs and holds no reference to
 
     def run(self, pending: Iterable[Pending]) -> list[Miss]:
+        """NOTE: a request refused (its miss does not fit, or it may not start) stops the turns of those behind
+        it, not of those ahead: they go on booking in turns (else one refusal would leave them one item a
+        forward); none behind it passes it."""
         queue = list(pending)
         self._needs = {req.request_id: self._needed(req) for req in queue if req.started}
-        while any(not req.done for req in queue):
-            for req in queue:
-                if not req.done and not self._book_turn(req):
-                    return self.misses
+        while queue := [req for req in queue if not req.done]:
+            for i, req in enumerate(queue):
+                if not self._book_turn(req):
+                    queue = queue[:i]
+                    break
         return self.misses
 
     def _book_turn(self, req: Pending) -> bool:

@@ -77,7 +77,7 @@ def _alternates(req: Reader, spec: MultiModalFeatureSpec, waiting: list[Reader])
     """Other waiting requests' specs of the same item that carry other pixels than `spec`'s, each pixels once.
 
     NOTE: requests that share an item (the same content hash) may carry pixels of different makers, and the
-    stage books the item for the first of them only: when that one's maker is gone (or its copy is late),
+    stage books the item for the one whose turn comes first only: when that one's maker is gone (or its copy is late),
     another's pixels still serve, and no request fails for another's lost pixels.
     """
     found: list[Copy] = []

@@ -201,6 +201,21 @@ def test_a_long_prefills_chunks_take_what_the_decodes_leave_never_a_decode() -> 
         assert out.num_batched_tokens == 64 or seq_of(sched, "doc").num_computed_tokens == 300
 
 
+def test_the_oldest_prefills_image_goes_before_the_decodes_when_only_that_lets_it_move() -> None:
+    """A budget under an image plus the decodes (warned of at start): the image would wait after the decodes
+    for as long as new chats keep coming; the oldest prefill then goes first, and its prefill ends."""
+    sched = make_scheduler(budget=40, seqs=8, blocks=256)
+    d = Driver(sched)
+    sched.add(make_seq("doc", 60, spans=((20, 40),)))
+    for k in range(30):
+        if k % 3 == 0:
+            sched.add(make_seq(f"c{k}", 5, max_tokens=6, ignore_eos=True))
+        d.step()
+        if seq_of(sched, "doc").num_computed_tokens == 60:
+            break
+    assert seq_of(sched, "doc").num_computed_tokens == 60 and k <= 2
+
+
 def test_a_chunk_that_preempts_a_decode_scheduled_before_it_leaves_it_out_of_the_step() -> None:
     """Decodes go first; a prefill that arrived earlier and must grow preempts the latest arrival, which may be a
     decode this step already took: it leaves the step (its blocks are gone) and waits, as before."""

@@ -222,6 +222,17 @@ def test_started_requests_never_hold_the_room_each_other_needs() -> None:
     assert stage.manager.referencing_requests() == []
 
 
+def test_a_request_that_may_not_start_stops_those_behind_it_not_those_ahead() -> None:
+    """B cannot start beside A's need (a cache of 40 rows); A, ahead of it, still books all 8 items in turns
+    into one forward (one refusal must not leave it one item a forward), then B goes."""
+    stage = _stage(cache_capacity_tokens=40, compute_budget_tokens=32, max_batch_items=16)
+    stage.add_request("a", [_spec(f"a{i}", _item(i)) for i in range(8)])
+    stage.add_request("b", [_spec(f"b{i}", _item(50 + i)) for i in range(3)])
+    assert [r.request_id for r in stage.step()] == ["a"]
+    assert [r.request_id for r in stage.step()] == ["b"]
+    assert stage.stats().batch_sizes == {8: 1, 3: 1}
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_requests_over_a_tight_cache_all_come(seed: int) -> None:
     """Random prompts of 1-4 items (shared between prompts at times, 1-3 crops each) over a cache barely above
