@@ -73,9 +73,9 @@ def check_image_budget(spec: ModelSpec, config: DecoderConfig) -> None:
     """Refuse a step budget below one image's tokens (every request with an image would be refused, after its
     encode); warn where an image's tokens, computed in one step, may wait for running decodes to end.
 
-    NOTE: a step's decodes take their budget first, one token each; an image whose tokens attend both ways goes
-    whole into one step's chunk, so with fewer than the image's tokens left after `max_num_seqs - 1` decodes,
-    the oldest prefill goes before the decodes (they wait that step: scheduler.py) and later prefills wait for it.
+    NOTE: an image whose tokens attend both ways goes whole into one step's chunk; with fewer than the image's
+    tokens left after `max_num_seqs - 1` decodes, running sequences take the budget in arrival order
+    (`decodes_leave_room`), and a prompt's image waits until earlier requests finish.
     """
     if not (spec.attention.bidirectional_images and spec.mm_tokens_per_image):
         return
@@ -86,6 +86,14 @@ def check_image_budget(spec: ModelSpec, config: DecoderConfig) -> None:
     needed = spec.mm_tokens_per_image + config.max_num_seqs - 1
     if config.max_num_batched_tokens < needed:
         log.warning("decoder.max_num_batched_tokens=%d is below an image's %d tokens plus max_num_seqs - 1 = %d "
-                    "decodes: a step that computes an image may hold the decodes back, and a prompt's image may "
-                    "wait for earlier prompts' prefills; set it to at least %d",
+                    "decodes: an image's prefill may wait until earlier requests finish, and a long prompt's "
+                    "chunks hold back the decodes of later ones; set it to at least %d",
                     config.max_num_batched_tokens, spec.mm_tokens_per_image, config.max_num_seqs - 1, needed)
+
+
+def decodes_leave_room(spec: ModelSpec, config: DecoderConfig) -> bool:
+    """Whether a step's budget, after a decode for every seat but one, still holds a prefill's next chunk: one
+    token, or a whole image where images attend both ways. Then a step may take its decodes first (scheduler.py)
+    without stopping any prefill: the oldest one's chunk always fits what they leave."""
+    chunk = spec.mm_tokens_per_image if spec.attention.bidirectional_images and spec.mm_tokens_per_image else 1
+    return config.max_num_batched_tokens >= chunk + config.max_num_seqs - 1

@@ -19,7 +19,7 @@ import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
-from mmserve.decoder.chunking import check_image_budget, needs_items
+from mmserve.decoder.chunking import check_image_budget, decodes_leave_room, needs_items
 from mmserve.decoder.detokenizer import IncrementalDetokenizer, token_piece
 from mmserve.decoder.grammar import Grammars
 from mmserve.decoder.grammar_step import GrammarStep
@@ -80,7 +80,8 @@ class Decoder:
         self.pool = BlockPool(self.kv.num_pages)
         self.hasher = BlockHasher(spec.model_id, str(dtype), config.block_size)
         self.scheduler = Scheduler(config, self.pool, spec.attention, max_model_len=spec.max_model_len,
-                                   eos_token_ids=spec.eos_token_ids, hasher=self.hasher)
+                                   eos_token_ids=spec.eos_token_ids, hasher=self.hasher,
+                                   decodes_first=decodes_leave_room(spec, config))
         self.on_missing: MissingEmbeddings | None = None  # set by whoever can fetch embeddings (the service)
         kept = KeptGathers(self.kv, budget_bytes=config.kept_gathers_bytes, from_bytes=config.kept_gathers_min_bytes) \
             if config.kept_gathers_bytes else None

@@ -46,7 +46,7 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq]  # running ones (decodes, then prefills: `schedule`), then those admitted
+    scheduled: list[ScheduledSeq]  # running ones (decodes first, as `schedule` says), then those admitted
     preempted: list[str]  # request ids sent back to the queue this step (their blocks are freed)
     # sequences that lack embeddings their next chunks need (their items' placeholders were cached when
     # the request came, and the cache let them go since): (sequence, feature indices)
@@ -74,8 +74,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: DecoderConfig, block_pool: BlockPool, pattern: AttentionPattern,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], hasher: BlockHasher | None = None) -> None:
+                 max_model_len: int, eos_token_ids: tuple[int, ...], hasher: BlockHasher | None = None,
+                 decodes_first: bool = True) -> None:
         self.config = config
+        # NOTE: decodes before prefill chunks needs a budget that leaves a chunk room beside every decode
+        # (`chunking.decodes_leave_room`); below it running sequences take the budget in arrival order
+        self.decodes_first = decodes_first
         self.block_size = config.block_size
         self.pool = block_pool
         self.hasher = hasher if config.enable_prefix_caching else None  # None: no prefix caching
@@ -161,14 +165,14 @@ class Scheduler:
         NOTE: decodes before chunks: a long prompt's chunk, which takes all the budget it is left, would else
         stop every decode that arrived after it for as many steps as its prefill lasts (vLLM bounds the same
         with `long_prefill_token_threshold`). A chunk that must preempt takes the latest arrivals, as always,
-        and one already scheduled this step gives its tokens back. Only the oldest prefill goes first, when
-        its next image fits the whole budget and not what the decodes leave (a budget `check_image_budget`
-        warns of): else it would wait for as long as new chats keep arriving.
+        and one already scheduled this step gives its tokens back. With a budget that leaves no room for an
+        image beside every decode (`decodes_first` off) running sequences go in arrival order instead: a
+        prefill's image would else wait for as long as new chats keep arriving.
         """
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
-        for seq in _step_order(self.running, budget):
+        for seq in sorted(self.running, key=_prefilling) if self.decodes_first else list(self.running):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier one's growth
@@ -346,13 +350,3 @@ def _prefilling(seq: Sequence) -> bool:
     """Whether a running `seq` has more than its next token to compute (a prefill's chunks, or a recompute)."""
     return seq.num_tokens - seq.num_computed_tokens > 1
 
-
-def _step_order(running: list[Sequence], budget: int) -> list[Sequence]:
-    """Decodes, then prefills, each in arrival order; the oldest prefill first if only that lets it move."""
-    order = sorted(running, key=_prefilling)  # NOTE: stable: arrival order within each kind
-    decodes = sum(not _prefilling(seq) for seq in running)
-    oldest = order[decodes] if decodes < len(order) else None
-    if oldest is not None and chunk_tokens(oldest, budget - decodes) == 0 < chunk_tokens(oldest, budget):
-        order.remove(oldest)
-        order.insert(0, oldest)
-    return order

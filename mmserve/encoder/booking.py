@@ -9,8 +9,8 @@ keeps partly booked requests from holding each other's room (below). Does not ow
 NOTE: turns, not first come first served per request: an 8-image prompt of pan-and-scan crops booked whole
 before the next request would hold every single image behind it for all of its forwards; in turns, each
 request's next item goes into the same forward, so a one-image request is handed out after one forward.
-Requests still start in arrival order (a step stops at the first that may not), and none is passed over
-for good: a later arrival never starts before an earlier one.
+Requests still start in arrival order (a request refused its turn stops those behind it for the step, not
+those ahead), and none is passed over for good: a later arrival never starts before an earlier one.
 
 NOTE: a request references its items from their booking until it is handed out whole. Started requests
 that all wait for room each other holds would wait for ever; so a request starts only when the rows it

@@ -6,12 +6,13 @@ import itertools
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
 from mmserve.config import DecoderConfig
 from mmserve.decoder.block_pool import BlockPool
-from mmserve.decoder.chunking import check_image_budget
+from mmserve.decoder.chunking import check_image_budget, decodes_leave_room
 from mmserve.decoder.scheduler import Scheduler, SchedulerOutput
 from mmserve.decoder.sequence import Sequence, SequenceStatus
 from mmserve.errors import CapacityError, PromptTooLongError
@@ -26,9 +27,10 @@ TOKEN = 7  # what the fake model samples unless told otherwise
 
 
 def make_scheduler(*, budget: int = 64, seqs: int = 8, block_size: int = 4, blocks: int = 64,
-                   max_model_len: int = 1024) -> Scheduler:
+                   max_model_len: int = 1024, decodes_first: bool = True) -> Scheduler:
     return Scheduler(DecoderConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=block_size,
-                                   num_blocks=blocks), BlockPool(blocks), ONE_FULL_LAYER, max_model_len, EOS)
+                                   num_blocks=blocks), BlockPool(blocks), ONE_FULL_LAYER, max_model_len, EOS,
+                     decodes_first=decodes_first)
 
 
 def make_seq(rid: str, n: int, *, spans: tuple[tuple[int, int], ...] = (), **sampling) -> Sequence:
@@ -201,19 +203,19 @@ def test_a_long_prefills_chunks_take_what_the_decodes_leave_never_a_decode() -> 
         assert out.num_batched_tokens == 64 or seq_of(sched, "doc").num_computed_tokens == 300
 
 
-def test_the_oldest_prefills_image_goes_before_the_decodes_when_only_that_lets_it_move() -> None:
-    """A budget under an image plus the decodes (warned of at start): the image would wait after the decodes
-    for as long as new chats keep coming; the oldest prefill then goes first, and its prefill ends."""
-    sched = make_scheduler(budget=40, seqs=8, blocks=256)
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_a_budget_with_no_room_for_an_image_beside_the_decodes_serves_in_arrival_order(decodes_first: bool) -> None:
+    """A budget under an image plus the decodes (warned of at start): decodes first, the document's image would
+    wait for as long as new chats keep coming; such a Decoder serves its running sequences in arrival order."""
+    sched = make_scheduler(budget=40, seqs=8, blocks=256, decodes_first=decodes_first)
     d = Driver(sched)
     sched.add(make_seq("doc", 60, spans=((20, 40),)))
     for k in range(30):
         if k % 3 == 0:
             sched.add(make_seq(f"c{k}", 5, max_tokens=6, ignore_eos=True))
         d.step()
-        if seq_of(sched, "doc").num_computed_tokens == 60:
-            break
-    assert seq_of(sched, "doc").num_computed_tokens == 60 and k <= 2
+    doc = sched.get("doc")
+    assert (doc is None or doc.num_computed_tokens == 60) is not decodes_first  # None: it has even finished
 
 
 def test_a_chunk_that_preempts_a_decode_scheduled_before_it_leaves_it_out_of_the_step() -> None:
@@ -453,6 +455,15 @@ def test_a_budget_that_may_leave_an_image_waiting_is_warned_of(budget: int, warn
     with caplog.at_level(logging.WARNING, logger="mmserve.decoder.chunking"):
         check_image_budget(IMAGE_SPEC, DecoderConfig(max_num_batched_tokens=budget, max_num_seqs=8))
     assert ("at least 263" in caplog.text) is warned
+
+
+@pytest.mark.parametrize(("budget", "spec", "room"), [
+    (263, IMAGE_SPEC, True), (262, IMAGE_SPEC, False),  # an image beside 7 decodes
+    (8, replace(IMAGE_SPEC, attention=replace(ONE_FULL_LAYER, bidirectional_images=False)), True),
+    (7, replace(IMAGE_SPEC, attention=replace(ONE_FULL_LAYER, bidirectional_images=False)), False),  # a token
+])
+def test_decodes_go_first_only_where_the_budget_leaves_a_chunk_room(budget: int, spec: ModelSpec, room: bool) -> None:
+    assert decodes_leave_room(spec, DecoderConfig(max_num_batched_tokens=budget, max_num_seqs=8)) is room
 
 
 def test_a_budget_below_one_image_is_refused_at_start() -> None:
