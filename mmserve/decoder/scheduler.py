@@ -75,10 +75,11 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: DecoderConfig, block_pool: BlockPool, pattern: AttentionPattern,
                  max_model_len: int, eos_token_ids: tuple[int, ...], hasher: BlockHasher | None = None,
-                 decodes_first: bool = True) -> None:
+                 decodes_first: bool = False) -> None:
         self.config = config
         # NOTE: decodes before prefill chunks needs a budget that leaves a chunk room beside every decode
-        # (`chunking.decodes_leave_room`); below it running sequences take the budget in arrival order
+        # (`chunking.decodes_leave_room`, which the Decoder asks); else, and by default, running sequences take
+        # the budget in arrival order
         self.decodes_first = decodes_first
         self.block_size = config.block_size
         self.pool = block_pool

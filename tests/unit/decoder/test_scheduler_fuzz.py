@@ -111,10 +111,12 @@ def check_books(sched: Scheduler, pool: BlockPool) -> None:
     assert cache.free_pages == sum(len(e.pages) for e in cache.entries.values() if e.holders == 0)
 
 
+@pytest.mark.parametrize("decodes_first", [False, True])
 @pytest.mark.parametrize("window, blocks", [(6, 20), (3, 14), (9, 28)])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_load_keeps_the_books_and_the_kv_each_step_reads(seed: int, window: int, blocks: int) -> None:
-    _, misses = random_load(seed, window, blocks)
+def test_random_load_keeps_the_books_and_the_kv_each_step_reads(seed: int, window: int, blocks: int,
+                                                                decodes_first: bool) -> None:
+    _, misses = random_load(seed, window, blocks, decodes_first)
     assert misses > 0  # lost prefix hits' embeddings were asked for and supplied a step later
 
 
@@ -123,16 +125,18 @@ def test_the_tightest_pool_preempts_under_random_load() -> None:
     assert sum(random_load(seed, 3, 14)[0] for seed in range(6)) > 0
 
 
-def random_load(seed: int, window: int, blocks: int) -> tuple[int, int]:
+def random_load(seed: int, window: int, blocks: int, decodes_first: bool = False) -> tuple[int, int]:
     """One seeded run, its books and KV reads checked after every step -> (preemptions, sequences that lacked
-    embeddings at a step)."""
+    embeddings at a step); `decodes_first`: the scheduler's order (its budget leaves no image room beside the
+    decodes, so the Decoder would pick arrival order: both are run, for the books)."""
     rng, budget = random.Random(seed), 12
     layers = (SLIDING, SLIDING, FULL)
     pattern = AttentionPattern(layer_kinds=layers, sliding_window=window, bidirectional_images=True, scaling=1.0,
                                softcap=None)
     pool = BlockPool(blocks * len(layers))
     sched = Scheduler(DecoderConfig(max_num_seqs=4, max_num_batched_tokens=budget, block_size=BLOCK,
-                                    num_blocks=blocks), pool, pattern, 200, (1,), hasher=BlockHasher("m", "f32", BLOCK))
+                                    num_blocks=blocks), pool, pattern, 200, (1,), hasher=BlockHasher("m", "f32", BLOCK),
+                      decodes_first=decodes_first)
     load, added = Load(rng, budget), 0
     preemptions = misses = 0  # sequences sent back to the queue; admissions whose embeddings a lost hit needs
     shadow: Shadow = {}
