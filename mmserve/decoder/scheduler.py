@@ -160,8 +160,8 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work: running sequences first (their decodes, then their prefills' next chunks, each
-        in arrival order), then admit waiting ones.
+        """Pick this step's work: running sequences first (with `decodes_first` their decodes, then their
+        prefills' next chunks, each in arrival order; else in arrival order), then admit waiting ones.
 
         NOTE: decodes before chunks: a long prompt's chunk, which takes all the budget it is left, would else
         stop every decode that arrived after it for as many steps as its prefill lasts (vLLM bounds the same
