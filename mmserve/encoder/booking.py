@@ -1,16 +1,16 @@
 """Which items one encoder step books: the pending requests' next items, in turns, under the step's limits.
 
-Owns: the order of booking (rounds over the pending requests in arrival order, each taking its next
-cached items and at most one miss a round), when a step stops booking (a miss that does not fit its
-compute budget, its forward's crops or the cache; a request that may not start yet), and the rule that
+Owns: the order of booking (rounds over the pending requests, each taking its next cached items and at most
+one miss a round, beginning where the last step's turns ended), when a step stops booking (a miss that does
+not fit its compute budget, its forward's crops or the cache), which request may start, and the rule that
 keeps partly booked requests from holding each other's room (below). Does not own: the books themselves
 (`EncoderCacheManager`), the tensors, nor the forward (`EncoderStage`).
 
 NOTE: turns, not first come first served per request: an 8-image prompt of pan-and-scan crops booked whole
 before the next request would hold every single image behind it for all of its forwards; in turns, each
 request's next item goes into the same forward, so a one-image request is handed out after one forward.
-Requests still start in arrival order (a request refused its turn stops those behind it for the step, not
-those ahead), and none is passed over for good: a later arrival never starts before an earlier one.
+Requests still start in arrival order (only the oldest not yet started may start), and none is passed over
+for good: a later arrival never starts before an earlier one.
 
 NOTE: a request references its items from their booking until it is handed out whole. Started requests
 that all wait for room each other holds would wait for ever; so a request starts only when the rows it
@@ -63,26 +63,46 @@ class StepBooking:
         self.crops = 0  # crops booked this step
         self.misses: list[Miss] = []
         self._needs: dict[str, int] = {}  # started request -> rows it still needs and holds no reference to
+        self._arrival: list[Pending] = []  # the pending requests, in arrival order
 
-    def run(self, pending: Iterable[Pending]) -> list[Miss]:
-        """NOTE: a request refused (its miss does not fit, or it may not start) stops the turns of those behind
-        it, not of those ahead: they go on booking in turns (else one refusal would leave them one item a
-        forward); none behind it passes it."""
-        queue = list(pending)
-        self._needs = {req.request_id: self._needed(req) for req in queue if req.started}
-        while queue := [req for req in queue if not req.done]:
+    def run(self, pending: Iterable[Pending], after: float | None = None) -> list[Miss]:
+        """The step's misses; its turns begin with the first request that arrived after `after` (the arrival of
+        the last step's last miss's request; None: the oldest), round the queue.
+
+        NOTE: the turns go round from step to step, not only within one: a forward of one crop (a CPU's) holds
+        one miss, and the oldest request would else take it every step. A request whose miss does not fit stops
+        the turns of those after it this step, not of those before it: they go on booking in turns (else one
+        refusal would leave them one item a forward); the first turn of a step always books its miss. Only the
+        oldest request not yet started may start, when there is room for it; until then it and those after it
+        wait, and nobody else's turn stops for them.
+        """
+        self._arrival = list(pending)
+        self._needs = {req.request_id: self._needed(req) for req in self._arrival if req.started}
+        first = next((i for i, req in enumerate(self._arrival) if after is not None and req.arrived > after), 0)
+        queue = self._arrival[first:] + self._arrival[:first]
+        booked = True
+        while booked:  # NOTE: a round that books nothing ends the step (those left may not start yet)
+            booked, queue = False, [req for req in queue if not req.done]
             for i, req in enumerate(queue):
-                if not self._book_turn(req):
+                if not req.started and (req is not self._oldest_unstarted() or not self._may_start(req)):
+                    continue  # NOTE: waits for its elders' starts, or for room: it stops nobody's turn
+                before = req.next_index
+                turn = self._book_turn(req)
+                booked |= req.next_index > before
+                if not turn:
                     queue = queue[:i]
                     break
         return self.misses
+
+    @property
+    def last_arrival(self) -> float | None:
+        """The arrival of the request whose miss this step booked last (None: it booked none)."""
+        return self.misses[-1][0].arrived if self.misses else None
 
     def _book_turn(self, req: Pending) -> bool:
         """Book `req`'s next items up to and including one miss; False when the step books no more."""
         while not req.done:
             spec = req.features[req.next_index]
-            if not req.started and not self._may_start(req):
-                return False
             hit = self.manager.check_and_update_cache(req.request_id, spec.identifier)
             if not hit:
                 self._hold_cached_rest(req)
@@ -110,6 +130,9 @@ class StepBooking:
         self.crops += tiles
         self.misses.append((req, spec))
         return True
+
+    def _oldest_unstarted(self) -> Pending | None:
+        return next((req for req in self._arrival if req.next_index == 0 and not req.done), None)
 
     def _may_start(self, req: Pending) -> bool:
         """Whether what no request holds (free or evictable rows) has room for every row `req` needs beside

@@ -43,6 +43,7 @@ class EncoderStage:
         self.cache = EncoderCache()
         self._pending: dict[str, Pending] = {}  # FIFO: insertion order is arrival order
         self._live: set[str] = set()  # pending: added and not yet handed out or aborted
+        self._turns_after: float | None = None  # the next step's turns begin after this arrival (booking.py)
         self.lookups = Lookups()
 
     @classmethod
@@ -149,7 +150,9 @@ class EncoderStage:
         the same per image as one alone, and waiting for the whole batch only delays all."""
         booking = StepBooking(self.manager, self.cache.__contains__, self.config.compute_budget_tokens,
                               self.runner.max_batch_items, self._count)
-        return booking.run(self._pending.values())
+        misses = booking.run(self._pending.values(), self._turns_after)
+        self._turns_after = booking.last_arrival if misses else self._turns_after
+        return misses
 
     def _count(self, req: Pending, identifier: str, hit: bool) -> None:
         """The stats of one lookup (see `add_request` on early encodes)."""

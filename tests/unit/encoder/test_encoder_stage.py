@@ -222,9 +222,22 @@ def test_started_requests_never_hold_the_room_each_other_needs() -> None:
     assert stage.manager.referencing_requests() == []
 
 
-def test_a_request_that_may_not_start_stops_those_behind_it_not_those_ahead() -> None:
-    """B cannot start beside A's need (a cache of 40 rows); A, ahead of it, still books all 8 items in turns
-    into one forward (one refusal must not leave it one item a forward), then B goes."""
+def test_turns_go_round_from_step_to_step_where_a_forward_holds_one_crop() -> None:
+    """A CPU's forward takes one crop: within a step there is one turn, so the turns go round across steps; the
+    one-image request behind an eight-image one goes out after the second forward, not the ninth."""
+    stage = _stage(max_batch_items=1)
+    stage.add_request("big", [_spec(f"b{i}", _item(i)) for i in range(8)])
+    stage.add_request("one", [_spec("o", _item(20))])
+    assert stage.step() == [] and [r.request_id for r in stage.step()] == ["one"]
+    out: list[str] = []
+    for _ in range(7):
+        out += [r.request_id for r in stage.step()]
+    assert out == ["big"] and stage.stats().batch_sizes == {1: 9}
+
+
+def test_a_request_that_may_not_start_yet_stops_no_one_elses_turns() -> None:
+    """B cannot start beside A's need (a cache of 40 rows); A still books all 8 items in turns into one forward
+    (B's wait must not leave it one item a forward), then B goes."""
     stage = _stage(cache_capacity_tokens=40, compute_budget_tokens=32, max_batch_items=16)
     stage.add_request("a", [_spec(f"a{i}", _item(i)) for i in range(8)])
     stage.add_request("b", [_spec(f"b{i}", _item(50 + i)) for i in range(3)])
@@ -254,6 +267,8 @@ def test_random_requests_over_a_tight_cache_all_come(seed: int) -> None:
     done: list[str] = []
     for _ in range(200):
         done += [r.request_id for r in stage.step()]
+        started = [req.next_index > 0 for req in stage._pending.values()]  # arrival order
+        assert started == sorted(started, reverse=True), "a request started before an older one"
         if not stage.has_pending():
             break
     assert sorted(done) == sorted(wanted)
