@@ -1,7 +1,7 @@
 """Which items one encoder step books: the pending requests' next items, in turns, under the step's limits.
 
 Owns: the order of booking (rounds over the pending requests, each taking its next cached items and at most
-one miss a round, beginning where the last step's turns ended), when a step stops booking (a miss that does
+one miss a round, in the stage's turn order), when a step stops booking (a miss that does
 not fit its compute budget, its forward's crops or the cache), which request may start, and the rule that
 keeps partly booked requests from holding each other's room (below). Does not own: the books themselves
 (`EncoderCacheManager`), the tensors, nor the forward (`EncoderStage`).
@@ -65,9 +65,10 @@ class StepBooking:
         self._needs: dict[str, int] = {}  # started request -> rows it still needs and holds no reference to
         self._arrival: list[Pending] = []  # the pending requests, in arrival order
 
-    def run(self, pending: Iterable[Pending], after: float | None = None) -> list[Miss]:
-        """The step's misses; its turns begin with the first request that arrived after `after` (the arrival of
-        the last step's last miss's request; None: the oldest), round the queue.
+    def run(self, turns: list[Pending], arrival: Iterable[Pending]) -> list[Miss]:
+        """The step's misses, its rounds visiting the pending requests in `turns` order (the stage's: a new
+        request at the back, and after each step those up to its last miss's request moved behind the rest);
+        `arrival`: the same requests in arrival order.
 
         NOTE: the turns go round from step to step, not only within one: a forward of one crop (a CPU's) holds
         one miss, and the oldest request would else take it every step. A request whose miss does not fit stops
@@ -76,10 +77,9 @@ class StepBooking:
         oldest request not yet started may start, when there is room for it; until then it and those after it
         wait, and nobody else's turn stops for them.
         """
-        self._arrival = list(pending)
+        self._arrival = list(arrival)
         self._needs = {req.request_id: self._needed(req) for req in self._arrival if req.started}
-        first = next((i for i, req in enumerate(self._arrival) if after is not None and req.arrived > after), 0)
-        queue = self._arrival[first:] + self._arrival[:first]
+        queue = list(turns)
         booked = True
         while booked:  # NOTE: a round that books nothing ends the step (those left may not start yet)
             booked, queue = False, [req for req in queue if not req.done]
@@ -93,11 +93,6 @@ class StepBooking:
                     queue = queue[:i]
                     break
         return self.misses
-
-    @property
-    def last_arrival(self) -> float | None:
-        """The arrival of the request whose miss this step booked last (None: it booked none)."""
-        return self.misses[-1][0].arrived if self.misses else None
 
     def _book_turn(self, req: Pending) -> bool:
         """Book `req`'s next items up to and including one miss; False when the step books no more."""

@@ -43,7 +43,7 @@ class EncoderStage:
         self.cache = EncoderCache()
         self._pending: dict[str, Pending] = {}  # FIFO: insertion order is arrival order
         self._live: set[str] = set()  # pending: added and not yet handed out or aborted
-        self._turns_after: float | None = None  # the next step's turns begin after this arrival (booking.py)
+        self._turns: list[str] = []  # pending request ids in turn order (booking.py): a new one at the back
         self.lookups = Lookups()
 
     @classmethod
@@ -80,6 +80,7 @@ class EncoderStage:
                 raise ValueError(f"item {spec.identifier} appears with different num_embeds in one request")
         self.manager.validate_request(sizes)
         self._pending[request_id] = Pending(request_id, list(features), resolve, early)
+        self._turns.append(request_id)
         self._live.add(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -150,8 +151,13 @@ class EncoderStage:
         the same per image as one alone, and waiting for the whole batch only delays all."""
         booking = StepBooking(self.manager, self.cache.__contains__, self.config.compute_budget_tokens,
                               self.runner.max_batch_items, self._count)
-        misses = booking.run(self._pending.values(), self._turns_after)
-        self._turns_after = booking.last_arrival if misses else self._turns_after
+        # NOTE: turns by request, not by arrival time: a request that arrives later waits behind every request
+        # already pending, however the turns stood
+        self._turns = list(dict.fromkeys(rid for rid in self._turns if rid in self._pending))
+        misses = booking.run([self._pending[rid] for rid in self._turns], self._pending.values())
+        if misses:  # those up to the last miss's request go behind the rest
+            k = self._turns.index(misses[-1][0].request_id)
+            self._turns = self._turns[k + 1:] + self._turns[:k + 1]
         return misses
 
     def _count(self, req: Pending, identifier: str, hit: bool) -> None:

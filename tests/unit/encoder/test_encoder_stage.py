@@ -235,6 +235,19 @@ def test_turns_go_round_from_step_to_step_where_a_forward_holds_one_crop() -> No
     assert out == ["big"] and stage.stats().batch_sizes == {1: 9}
 
 
+def test_a_started_request_keeps_its_turns_while_new_ones_keep_arriving() -> None:
+    """A new request waits behind every request already pending, however the turns stood: with one arriving
+    before every step, the 4-image request started first shares the forwards (of one crop) in turns with those
+    pending beside it and goes out within 12, not never (turns keyed by arrival put each newcomer first)."""
+    stage = _stage(max_batch_items=1)
+    stage.add_request("big", [_spec(f"b{i}", _item(i)) for i in range(4)])
+    out: list[str] = []
+    for k in range(12):
+        stage.add_request(f"new{k}", [_spec(f"n{k}", _item(30 + k))])
+        out += [r.request_id for r in stage.step()]
+    assert "big" in out
+
+
 def test_a_request_that_may_not_start_yet_stops_no_one_elses_turns() -> None:
     """B cannot start beside A's need (a cache of 40 rows); A still books all 8 items in turns into one forward
     (B's wait must not leave it one item a forward), then B goes."""
