@@ -73,9 +73,8 @@ class StepBooking:
         NOTE: the turns go round from step to step, not only within one: a forward of one crop (a CPU's) holds
         one miss, and the oldest request would else take it every step. A request whose miss does not fit stops
         the turns of those after it this step, not of those before it: they go on booking in turns (else one
-        refusal would leave them one item a forward); the first turn of a step always books its miss. Only the
-        oldest request not yet started may start, when there is room for it; until then it and those after it
-        wait, and nobody else's turn stops for them.
+        refusal would leave them one item a forward). Only the oldest request not yet started may start, when
+        there is room for it; until then it and those after it wait, and nobody else's turn stops for them.
         """
         self._arrival = list(arrival)
         self._needs = {req.request_id: self._needed(req) for req in self._arrival if req.started}

@@ -43,7 +43,7 @@ class EncoderStage:
         self.cache = EncoderCache()
         self._pending: dict[str, Pending] = {}  # FIFO: insertion order is arrival order
         self._live: set[str] = set()  # pending: added and not yet handed out or aborted
-        self._turns: list[str] = []  # pending request ids in turn order (booking.py): a new one at the back
+        self._turns: dict[str, None] = {}  # pending request ids in turn order (booking.py): a new one at the back
         self.lookups = Lookups()
 
     @classmethod
@@ -80,13 +80,14 @@ class EncoderStage:
                 raise ValueError(f"item {spec.identifier} appears with different num_embeds in one request")
         self.manager.validate_request(sizes)
         self._pending[request_id] = Pending(request_id, list(features), resolve, early)
-        self._turns.append(request_id)
+        self._turns[request_id] = None
         self._live.add(request_id)
 
     def abort(self, request_id: str) -> None:
         """Drop a request before its embeddings come (its caller left): its queue entry and references.
         Idempotent; a no-op once its embeddings were handed out."""
         self._pending.pop(request_id, None)
+        self._turns.pop(request_id, None)  # NOTE: the id may come again, then at the back
         self._live.discard(request_id)
         self.manager.free_request(request_id)
 
@@ -153,11 +154,11 @@ class EncoderStage:
                               self.runner.max_batch_items, self._count)
         # NOTE: turns by request, not by arrival time: a request that arrives later waits behind every request
         # already pending, however the turns stood
-        self._turns = list(dict.fromkeys(rid for rid in self._turns if rid in self._pending))
         misses = booking.run([self._pending[rid] for rid in self._turns], self._pending.values())
         if misses:  # those up to the last miss's request go behind the rest
-            k = self._turns.index(misses[-1][0].request_id)
-            self._turns = self._turns[k + 1:] + self._turns[:k + 1]
+            turns = list(self._turns)
+            k = turns.index(misses[-1][0].request_id)
+            self._turns = dict.fromkeys(turns[k + 1:] + turns[:k + 1])
         return misses
 
     def _count(self, req: Pending, identifier: str, hit: bool) -> None:

@@ -248,6 +248,17 @@ def test_a_started_request_keeps_its_turns_while_new_ones_keep_arriving() -> Non
     assert "big" in out
 
 
+def test_an_id_aborted_and_added_again_takes_its_turn_at_the_back() -> None:
+    """An id comes again after an abort (a retry under the same id): it is a new request, behind those pending."""
+    stage = _stage(max_batch_items=1)
+    for rid in ("x", "a", "b"):
+        stage.add_request(rid, [_spec(f"{rid}0", _item(ord(rid)))])
+    stage.abort("x")
+    stage.add_request("x", [_spec("x1", _item(99))])
+    assert list(stage._turns) == ["a", "b", "x"]
+    assert [r.request_id for _ in range(3) for r in stage.step()] == ["a", "b", "x"]
+
+
 def test_a_request_that_may_not_start_yet_stops_no_one_elses_turns() -> None:
     """B cannot start beside A's need (a cache of 40 rows); A still books all 8 items in turns into one forward
     (B's wait must not leave it one item a forward), then B goes."""
