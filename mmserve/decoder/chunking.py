@@ -83,17 +83,23 @@ def check_image_budget(spec: ModelSpec, config: DecoderConfig) -> None:
         raise ValueError(f"decoder.max_num_batched_tokens={config.max_num_batched_tokens} is below one image's "
                          f"{spec.mm_tokens_per_image} tokens, which attend both ways and so are computed in one step: "
                          "no request with an image could be served")
-    needed = spec.mm_tokens_per_image + config.max_num_seqs - 1
-    if config.max_num_batched_tokens < needed:
+    if not decodes_leave_room(spec, config):
         log.warning("decoder.max_num_batched_tokens=%d is below an image's %d tokens plus max_num_seqs - 1 = %d "
                     "decodes: an image's prefill may wait until earlier requests finish, and a long prompt's "
                     "chunks hold back the decodes of later ones; set it to at least %d",
-                    config.max_num_batched_tokens, spec.mm_tokens_per_image, config.max_num_seqs - 1, needed)
+                    config.max_num_batched_tokens, spec.mm_tokens_per_image, config.max_num_seqs - 1,
+                    _room_needed(spec, config))
 
 
 def decodes_leave_room(spec: ModelSpec, config: DecoderConfig) -> bool:
     """Whether a step's budget, after a decode for every seat but one, still holds a prefill's next chunk: one
     token, or a whole image where images attend both ways. Then a step may take its decodes first (scheduler.py)
     without stopping any prefill: the oldest one's chunk always fits what they leave."""
+    return config.max_num_batched_tokens >= _room_needed(spec, config)
+
+
+def _room_needed(spec: ModelSpec, config: DecoderConfig) -> int:
+    """A prefill's largest next chunk (an image's tokens where they attend both ways, else one) beside a decode
+    for every other seat (tokens)."""
     chunk = spec.mm_tokens_per_image if spec.attention.bidirectional_images and spec.mm_tokens_per_image else 1
-    return config.max_num_batched_tokens >= chunk + config.max_num_seqs - 1
+    return chunk + config.max_num_seqs - 1
