@@ -20,8 +20,7 @@ from mmserve.messages import MultiModalFeatureSpec, PreprocessedRequest
 from mmserve.runtime import affinity
 from mmserve.runtime.affinity import Decision, PrefixIndex, overloaded, owner
 
-PENDING_BOUND = 4096  # requests being routed whose hashes are kept until routed (requests)
-PENDING_HASHES = 1 << 20  # block hashes kept for them in all (a 32k-token prompt has 2,048)
+PENDING_BOUND = 4096  # requests being routed whose first decision is kept until routed (requests)
 # calls that carry a routing key (an early encode goes where its request's encode will)
 ROUTED_METHODS = {"Encoder": ("encode", "encode_early"), "Decoder": ("generate",)}
 
@@ -58,9 +57,13 @@ class _AffinityRouter(RequestRouter):
         if request_id in self._decided:
             return
         self._decided[request_id] = decision
+        # NOTE: bounded: a request cancelled before it was routed never comes back here (Serve has no hook for it)
         while len(self._decided) > PENDING_BOUND:
             self._decided.popitem(last=False)
         affinity.DECISIONS.add(self.deployment, decision)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._decided.pop(pending_request.metadata.internal_request_id, None)  # NOTE: accepted: never asked again
 
 
 class EncoderAffinityRouter(_AffinityRouter):
@@ -82,25 +85,14 @@ class DecoderAffinityRouter(_AffinityRouter):
 
     deployment = "Decoder"
 
-    def initialize_state(self, load_margin: int = 4, index_blocks: int = 65536, pending_hashes: int = PENDING_HASHES,
-                         **kwargs: Any) -> None:
+    def initialize_state(self, load_margin: int = 4, index_blocks: int = 65536, **kwargs: Any) -> None:
         super().initialize_state(load_margin)
         self.index = PrefixIndex(index_blocks)
-        self.pending_hashes = pending_hashes  # the bound on `_pending`'s hashes
-        self._pending: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()  # internal request id -> its hashes
-        self._pending_hashes = 0  # hashes in `_pending`
 
     def preferred(self, request: PendingRequest, loads: dict[str, int | None]) -> tuple[str | None, Decision]:
-        pre = request.args[0] if request.args else request.kwargs.get("request")
-        hashes = pre.block_hashes if isinstance(pre, PreprocessedRequest) else ()
+        hashes = _block_hashes(request)
         if not hashes:
             return None, "no_key"
-        self._forget(request.metadata.internal_request_id)  # NOTE: Serve asks again on each pass of its loop
-        self._pending[request.metadata.internal_request_id] = hashes
-        self._pending_hashes += len(hashes)
-        # NOTE: bounded in requests and hashes: a request cancelled before it was routed never comes back here
-        while len(self._pending) > PENDING_BOUND or self._pending_hashes > self.pending_hashes:
-            self._forget(next(iter(self._pending)))
         tied, _ = self.index.best(hashes, list(loads))
         if not tied:
             return None, "no_match"
@@ -108,15 +100,10 @@ class DecoderAffinityRouter(_AffinityRouter):
         return min(tied, key=lambda r: (loads[r] or 0, random.random())), "affinity"
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        hashes = self._forget(pending_request.metadata.internal_request_id)
+        super().on_request_routed(pending_request, replica_id, result)
+        hashes = _block_hashes(pending_request)  # NOTE: read from the request itself: nothing kept until routed
         if hashes:
             self.index.record(replica_id.unique_id, hashes)
-
-    def _forget(self, request_id: str) -> tuple[bytes, ...]:
-        """A pending request's hashes, no longer kept (none if it had none here)."""
-        hashes = self._pending.pop(request_id, ())
-        self._pending_hashes -= len(hashes)
-        return hashes
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         self.index.retain({r.replica_id.unique_id for r in replicas})  # scaled down: their entries go
@@ -125,3 +112,9 @@ class DecoderAffinityRouter(_AffinityRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.index.forget(replica_id.unique_id)
         super().on_replica_actor_died(replica_id)
+
+
+def _block_hashes(request: PendingRequest) -> tuple[bytes, ...]:
+    """A `generate` call's prompt block hashes (none for another call)."""
+    pre = request.args[0] if request.args else request.kwargs.get("request")
+    return pre.block_hashes if isinstance(pre, PreprocessedRequest) else ()

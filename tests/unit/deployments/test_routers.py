@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from deployments import routers
 from deployments.routers import DecoderAffinityRouter, EncoderAffinityRouter
 from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, PreprocessedRequest, SamplingParams
 from mmserve.runtime.affinity import DECISIONS, owner
@@ -78,12 +79,13 @@ def test_a_decode_follows_its_prompts_blocks_to_where_they_were_sent() -> None:
 
     first = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1", b"h2"), rid="t1")))
     assert len(first) == 1  # nothing known yet: the least loaded of two
-    r.on_request_routed(request("generate", rid="t1"), cands[1].replica_id, None)  # it went to "b"
+    r.on_request_routed(request("generate", pre(b"h1", b"h2"), rid="t1"), cands[1].replica_id, None)  # to "b"
     turn2 = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1", b"h2", b"h3"), rid="t2")))
     assert names(turn2)[0] == ["b"]
     stranger = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"x1"), rid="t3")))
     assert len(stranger) == 1
-    r.on_request_routed(request("generate", rid="t2"), cands[0].replica_id, None)  # both hold h1, h2 now
+    r.on_request_routed(request("generate", pre(b"h1", b"h2", b"h3"), rid="t2"), cands[0].replica_id,
+                        None)  # both hold h1, h2 now
     r._replica_queue_len_cache = Loads({"a": 3, "b": 0})
     shared = asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1", b"h2"), rid="t5")))
     assert names(shared)[0] == ["b"]  # a prefix both hold: the less loaded of them
@@ -91,15 +93,24 @@ def test_a_decode_follows_its_prompts_blocks_to_where_they_were_sent() -> None:
     assert names(asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1"), rid="t4"))))[0] == ["a"]
 
 
-def test_the_hashes_of_requests_never_routed_are_bounded_in_number() -> None:
-    """A request cancelled before it was routed never comes back: its hashes must not stay without bound."""
+def test_requests_never_routed_leave_a_bounded_decision_and_a_routed_one_nothing(monkeypatch) -> None:
+    """A request cancelled before it was routed never comes back (Serve has no hook for it): nothing of it may
+    stay without bound; a routed one's hashes go to the index, read from the routed request itself."""
+    monkeypatch.setattr(routers, "PENDING_BOUND", 3)
     cands = replicas("a", "b")
-    r = router(DecoderAffinityRouter, {"a": 0, "b": 0}, load_margin=4, index_blocks=100, pending_hashes=10)
-    for i in range(5):  # four hashes each; asked twice each, as Serve's loop may
-        pre = PreprocessedRequest("p", [1] * 64, [], SamplingParams(), block_hashes=tuple(b"h%d%d" % (i, j)
-                                                                                          for j in range(4)))
+    r = router(DecoderAffinityRouter, {"a": 0, "b": 0}, load_margin=4, index_blocks=100)
+
+    def pre(i: int) -> PreprocessedRequest:
+        return PreprocessedRequest("p", [1] * 64, [], SamplingParams(), block_hashes=(b"h%d" % i, b"g%d" % i))
+
+    for i in range(5):  # asked twice each, as Serve's loop may
         for _ in range(2):
-            asyncio.run(r.choose_replicas(cands, request("generate", pre, rid=f"c{i}")))
-    assert list(r._pending) == ["c3", "c4"] and r._pending_hashes == 8
-    r.on_request_routed(request("generate", rid="c4"), cands[0].replica_id, None)
-    assert list(r._pending) == ["c3"] and r._pending_hashes == 4
+            asyncio.run(r.choose_replicas(cands, request("generate", pre(i), rid=f"c{i}")))
+    assert list(r._decided) == ["c2", "c3", "c4"]
+    assert not r.index.best(pre(3).block_hashes, ["a", "b"])[0]  # only a routed request's blocks are noted
+    r.on_request_routed(request("generate", pre(3), rid="c3"), cands[1].replica_id, None)
+    assert list(r._decided) == ["c2", "c4"]
+    assert r.index.best(pre(3).block_hashes, ["a", "b"])[0] == ["b"]
+    assert set(vars(r)) <= {"load_margin", "_decided", "index", "_replica_queue_len_cache"}  # no other map to leak
+
+
