@@ -27,6 +27,7 @@ from mmserve.decoder.stats import DecoderStats
 from mmserve.decoder.stream_pacing import StreamPacing
 from mmserve.errors import OverloadedError
 from mmserve.messages import DecodeRequest, PreprocessedRequest, RequestOutput, merge_outputs
+from mmserve.runtime.device_errors import device_fatal
 from mmserve.runtime.shared_cores import SharedCores
 from mmserve.runtime.step_loop import StepLoop
 from mmserve.runtime.timeline import Timeline
@@ -59,7 +60,8 @@ class DecoderService:
         self.max_waiting = max_waiting  # requests accepted but not running; None = unbounded
         self.pacing = pacing or StreamPacing()  # how often a request's outputs go, the first at once
         self._streams = 0  # requests streaming now: past their first output, not final_only
-        self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder")
+        self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder",
+                             fatal=device_fatal)
         self._live: dict[str, _Live] = {}
         self._reserved: set[str] = set()  # the ids of the requests with n > 1 being served and of their choices
         self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder

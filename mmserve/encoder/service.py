@@ -19,6 +19,7 @@ import torch
 from mmserve.encoder.outputs import Resolver, inline_pixels
 from mmserve.encoder.stage import EncoderStage
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, PhaseTimes
+from mmserve.runtime.device_errors import device_fatal
 from mmserve.runtime.shared_cores import cpu_host
 from mmserve.runtime.step_loop import StepLoop
 
@@ -30,7 +31,7 @@ class EncoderService:
         self.stage = stage
         self.resolve = resolve
         self.loop = StepLoop(stage.step, stage.has_pending, stage.abort_all, batch_wait_s=batch_wait_s,
-                             name="mmserve-encoder")
+                             name="mmserve-encoder", fatal=device_fatal)
         self._early: set[asyncio.Task] = set()  # early encodes under way (held: the loop keeps weak references)
 
     async def encode(self, request_id: str, features: list[MultiModalFeatureSpec], early: bool = False

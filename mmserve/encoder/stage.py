@@ -33,6 +33,7 @@ from mmserve.encoder.pixel_reads import read_misses
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.messages import MultiModalFeatureSpec, PhaseTimes, ProcessedItem
 from mmserve.models.base import VisionEncoder
+from mmserve.runtime.device_errors import device_fatal
 
 
 class EncoderStage:
@@ -185,6 +186,8 @@ class EncoderStage:
         try:
             encoded = self._forward(resolved)
         except Exception as exc:
+            if device_fatal(exc):
+                raise  # NOTE: every forward after it fails too: the step loop ends and the replica is replaced
             alone: list[tuple[MultiModalFeatureSpec, BaseException]] = [(resolved[0][0], exc)]
             if len(resolved) == 1:  # alone already: it failed by itself
                 encoded = []
@@ -225,6 +228,8 @@ class EncoderStage:
             try:
                 encoded += self._forward([one])
             except Exception as exc:
+                if device_fatal(exc):
+                    raise
                 failures.append((one[0], exc))
         return encoded, failures
 

@@ -10,7 +10,8 @@ Failure contract: an action's exception fails its request only. A step's excepti
 `request_ids` attribute fails those requests only (the stage has already dropped them), and the outputs it
 carries (`outputs`: what the step finished for others) are delivered as a step's would be; any other
 step exception fails every waiting request and calls `abort_all`, and the loop carries on (if `abort_all`
-raises too, the stage's books are broken and the thread ends, as below). A step's outputs
+raises too, the stage's books are broken and the thread ends, as below), unless `fatal` says the exception
+left the stage unable to step again (an accelerator fault): then, its requests failed, the thread ends. A step's outputs
 and failures reach a consumer only once an action submitted for its channel (its add) has run: an id opened
 again right after an abort does not receive what a step or an older action of the old request brings.
 
@@ -53,8 +54,10 @@ class StepLoop:
         *,
         batch_wait_s: float = 0.0,  # seconds to wait for company after waking up idle
         name: str = "mmserve-step-loop",
+        fatal: Callable[[BaseException], bool] = lambda exc: False,  # a step error after which none can succeed
     ):
         self._step, self._has_work, self._abort_all = step, has_work, abort_all
+        self._fatal = fatal
         self.batch_wait_s = batch_wait_s
         self.name = name
         self._channels: dict[str, OutputChannel] = {}  # request id -> its outputs, to its consumer's loop
@@ -254,6 +257,8 @@ class StepLoop:
                     self._deliver(out.request_id, out, from_step=True)
                 for request_id in named or ():
                     self._deliver(request_id, RequestFailed(request_id, exc), from_step=True)
+            if self._fatal(exc):
+                raise  # NOTE: the thread ends (`_run`): every later step would fail too; check_health reports it
             return
         finally:
             self._step_started = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -403,6 +404,27 @@ def test_a_request_that_breaks_the_decoder_step_fails_alone_and_the_rest_match_a
         assert [t for o in outs for t in o.new_token_ids] == ref.token_ids  # greedy: as when served alone
     stats = engine.decoder.stats()
     assert stats.running == 0 and stats.free_blocks == stats.total_blocks and "bad" not in engine.decoder.request_ids()
+
+
+def test_an_accelerator_fault_in_a_step_is_raised_not_run_again_item_by_item(engine):
+    """A CUDA fault is sticky (every later call fails too): re-running the batch item by item would only fail
+    each request as if it were its own fault, and the replica would go on failing every request; raised, it
+    ends the step loop, whose health check then has the replica replaced (tests/unit/runtime)."""
+    runner = engine.decoder.runner
+    execute = runner.execute
+    calls: list[int] = []
+
+    def faulty(scheduled):
+        calls.append(len(scheduled))
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    runner.execute = faulty
+    try:
+        with pytest.raises(torch.AcceleratorError):
+            engine.decoder._execute([(SimpleNamespace(request_id="a"), 1), (SimpleNamespace(request_id="b"), 1)])
+    finally:
+        runner.execute = execute
+    assert calls == [2]
 
 
 def test_the_image_token_is_never_sampled_and_a_sampled_one_would_not_break_the_step(engine):

@@ -617,6 +617,22 @@ def test_an_item_that_breaks_its_batch_fails_alone_and_the_others_match_alone() 
     assert "z" not in stage.manager and stage.manager.referencing_requests() == []
 
 
+def test_an_accelerator_fault_is_raised_not_run_again_item_by_item() -> None:
+    """A CUDA fault is sticky: each item alone would fail too, as if each were bad; raised, it ends the loop."""
+    calls: list[int] = []
+
+    def faulty(px: torch.Tensor) -> torch.Tensor:
+        calls.append(px.shape[0])
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    stage = _stage(faulty)
+    stage.add_request("r1", [_spec("a", _item(1))])
+    stage.add_request("r2", [_spec("b", _item(2))])
+    with pytest.raises(torch.AcceleratorError):
+        stage.step()
+    assert len(calls) == 1  # the batch's forward only
+
+
 def test_read_only_arrays_encode_without_warnings() -> None:
     vision = FakeVision()
     item = _item(1, n_crops=2)

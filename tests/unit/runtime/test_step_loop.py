@@ -9,8 +9,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 from mmserve.messages import RequestFailed, RequestOutput, merge_outputs
+from mmserve.runtime.device_errors import device_fatal
 from mmserve.runtime.step_loop import StageStopped, StepLoop
 
 
@@ -194,6 +196,42 @@ def test_health_fails_once_the_step_thread_died_and_not_after_a_stop() -> None:
         loop.check_health()
     loop.stop()
     loop.check_health()  # stopped on purpose: nothing to replace
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_a_fatal_step_error_fails_its_requests_and_ends_the_thread_so_health_fails() -> None:
+    """An accelerator fault is sticky: the loop fails what waits, stops stepping, and check_health reports it;
+    any other step error fails what waits and the loop steps on."""
+    errors = [RuntimeError("a bad batch"), torch.AcceleratorError("CUDA error: an illegal memory access")]
+    aborted: list[int] = []
+    work: list[str] = []  # requests added and not yet stepped
+
+    def step() -> list:
+        work.clear()
+        raise errors.pop(0)
+
+    loop = StepLoop(step, lambda: bool(work), lambda: aborted.append(1), fatal=device_fatal)
+
+    async def one(request_id: str) -> BaseException | None:
+        loop.open(request_id)
+        loop.submit(request_id, lambda: work.append(request_id))
+        try:
+            async for _ in loop.outputs(request_id):
+                pass
+        except Exception as exc:
+            return exc
+        return None
+
+    first = asyncio.run(one("r1"))
+    assert isinstance(first, RuntimeError) and "bad batch" in str(first) and aborted == [1]
+    loop.check_health()  # stepped on
+    second = asyncio.run(one("r2"))
+    assert isinstance(second, torch.AcceleratorError)
+    assert loop._thread is not None
+    loop._thread.join(5)
+    with pytest.raises(RuntimeError, match="step thread died"):
+        loop.check_health()
+    loop.stop()
 
 
 def test_health_fails_while_one_step_runs_past_the_bound_and_recovers_once_it_ends() -> None:

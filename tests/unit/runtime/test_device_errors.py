@@ -1,0 +1,28 @@
+"""An accelerator's sticky fault is told from the failures a stage survives."""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.encoder.outputs import EncoderStepError
+from mmserve.runtime.device_errors import device_fatal
+
+
+def test_an_accelerator_fault_is_fatal_however_it_was_raised_or_wrapped() -> None:
+    fault = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    assert device_fatal(fault)
+    assert device_fatal(RuntimeError("CUDA error: device-side assert triggered"))  # re-raised as plain text
+    try:
+        try:
+            raise fault
+        except RuntimeError as exc:
+            raise EncoderStepError({"r1": exc}) from exc  # the stage's own wrapping
+    except EncoderStepError as wrapped:
+        assert device_fatal(wrapped)
+
+
+def test_what_a_stage_survives_is_not_fatal() -> None:
+    assert not device_fatal(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not device_fatal(IndexError("index out of range in self"))  # a bad token id: its request fails alone
+    assert not device_fatal(RuntimeError("a kernel rejects this image"))
+    assert not device_fatal(ValueError("CUDA error: quoted by a user's text"))  # not an error torch raises
