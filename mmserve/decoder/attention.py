@@ -6,9 +6,10 @@ over the paged cache. Does not own: which tokens run (scheduler), which pages a 
 (kv_blocks.py), the tensors (KVCache), or the model's projections (the model module).
 
 Layout: the step's T new tokens are flat, sequence after sequence. Sequences are attended in groups,
-one `scaled_dot_product_attention` per group and layer: all decodes together, each prefill chunk
-alone. A group gathers its sequences' pages of the layer (a full layer every block, a sliding layer
-the blocks of its window) into (B, rows) keys and values; a lone sequence then slices the rows it
+one `scaled_dot_product_attention` per group and layer: decodes together, those of contexts within a
+factor 2 of each other in one group (`_decode_groups`), each prefill chunk alone. A group gathers its
+sequences' pages of the layer (a full layer every block, a sliding layer the blocks of its window) into
+(B, rows) keys and values; a lone sequence then slices the rows it
 attends to and needs no mask unless its chunk is causal past position 0 or holds an image.
 NOTE: one grid for a whole mixed step would pad every decode to the longest prefill chunk.
 NOTE: a decode's query heads that share a kv head go in as that head's query rows, so its GQA needs no
@@ -91,10 +92,11 @@ def build_metadata(steps: list[SeqStep], kinds: tuple[LayerKind, ...], block_siz
             slots[layers, offset : offset + s.num_new] = (table.pages[block] * block_size + within[:, None]).T
     if kept is not None:
         kept.wrote(slots // block_size)
-    decodes = [i for i, s in enumerate(steps) if s.num_new == 1]
-    members = ([decodes] if decodes else []) + [[i] for i, s in enumerate(steps) if s.num_new != 1]
+    decodes = _decode_groups([i for i, s in enumerate(steps) if s.num_new == 1], steps, block_size)
+    members = decodes + [[i] for i, s in enumerate(steps) if s.num_new != 1]
+    # NOTE: the longest decode group keeps its gathers (kept_gather.py holds one group's per layer)
     groups = [_group([steps[i] for i in idx], offsets[idx], kinds, block_size, pattern, device, dtype,
-                     whole=len(members) == 1, kept=kept) for idx in members]
+                     whole=len(members) == 1, kept=kept if g == 0 else None) for g, idx in enumerate(members)]
     # NOTE: per-layer rows split off in one call here, not indexed out once per layer
     return AttentionMetadata(to_device(slots, device).unbind(0), groups, kind_of, rank_of,
                              max(s.start + s.num_new for s in steps) - 1)
@@ -125,6 +127,24 @@ def _lone_decode(s: SeqStep, kinds: tuple[LayerKind, ...], block_size: int, devi
     slots = written[:, None] * block_size + within  # (layers, 1)
     group = AttentionGroup(None, 1, 1, tuple(reads))
     return AttentionMetadata(to_device(slots, device).unbind(0), [group], kind_of, rank_of, position)
+
+
+def _decode_groups(decodes: list[int], steps: list[SeqStep], block_size: int) -> list[list[int]]:
+    """The decodes (indices into `steps`) in groups whose every member's context is over half the group's longest
+    (each group in step order; the group of the longest contexts first); none for no decodes.
+
+    NOTE: a group gathers and attends over B x its longest context's pages on a full layer: one long chat
+    among short ones made every short one read (and, on CUDA, hold) as many pages as the long one, e.g. 64 x
+    a 32k context's. At most twice the pages read now, in at most log2(longest / shortest) + 1 groups.
+    """
+    blocks = {i: -(-(steps[i].start + 1) // block_size) for i in decodes}  # a full layer's pages of each
+    groups: list[list[int]] = []
+    for i in sorted(decodes, key=lambda i: -blocks[i]):
+        if groups and 2 * blocks[i] > blocks[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(group) for group in groups]
 
 
 @functools.cache

@@ -1,5 +1,5 @@
-"""attention.py: a mixed step is attended per group (decodes together, each prefill chunk alone) over the
-pages each layer kind keeps, and equals attending each sequence alone over its dense context with its
+"""attention.py: a mixed step is attended per group (decodes of like contexts together, each prefill chunk
+alone) over the pages each layer kind keeps, and equals attending each sequence alone over its dense context with its
 causal / image / window mask."""
 
 from __future__ import annotations
@@ -38,11 +38,14 @@ def runs_of(length: int, images: list[tuple[int, int]]) -> np.ndarray:
 SEQS = [(6, 1, None), (0, 5, [(1, 4)]), (12, 1, None), (5, 4, [(1, 4)])]
 
 
-def test_decodes_share_one_group_and_each_prefill_chunk_has_its_own() -> None:
+def test_decodes_of_like_contexts_share_a_group_and_each_prefill_chunk_has_its_own() -> None:
     _, manager = _cache()
     steps = [_step(manager, start, n, None) for start, n in [(6, 1), (0, 5), (3, 1), (2, 4), (9, 1)]]
     meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"), torch.float32)
-    assert [(g.batch, g.queries) for g in meta.groups] == [(3, 1), (1, 5), (1, 4)]  # no decode padded
+    # decodes of 2, 1 and 3 blocks: those of 2 and 3 together (the longest group first), the 1-block one apart
+    assert [(g.batch, g.queries) for g in meta.groups] == [(2, 1), (1, 1), (1, 5), (1, 4)]  # no decode padded
+    first = meta.groups[0].token_index
+    assert first is not None and first.tolist() == [0, 11]  # in step order within a group
     flat = torch.cat([g.token_index for g in meta.groups if g.token_index is not None]).sort().values
     assert flat.tolist() == list(range(1 + 5 + 1 + 4 + 1))  # every new token is a query exactly once
     assert len(meta.slots) == 2 and meta.slots[0].shape == (12,) and meta.max_position == 9
@@ -55,8 +58,27 @@ def test_decodes_share_one_group_and_each_prefill_chunk_has_its_own() -> None:
             if read.mask is not None:
                 assert read.mask.dtype == torch.bfloat16
                 assert set(read.mask.unique().tolist()) <= {0.0, float("-inf")} and (read.mask == 0).any()
-    decodes = half.groups[0].reads[0].mask  # (3, 1, 1, rows): each decode sees positions 0..its own
-    assert decodes is not None and ((decodes == 0).sum(dim=-1).flatten().tolist() == [7, 4, 10])
+    decodes = half.groups[0].reads[0].mask  # (2, 1, 1, rows): each decode sees positions 0..its own
+    assert decodes is not None and ((decodes == 0).sum(dim=-1).flatten().tolist() == [7, 10])
+
+
+def test_a_long_decode_among_short_ones_pads_none_of_them_to_its_length() -> None:
+    """A group reads B x its longest context's pages on a full layer: each decode's context is over half its
+    group's longest, and the groups together read at most twice the pages the decodes hold."""
+    _, manager = _cache()
+    starts = [40, 3, 5, 2, 21, 7, 11, 0]  # one long context, several short ones, a middle one
+    steps = [_step(manager, start, 1, None) for start in starts]
+    meta = build_metadata(steps, manager.kinds, BLOCK, PATTERN, torch.device("cpu"), torch.float32)
+    held = [-(-(start + 1) // BLOCK) for start in starts]  # a full layer's pages of each
+    read, queried = 0, []
+    for group in meta.groups:
+        assert group.token_index is not None  # several groups: each names its rows
+        queried += group.token_index.tolist()
+        members = [held[i] for i in group.token_index.tolist()]
+        assert 2 * min(members) > max(members)
+        assert group.reads[0].rows == max(members) * BLOCK  # padded to its own longest only
+        read += group.batch * max(members)
+    assert read <= 2 * sum(held) and sorted(queried) == list(range(8))
 
 
 @pytest.mark.parametrize("expanded", [False, True], ids=["enable_gqa", "repeated_heads"])
