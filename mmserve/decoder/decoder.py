@@ -32,7 +32,7 @@ from mmserve.decoder.sampler import Sampler, make_generator
 from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
 from mmserve.decoder.stats import DecoderStats
-from mmserve.decoder.step_logprobs import step_logprobs
+from mmserve.decoder.step_logprobs import asked_logprobs, read_tokens, shaped_logprobs
 from mmserve.decoder.thread_calibration import calibrate_threads, warm_up
 from mmserve.decoder.token_history import TokenHistory
 from mmserve.errors import InvalidRequestError
@@ -188,17 +188,18 @@ class Decoder:
         if self.on_logits is not None:
             self.on_logits(ids, result.logits)
         row_masks = self.grammar_step.finish(masks, ids)
+        samplings = [seq.sampling for seq in result.seqs]
         sampled = self.sampler.sample(
             result.logits,
-            [seq.sampling for seq in result.seqs],
+            samplings,
             [self._states[rid].generator for rid in ids],
             [self._states[rid].history for rid in ids],
             row_masks,
         )  # (n,)
-        tokens = sampled.tolist()
+        asked = asked_logprobs(result.logits, sampled, samplings, row_masks)
+        tokens, table = read_tokens(sampled, asked)  # NOTE: the step's one wait for the device
         self.sampled_tokens += sum(t >= 0 for t in tokens)  # NOTE: -1: a row whose masks left no token
-        logprobs = step_logprobs(result.logits, sampled, tokens, [seq.sampling for seq in result.seqs], self._piece,
-                                 row_masks)
+        logprobs = shaped_logprobs(asked, table, tokens, samplings, self._piece)
         ended, broken = self.grammar_step.advance(ids, tokens, [self._states[rid].matcher for rid in ids])
         failed += [self._fail(self._states[rid].seq, exc) for rid, exc in broken.items()]  # before update
         finished = {seq.request_id for seq in self.scheduler.update(plan, dict(zip(ids, tokens, strict=True)))}

@@ -11,6 +11,7 @@ Does not own sampling, the step, nor how the edge renders them (`mmserve/api/log
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,25 +20,66 @@ from mmserve.messages import SamplingParams, TokenLogprob
 from mmserve.runtime.host_copy import ints_to_device
 
 
-def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, tokens: list[int], sampling: Sequence[SamplingParams],
-                  piece: Callable[[int], tuple[str, bytes]], masks: RowMasks | None = None) -> dict[int, TokenLogprob]:
-    """(n, vocab) raw logits, (n,) sampled ids (and the same as `tokens`), each row's params, the grammar rows'
-    masks -> row -> its token's log-prob and `top_logprobs` alternatives, for the rows that asked and got a token
-    (not -1); a token a row's grammar forbids has a log-prob of -inf."""
-    rows = [i for i, params in enumerate(sampling) if params.logprobs is not None and tokens[i] >= 0]
+@dataclass(frozen=True)
+class AskedLogprobs:
+    """The log-probs of a step's asking rows, still on the device (made before its tokens are read)."""
+
+    rows: list[int]  # the step's rows whose requests asked for `logprobs`
+    top: int  # the most alternatives any of them asked for
+    table: torch.Tensor  # (len(rows), 1 + 2 top) float64: the sampled token's log-prob, the best log-probs, their ids
+
+
+def asked_logprobs(logits: torch.Tensor, sampled: torch.Tensor, sampling: Sequence[SamplingParams],
+                   masks: RowMasks | None = None) -> AskedLogprobs | None:
+    """(n, vocab) raw logits, (n,) sampled ids (-1: none), each row's params, the grammar rows' masks -> the
+    asking rows' log-probs on the device (None when no row asked); no host sync."""
+    rows = [i for i, params in enumerate(sampling) if params.logprobs is not None]
     if not rows:
-        return {}
+        return None
     top = max(sampling[i].logprobs or 0 for i in rows)
     index = ints_to_device(rows, logits.device)  # (r,)
     asking = _grammar_masked(logits[index], rows, masks)  # (r, vocab), a copy
-    chosen, best, best_ids = (t.tolist() for t in token_logprobs(asking, sampled[index], top))
+    # NOTE: a row left without a token (-1) reads token 0's here, dropped by `shaped_logprobs`
+    chosen, best, best_ids = token_logprobs(asking, sampled[index].clamp(min=0), top)  # (r,), (r, top), (r, top)
+    # NOTE: float64 holds every token id exactly, so that one copy takes all (`read_tokens`)
+    return AskedLogprobs(rows, top, torch.cat((chosen[:, None].double(), best.double(), best_ids.double()), dim=1))
+
+
+def read_tokens(sampled: torch.Tensor, asked: AskedLogprobs | None) -> tuple[list[int], list[list[float]]]:
+    """The (n,) sampled ids and the asking rows' log-prob table, in one copy to the host (a step's one sync)."""
+    if asked is None:
+        return sampled.tolist(), []
+    n, width = sampled.shape[0], asked.table.shape[1]
+    flat = torch.cat((sampled.double(), asked.table.flatten())).tolist()  # (n + r * width,)
+    return [int(t) for t in flat[:n]], [flat[n + j * width : n + (j + 1) * width] for j in range(len(asked.rows))]
+
+
+def shaped_logprobs(asked: AskedLogprobs | None, table: list[list[float]], tokens: list[int],
+                    sampling: Sequence[SamplingParams], piece: Callable[[int], tuple[str, bytes]]
+                    ) -> dict[int, TokenLogprob]:
+    """Row -> its token's log-prob and `top_logprobs` alternatives, for the rows that asked and got a token (not
+    -1); a token a row's grammar forbids has a log-prob of -inf."""
+    if asked is None:
+        return {}
     out = {}
-    for j, i in enumerate(rows):
+    top = asked.top
+    for i, row in zip(asked.rows, table, strict=True):
+        if tokens[i] < 0:
+            continue
         k = sampling[i].logprobs or 0
-        alternatives = tuple(_alternative(t, lp, piece) for t, lp in zip(best_ids[j][:k], best[j][:k], strict=True))
+        ids, values = row[1 + top : 1 + top + k], row[1 : 1 + k]
+        alternatives = tuple(_alternative(int(t), lp, piece) for t, lp in zip(ids, values, strict=True))
         text, raw = piece(tokens[i])
-        out[i] = TokenLogprob(tokens[i], text, chosen[j], raw, alternatives)
+        out[i] = TokenLogprob(tokens[i], text, row[0], raw, alternatives)
     return out
+
+
+def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, sampling: Sequence[SamplingParams],
+                  piece: Callable[[int], tuple[str, bytes]], masks: RowMasks | None = None) -> dict[int, TokenLogprob]:
+    """`asked_logprobs`, `read_tokens` and `shaped_logprobs` in turn (what a step does around its other work)."""
+    asked = asked_logprobs(logits, sampled, sampling, masks)
+    tokens, table = read_tokens(sampled, asked)
+    return shaped_logprobs(asked, table, tokens, sampling, piece)
 
 
 def _alternative(token: int, logprob: float, piece: Callable[[int], tuple[str, bytes]]

@@ -4,7 +4,7 @@ Runs only where `MMSERVE_TEST_DEVICE` names a CUDA device that is there (scripts
 GPU); skipped on the CPU, where nothing waits for a device. PyTorch's sync debug mode warns at every
 operation that makes the host wait for the device (a blocking copy, `.item()`, `.tolist()`, a size known
 only on the device); the steps here mix what a step can hold: prefill chunks, an image's rows from the host,
-decodes together, a seeded top-p draw with penalties, and a row under a JSON schema.
+decodes together, a seeded top-p draw with penalties and log-probs, and a row under a JSON schema.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_every_step_waits_for_the_device_once(tiny_ckpt_224: Path) -> None:
     image = MultiModalFeatureSpec("img", "image", PlaceholderRange(3, rows), rows)
     decoder.add(DecodeRequest("image", prompt, [image], [np.zeros((rows, spec.hidden_size), np.float32)], greedy))
     decoder.add(DecodeRequest("drawn", list(range(2, 40)), [], [], replace(
-        greedy, temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.2, frequency_penalty=0.5)))
+        greedy, temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.2, frequency_penalty=0.5, logprobs=3)))
     schema = StructuredOutput("json", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
     decoder.add(DecodeRequest("json", list(range(2, 20)), [], [], replace(greedy, structured=schema)))
     decoder.step()  # NOTE: the first step pays the CUDA libraries' start, outside the count

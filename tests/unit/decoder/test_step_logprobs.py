@@ -9,7 +9,7 @@ import torch
 
 from mmserve.api.logprobs import FORBIDDEN_LOGPROB, choice_logprobs
 from mmserve.decoder.sampler import RowMasks
-from mmserve.decoder.step_logprobs import step_logprobs
+from mmserve.decoder.step_logprobs import asked_logprobs, read_tokens, step_logprobs
 from mmserve.messages import SamplingParams
 
 
@@ -17,7 +17,7 @@ def test_rows_that_asked_get_their_token_and_own_top_k():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])  # (3, 4)
     sampled = torch.tensor([2, 0, 1])
     sampling = [SamplingParams(logprobs=2), SamplingParams(), SamplingParams(logprobs=0)]
-    out = step_logprobs(logits, sampled, sampled.tolist(), sampling, piece=lambda t: (f"<{t}>", f"<{t}>".encode()))
+    out = step_logprobs(logits, sampled, sampling, piece=lambda t: (f"<{t}>", f"<{t}>".encode()))
     assert sorted(out) == [0, 2]  # row 1 did not ask
     first = out[0]
     expected = torch.log_softmax(logits[0], dim=-1)
@@ -31,8 +31,7 @@ def test_rows_that_asked_get_their_token_and_own_top_k():
 def test_a_row_left_without_a_token_reports_nothing():
     logits = torch.zeros(2, 5)
     sampled = torch.tensor([-1, 3])
-    out = step_logprobs(logits, sampled.clamp(min=0), sampled.tolist(), [SamplingParams(logprobs=1)] * 2,
-                        piece=lambda t: (str(t), b""))
+    out = step_logprobs(logits, sampled, [SamplingParams(logprobs=1)] * 2, piece=lambda t: (str(t), b""))
     assert list(out) == [1]
 
 
@@ -43,7 +42,7 @@ def test_a_grammar_rows_log_probs_are_over_the_tokens_its_grammar_allows():
     sampled = torch.tensor([1, 3])
     masks = RowMasks((0,), torch.tensor([[True, False, True, True]]))  # row 0 may sample token 1 only
     sampling = [SamplingParams(logprobs=3), SamplingParams(logprobs=1)]
-    out = step_logprobs(logits, sampled, sampled.tolist(), sampling, piece=lambda t: (str(t), str(t).encode()),
+    out = step_logprobs(logits, sampled, sampling, piece=lambda t: (str(t), str(t).encode()),
                         masks=masks)
     assert out[0].logprob == 0.0 and out[0].top[0][:2] == (1, "1")  # the only token allowed: all the mass
     assert [lp for _, _, lp, _ in out[0].top[1:]] == [float("-inf")] * 2
@@ -59,3 +58,19 @@ def test_a_nan_logprob_is_sent_as_the_floor_json_can_hold() -> None:
 
     rendered = choice_logprobs([TokenLogprob(5, "x", math.nan, b"x", ((5, "x", math.nan, b"x"),))]).content[0]
     assert rendered.logprob == FORBIDDEN_LOGPROB and rendered.top_logprobs[0].logprob == FORBIDDEN_LOGPROB
+
+
+def test_tokens_and_log_probs_come_back_in_one_copy_exactly() -> None:
+    """The step reads its tokens and the asking rows' table at once: every id exact (the vocabulary's last
+    too), -1 kept, a forbidden token's -inf kept."""
+    vocab = 262_144
+    logits = torch.full((3, vocab), -5.0)
+    logits[0, vocab - 1], logits[2, 7] = 9.0, 4.0
+    sampled = torch.tensor([vocab - 1, -1, 7])
+    masks = RowMasks((2,), torch.ones(1, vocab, dtype=torch.bool).index_fill_(1, torch.tensor([7]), False))
+    asked = asked_logprobs(logits, sampled, [SamplingParams(logprobs=2)] * 3, masks)
+    assert asked is not None
+    tokens, table = read_tokens(sampled, asked)
+    assert tokens == [vocab - 1, -1, 7] and all(isinstance(t, int) for t in tokens)
+    assert table[0][3] == vocab - 1 and table[2][:2] == [0.0, 0.0] and table[2][2] == float("-inf")
+    assert read_tokens(sampled, None) == ([vocab - 1, -1, 7], [])
