@@ -20,11 +20,14 @@ from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, RayTas
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from mmserve.errors import ReplicaLostError
+from mmserve.runtime.step_loop import StageStopped
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ACTOR_LOST = (RayActorError, NodeDiedError, WorkerCrashedError, ReplicaUnavailableError)  # the callee died
+# the callee died, or its stage did (a step thread ended by an accelerator fault, or stopped for its replica's
+# shutdown: the replica answers StageStopped until Serve replaces it, and a live one can serve the call)
+ACTOR_LOST = (RayActorError, NodeDiedError, WorkerCrashedError, ReplicaUnavailableError, StageStopped)
 REPLICA_LOST = (*ACTOR_LOST, ObjectLostError)  # ...or the replica that made an object the call reads
 BACKOFF_S = 0.5  # before the first retry; doubled for each next one (Serve needs a moment to route around)
 

@@ -1,30 +1,35 @@
 """Which step failures leave the accelerator unusable for the rest of the process.
 
-Owns: the rule. A CUDA kernel's fault (an illegal address, a device-side assert) is reported
-asynchronously, at a later sync that may be outside the call that caused it, and every later CUDA call of
-the process raises again ("sticky"): neither re-running a batch item by item nor the next step can succeed,
-so the stage must stop stepping and its host (Serve's `check_health`) replace the process. Does not own
-what a stage does on other failures (per-request isolation; `abort_all`: `step_loop.py`).
+Owns: the rule. A CUDA kernel's fault (an illegal address, a device-side assert, a launch failure) is
+reported asynchronously, at a later sync that may be outside the call that caused it, and every later CUDA
+call of the process raises again ("sticky"): neither re-running a batch item by item nor the next step can
+succeed, so the stage must stop stepping and its host (Serve's `check_health`) replace the process. Other
+CUDA errors (out of memory in the caching allocator, cuBLAS or a raw `cudaMalloc`; an unsupported shape or
+launch configuration) leave the context usable: a rerun item by item may succeed. Does not own what a stage
+does on other failures (per-request isolation; `abort_all`: `step_loop.py`).
 """
 
 from __future__ import annotations
 
-import torch
-
-# NOTE: torch raises AcceleratorError for a CUDA error; the text is for one re-raised as a plain RuntimeError
-_STICKY_TEXT = ("CUDA error:", "device-side assert")
+# NOTE: CUDA's runtime error codes that corrupt the context (cudaError_t): ECC uncorrectable (214), illegal
+# address (700), device-side assert (710), hardware stack error (714), illegal instruction (715), misaligned
+# address (716), invalid address space (717), invalid PC (718), launch failure (719)
+STICKY_CODES = frozenset({214, 700, 710, 714, 715, 716, 717, 718, 719})
+# the same errors as `cudaGetErrorString` words them, for an error that carries no code (re-raised as text)
+STICKY_TEXT = ("illegal memory access", "device-side assert", "unspecified launch failure",
+               "illegal instruction", "misaligned address", "uncorrectable ECC error", "hardware stack error",
+               "invalid program counter", "operation on an invalid address space")
 
 
 def device_fatal(exc: BaseException) -> bool:
-    """Whether `exc`, or an error it was raised from, is an accelerator fault (not an out-of-memory error,
-    which frees nothing permanently and which a smaller step may avoid)."""
+    """Whether `exc`, or an error it was raised from, is a sticky accelerator fault."""
     seen: set[int] = set()
     err: BaseException | None = exc
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, torch.AcceleratorError) or (
-                isinstance(err, RuntimeError) and not isinstance(err, torch.OutOfMemoryError)
-                and any(text in str(err) for text in _STICKY_TEXT)):
+        code = getattr(err, "error_code", None)
+        if isinstance(err, RuntimeError) and (code in STICKY_CODES if isinstance(code, int)
+                                              else any(text in str(err) for text in STICKY_TEXT)):
             return True
         err = err.__cause__ or err.__context__
     return False

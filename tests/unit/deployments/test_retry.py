@@ -18,11 +18,14 @@ from deployments import retry
 from deployments.retry import attempt_id, replica_lost, retrying, unwrapped
 from mmserve.encoder.outputs import EncoderStepError
 from mmserve.errors import MediaError, ReplicaLostError
+from mmserve.runtime.step_loop import StageStopped
 
 
 @pytest.mark.parametrize("exc, lost", [
     (ActorDiedError(), True), (ActorUnavailableError("gone", None), True), (OwnerDiedError("00" * 28, None, ""), True),
     (RayTaskError("generate", "tb", ActorDiedError()), True),  # a replica passing on its callee's loss
+    (StageStopped("the step thread of mmserve-decoder died"), True),  # a live replica can serve it
+    (RayTaskError("encode", "tb", StageStopped("stopped")), True),
     (RayTaskError("generate", "tb", MediaError("bad image")), False), (MediaError("bad image"), False),
     (TimeoutError(), False),
     # NOTE: a Decoder that gave up on its own lost Encoder passes on a ReplicaLostError: not retried again

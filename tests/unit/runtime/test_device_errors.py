@@ -23,6 +23,19 @@ def test_an_accelerator_fault_is_fatal_however_it_was_raised_or_wrapped() -> Non
 
 def test_what_a_stage_survives_is_not_fatal() -> None:
     assert not device_fatal(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    # cuBLAS out of memory and shape-dependent refusals come as "CUDA error: ..." too, and leave the context usable
+    assert not device_fatal(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not device_fatal(RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasGemmEx`"))
+    assert not device_fatal(torch.AcceleratorError("CUDA error: invalid configuration argument"))
+    assert not device_fatal(torch.AcceleratorError("CUDA error: out of memory"))
     assert not device_fatal(IndexError("index out of range in self"))  # a bad token id: its request fails alone
     assert not device_fatal(RuntimeError("a kernel rejects this image"))
-    assert not device_fatal(ValueError("CUDA error: quoted by a user's text"))  # not an error torch raises
+    assert not device_fatal(ValueError("CUDA error: an illegal memory access was encountered"))  # not torch's
+
+
+def test_an_error_code_decides_where_the_error_carries_one() -> None:
+    sticky = torch.AcceleratorError("CUDA error")
+    usable = torch.AcceleratorError("CUDA error: an illegal memory access")
+    sticky.error_code = 700  # type: ignore[attr-defined]  # cudaErrorIllegalAddress, as torch sets it on the error it raises
+    usable.error_code = 2  # type: ignore[attr-defined]  # cudaErrorMemoryAllocation
+    assert device_fatal(sticky) and not device_fatal(usable)
