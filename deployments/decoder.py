@@ -36,6 +36,7 @@ class Decoder(StepReplica):
         configure_step_process(app_args.decoder)
         stages = StageFactory(app_args.engine_config(app_args.decoder))
         self.service = stages.decoder()
+        self.watch_step_thread()
         stages.release_unused()
         self.engine = self.service.decoder
         self.encoder = hold(encoder)

@@ -40,6 +40,7 @@ class Encoder(StepReplica):
         stages = StageFactory(app_args.engine_config(app_args.encoder))
         self.resolver = PixelResolver(cache_store)
         self.service = stages.encoder(resolve=self.resolver, alone=True)  # NOTE: no other torch stage here
+        self.watch_step_thread()
         self.stuck_after_s = app_args.hung_step_s()
         stages.release_unused()
         self.stage = self.service.stage

@@ -26,6 +26,13 @@ class StepReplica:
     service: Any
     stuck_after_s: float
     exit_process: Callable[[int], object] = staticmethod(os._exit)  # NOTE: a test's stand-in replaces it
+    _exiting: threading.Timer | None = None  # the exit under way, once the step thread died
+
+    def watch_step_thread(self) -> None:
+        """Exit soon after the step thread dies, not at Serve's next probe (seconds later): meanwhile the replica
+        would answer every call at once with StageStopped, and a router that sends work to the least loaded, or to
+        the owner of a request's cache entries, would keep choosing it. Called once `service` is set."""
+        self.service.loop.on_death = self._exit_soon
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose step thread died, or whose step outlived any request's
@@ -42,11 +49,17 @@ class StepReplica:
             self.service.check_health(self.stuck_after_s)
         except Exception:
             if self.service.loop.died():
-                log.error("the step thread died: the replica's process exits in %.1f s", EXIT_AFTER_S)
-                timer = threading.Timer(EXIT_AFTER_S, self.exit_process, args=(1,))
-                timer.daemon = True
-                timer.start()
+                self._exit_soon()
             raise
+
+    def _exit_soon(self) -> None:
+        """Exit the process in EXIT_AFTER_S (once): the failures already delivered reach their callers first."""
+        if self._exiting is not None:
+            return
+        log.error("the step thread died: the replica's process exits in %.1f s", EXIT_AFTER_S)
+        self._exiting = threading.Timer(EXIT_AFTER_S, self.exit_process, args=(1,))
+        self._exiting.daemon = True
+        self._exiting.start()
 
     async def __del__(self) -> None:
         """Serve calls this on the replica's graceful shutdown: the last metrics, then join the step thread (see

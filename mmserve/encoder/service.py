@@ -21,7 +21,7 @@ from mmserve.encoder.stage import EncoderStage
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, PhaseTimes
 from mmserve.runtime.device_errors import device_fatal
 from mmserve.runtime.shared_cores import cpu_host
-from mmserve.runtime.step_loop import StepLoop
+from mmserve.runtime.step_loop import StageStopped, StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class EncoderService:
         """
         if not features:
             return EncoderOutput(request_id, [])
+        if self.loop.died():  # NOTE: not even a cache hit: the dead device's tensors cannot be read
+            raise self.stage.fault_of(features) or StageStopped(f"{self.loop.name}: the step thread died")
         if not early and not self.loop.has_consumer(request_id):  # NOTE: a live id's second call is refused below
             served = self._from_cache(request_id, features)
             if served is not None:
@@ -57,6 +59,11 @@ class EncoderService:
                     return self._output(request_id, list(out.embeddings), out.timings)
         except asyncio.CancelledError:  # the caller left before its embeddings came
             self.abort(request_id)
+            raise
+        except StageStopped:  # NOTE: e.g. its own early encode's forward hit a fault: that fault, not a retry
+            fault = self.stage.fault_of(features)
+            if fault is not None:
+                raise fault from None
             raise
         raise RuntimeError(f"encoder stage ended request {request_id} without embeddings")
 

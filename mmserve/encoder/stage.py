@@ -46,6 +46,8 @@ class EncoderStage:
         self._live: set[str] = set()  # pending: added and not yet handed out or aborted
         self._turns: dict[str, None] = {}  # pending request ids in turn order (booking.py): a new one at the back
         self.lookups = Lookups()
+        # the items of the forward that hit an accelerator fault (which ended the step loop), and the fault
+        self.fault: tuple[frozenset[str], BaseException] | None = None
 
     @classmethod
     def build(
@@ -101,6 +103,13 @@ class EncoderStage:
         return bool(self._pending)
 
     # ---- requests served from the cache alone ----
+
+    def fault_of(self, features: list[MultiModalFeatureSpec]) -> BaseException | None:
+        """The accelerator fault of a forward that held one of `features` (None if none did): a request asking
+        for such an item gets that fault, not a lost stage, so that no caller retries it on a live replica."""
+        if self.fault is None or not any(f.identifier in self.fault[0] for f in features):
+            return None
+        return self.fault[1]
 
     def cached(self, features: list[MultiModalFeatureSpec]) -> list[torch.Tensor] | None:
         """Every item's embeddings when all are cached and none awaits the request an early encode made it for
@@ -187,6 +196,7 @@ class EncoderStage:
             encoded = self._forward(resolved)
         except Exception as exc:
             if device_fatal(exc):
+                self.fault = (frozenset(spec.identifier for spec, _ in resolved), exc)
                 raise  # NOTE: every forward after it fails too: the step loop ends and the replica is replaced
             alone: list[tuple[MultiModalFeatureSpec, BaseException]] = [(resolved[0][0], exc)]
             if len(resolved) == 1:  # alone already: it failed by itself
@@ -229,6 +239,7 @@ class EncoderStage:
                 encoded += self._forward([one])
             except Exception as exc:
                 if device_fatal(exc):
+                    self.fault = (frozenset({one[0].identifier}), exc)
                     raise
                 failures.append((one[0], exc))
         return encoded, failures

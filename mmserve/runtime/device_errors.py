@@ -12,13 +12,16 @@ does on other failures (per-request isolation; `abort_all`: `step_loop.py`).
 from __future__ import annotations
 
 # NOTE: CUDA's runtime error codes that corrupt the context (cudaError_t): ECC uncorrectable (214), illegal
-# address (700), device-side assert (710), hardware stack error (714), illegal instruction (715), misaligned
-# address (716), invalid address space (717), invalid PC (718), launch failure (719)
-STICKY_CODES = frozenset({214, 700, 710, 714, 715, 716, 717, 718, 719})
-# the same errors as `cudaGetErrorString` words them, for an error that carries no code (re-raised as text)
-STICKY_TEXT = ("illegal memory access", "device-side assert", "unspecified launch failure",
-               "illegal instruction", "misaligned address", "uncorrectable ECC error", "hardware stack error",
-               "invalid program counter", "operation on an invalid address space")
+# address (700), launch timed out (702), device-side assert (710), hardware stack error (714), illegal
+# instruction (715), misaligned address (716), invalid address space (717), invalid PC (718), launch failure (719)
+STICKY_CODES = frozenset({214, 700, 702, 710, 714, 715, 716, 717, 718, 719})
+# the same errors as `cudaGetErrorString` words them, for an error that carries no code (re-raised as text).
+# NOTE: "device-side assert triggered" whole: every CUDA error's text from torch ends with a hint naming
+# "device-side assertions"
+STICKY_TEXT = ("illegal memory access", "device-side assert triggered", "unspecified launch failure",
+               "the launch timed out and was terminated", "illegal instruction", "misaligned address",
+               "uncorrectable ECC error", "hardware stack error", "invalid program counter",
+               "operation not supported on global/shared address space")
 
 
 def device_fatal(exc: BaseException) -> bool:

@@ -58,6 +58,8 @@ class StepLoop:
     ):
         self._step, self._has_work, self._abort_all = step, has_work, abort_all
         self._fatal = fatal
+        self.on_death: Callable[[], object] | None = None  # called once a BaseException ended the thread (its host's
+        # exit, so that callers see the replica gone at once rather than a loop that answers StageStopped)
         self.batch_wait_s = batch_wait_s
         self.name = name
         self._channels: dict[str, OutputChannel] = {}  # request id -> its outputs, to its consumer's loop
@@ -210,6 +212,11 @@ class StepLoop:
             with self._lock:
                 self._dead = True
             self._fail_waiting(f"the step thread of {self.name} died ({exc!r})")
+            if self.on_death is not None:
+                try:
+                    self.on_death()
+                except Exception:
+                    log.exception("%s: on_death failed", self.name)
             raise
 
     def _run_actions(self) -> bool:

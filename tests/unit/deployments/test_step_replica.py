@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,7 @@ from deployments.step_replica import StepReplica
 class Loop:
     def __init__(self) -> None:
         self.dead = False
+        self.on_death: Any = None
 
     def died(self) -> bool:
         return self.dead
@@ -92,3 +95,29 @@ def test_shutdown_joins_the_step_thread_off_the_loop_which_that_thread_may_be_wa
 
     asyncio.run(shut_down())
     assert log == ["stop"]
+
+
+@pytest.mark.filterwarnings("ignore:coroutine 'StepReplica.__del__' was never awaited")
+def test_the_process_exits_once_the_step_thread_dies_not_at_the_next_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until then every call would be answered StageStopped at once, and routers choosing the least loaded
+    replica or a cache's owner would keep sending work there; a probe failing after it starts no second exit."""
+    monkeypatch.setattr(step_replica, "EXIT_AFTER_S", 0.01)
+    log: list[str] = []
+    exited = threading.Event()
+    replica = StepReplica()
+    replica.service, replica.stuck_after_s = Service(log), 60.0
+
+    def exit_process(code: int) -> None:
+        log.append(f"exit {code}")
+        exited.set()
+
+    replica.exit_process = exit_process
+    replica.watch_step_thread()
+    replica.service.loop.dead = True
+    replica.service.loop.on_death()  # what StepLoop._run calls as the thread ends
+    assert exited.wait(5)
+    with pytest.raises(RuntimeError, match="died"):
+        replica.check_health()
+    assert log == ["exit 1", "health 60.0"]
+    del replica
+    gc.collect()  # NOTE: Python's own call of __del__ (a coroutine nobody awaits) falls inside this test

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from mmserve.encoder.service import EncoderService
+from mmserve.runtime.step_loop import StageStopped
 from tests.unit.encoder.test_encoder_stage import FakeVision, Store, _item, _spec, _stage
 
 
@@ -201,3 +203,39 @@ def test_a_request_whose_items_are_partly_cached_or_made_early_takes_the_step() 
             service.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_after_an_accelerator_fault_its_items_get_the_fault_and_others_a_lost_stage() -> None:
+    """The request whose own early encode hit a fault gets that fault (no caller retries it elsewhere, where it
+    would fault again); any other request, a cache hit included, gets StageStopped (retried on a live replica)."""
+    vision = FakeVision()
+
+    def faulty(pixels: torch.Tensor) -> torch.Tensor:
+        if bool((pixels == 0).all()):  # the all-zero image's forward faults the device
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return vision(pixels)
+
+    async def run() -> None:
+        store = Store()
+        store.items.update(bad=_zero_item(), good=_item(1))
+        service = EncoderService(_stage(faulty), resolve=store.resolve)
+        try:
+            await service.encode("hit", [_spec("g", "good")])  # cached before the fault
+            assert service.encode_early("r1/early", [_spec("z", "bad")])
+            while not service.loop.died():
+                await asyncio.sleep(0.005)
+            with pytest.raises(torch.AcceleratorError):
+                await service.encode("r1", [_spec("z", "bad")])
+            with pytest.raises(StageStopped):
+                await service.encode("other", [_spec("g", "good")])  # a hit, but the device is gone
+        finally:
+            service.stop()
+
+    asyncio.run(run())
+
+
+def _zero_item() -> Any:
+    item = _item(1)
+    item.pixel_values[...] = 0
+    return item

@@ -21,6 +21,18 @@ def test_an_accelerator_fault_is_fatal_however_it_was_raised_or_wrapped() -> Non
         assert device_fatal(wrapped)
 
 
+HINT = ("\nCUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below "
+        "might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\nCompile with "
+        "`TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")  # what torch appends to every CUDA error
+
+
+def test_the_hint_torch_appends_to_every_cuda_error_decides_nothing() -> None:
+    assert not device_fatal(RuntimeError("CUDA error: out of memory" + HINT))
+    assert not device_fatal(RuntimeError("CUDA error: invalid configuration argument" + HINT))
+    assert device_fatal(RuntimeError("CUDA error: device-side assert triggered" + HINT))
+    assert device_fatal(RuntimeError("CUDA error: an illegal memory access was encountered" + HINT))
+
+
 def test_what_a_stage_survives_is_not_fatal() -> None:
     assert not device_fatal(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     # cuBLAS out of memory and shape-dependent refusals come as "CUDA error: ..." too, and leave the context usable

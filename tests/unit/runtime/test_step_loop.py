@@ -211,6 +211,8 @@ def test_a_fatal_step_error_fails_its_requests_and_ends_the_thread_so_health_fai
         raise errors.pop(0)
 
     loop = StepLoop(step, lambda: bool(work), lambda: aborted.append(1), fatal=device_fatal)
+    deaths: list[int] = []
+    loop.on_death = lambda: deaths.append(1)  # a replica's exit
 
     async def one(request_id: str) -> BaseException | None:
         loop.open(request_id)
@@ -231,6 +233,7 @@ def test_a_fatal_step_error_fails_its_requests_and_ends_the_thread_so_health_fai
     loop._thread.join(5)
     with pytest.raises(RuntimeError, match="step thread died"):
         loop.check_health()
+    assert deaths == [1]  # once the thread ended, not after the first error
     loop.stop()
 
 
