@@ -27,6 +27,7 @@ from deployments.step_replica import StepReplica
 from mmserve.encoder.outputs import EncoderStepError
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import EncoderOutput, MultiModalFeatureSpec, RequestFailed
+from mmserve.runtime.device_errors import device_fatal
 from mmserve.runtime.embeddings_wire import to_wire
 from mmserve.runtime.metrics import MetricsSnapshot, encoder_snapshot
 from mmserve.runtime.timeline import Timeline
@@ -69,7 +70,12 @@ class Encoder(StepReplica):
         if any(e.device.type != "cpu" for e in encoded.embeddings):
             # NOTE: a device-to-host copy waits for the device's queue, the next batch's forward included:
             # not on the event loop, which serves this replica's other calls meanwhile
-            arrays, dtype = await asyncio.to_thread(to_wire, encoded.embeddings)
+            try:
+                arrays, dtype = await asyncio.to_thread(to_wire, encoded.embeddings)
+            except Exception as exc:  # NOTE: that next forward's fault, which sticks: this request's only if its item
+                if device_fatal(exc):
+                    raise self.service.faulted(features) from None
+                raise
         else:
             arrays, dtype = to_wire(encoded.embeddings)
         timeline.add(encoded.timings)

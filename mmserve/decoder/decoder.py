@@ -38,7 +38,7 @@ from mmserve.decoder.token_history import TokenHistory
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
-from mmserve.runtime.device_errors import device_fatal
+from mmserve.runtime.device_errors import DeviceFault, device_fatal
 from mmserve.runtime.step_threads import StepThreads
 from mmserve.runtime.weight_layout import weight_layout
 
@@ -224,8 +224,8 @@ class Decoder:
         try:
             return self.runner.execute(scheduled), []
         except Exception as exc:
-            if device_fatal(exc):
-                raise  # NOTE: every forward after it fails too: the step loop ends and the replica is replaced
+            if device_fatal(exc):  # NOTE: every forward after it fails too: the step loop ends, the replica exits
+                raise DeviceFault(exc, [seq.request_id for seq, _ in scheduled]) from exc
             if len(scheduled) == 1:
                 return self._no_logits(), [self._fail(scheduled[0][0], exc)]
             log.warning("decoder step of %d sequences failed (%r); running each alone", len(scheduled), exc)
@@ -236,7 +236,7 @@ class Decoder:
                 parts.append(self.runner.execute([one]))
             except Exception as alone:
                 if device_fatal(alone):
-                    raise
+                    raise DeviceFault(alone, [seq.request_id for seq, _ in scheduled]) from alone
                 failed.append(self._fail(one[0], alone))
         if not parts:
             return self._no_logits(), failed

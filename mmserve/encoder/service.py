@@ -44,7 +44,7 @@ class EncoderService:
         if not features:
             return EncoderOutput(request_id, [])
         if self.loop.died():  # NOTE: not even a cache hit: the dead device's tensors cannot be read
-            raise self.stage.fault_of(features) or StageStopped(f"{self.loop.name}: the step thread died")
+            raise self.faulted(features)
         if not early and not self.loop.has_consumer(request_id):  # NOTE: a live id's second call is refused below
             served = self._from_cache(request_id, features)
             if served is not None:
@@ -66,6 +66,11 @@ class EncoderService:
                 raise fault from None
             raise
         raise RuntimeError(f"encoder stage ended request {request_id} without embeddings")
+
+    def faulted(self, features: list[MultiModalFeatureSpec]) -> BaseException:
+        """What a request for `features` gets once the device faulted: the fault itself where the faulting forward
+        held one of its items (no caller may take those to another replica), else a lost stage (retried there)."""
+        return self.stage.fault_of(features) or StageStopped(f"{self.loop.name}: the device faulted")
 
     def _from_cache(self, request_id: str, features: list[MultiModalFeatureSpec]) -> EncoderOutput | None:
         """The request answered from the cache alone, without a turn of the step thread (which may be inside a

@@ -33,7 +33,7 @@ from mmserve.encoder.pixel_reads import read_misses
 from mmserve.encoder.runner import EncoderRunner
 from mmserve.messages import MultiModalFeatureSpec, PhaseTimes, ProcessedItem
 from mmserve.models.base import VisionEncoder
-from mmserve.runtime.device_errors import device_fatal
+from mmserve.runtime.device_errors import DeviceFault, device_fatal
 
 
 class EncoderStage:
@@ -103,6 +103,12 @@ class EncoderStage:
         return bool(self._pending)
 
     # ---- requests served from the cache alone ----
+
+    def _faulted(self, resolved: list[tuple[MultiModalFeatureSpec, ProcessedItem]], exc: BaseException) -> DeviceFault:
+        """Note the items of a forward that hit a sticky fault -> the fault, for the requests referencing them."""
+        items = frozenset(spec.identifier for spec, _ in resolved)
+        self.fault = (items, exc)
+        return DeviceFault(exc, sorted({rid for h in items for rid in self.manager.referrers(h)}))
 
     def fault_of(self, features: list[MultiModalFeatureSpec]) -> BaseException | None:
         """The accelerator fault of a forward that held one of `features` (None if none did): a request asking
@@ -195,9 +201,8 @@ class EncoderStage:
         try:
             encoded = self._forward(resolved)
         except Exception as exc:
-            if device_fatal(exc):
-                self.fault = (frozenset(spec.identifier for spec, _ in resolved), exc)
-                raise  # NOTE: every forward after it fails too: the step loop ends and the replica is replaced
+            if device_fatal(exc):  # NOTE: every forward after it fails too: the step loop ends, the replica exits
+                raise self._faulted(resolved, exc) from exc
             alone: list[tuple[MultiModalFeatureSpec, BaseException]] = [(resolved[0][0], exc)]
             if len(resolved) == 1:  # alone already: it failed by itself
                 encoded = []
@@ -238,9 +243,8 @@ class EncoderStage:
             try:
                 encoded += self._forward([one])
             except Exception as exc:
-                if device_fatal(exc):
-                    self.fault = (frozenset({one[0].identifier}), exc)
-                    raise
+                if device_fatal(exc):  # NOTE: maybe the batch's own fault, seen late: all of it is suspect
+                    raise self._faulted(resolved, exc) from exc
                 failures.append((one[0], exc))
         return encoded, failures
 

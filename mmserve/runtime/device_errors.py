@@ -24,6 +24,16 @@ STICKY_TEXT = ("illegal memory access", "device-side assert triggered", "unspeci
                "operation not supported on global/shared address space")
 
 
+class DeviceFault(RuntimeError):
+    """A sticky accelerator fault (its cause) raised by a step for the requests whose work was on the device
+    then: the step loop fails those with it, and every other waiting request as a lost stage (retried on a live
+    replica), then ends."""
+
+    def __init__(self, fault: BaseException, request_ids: list[str]) -> None:
+        super().__init__(f"an accelerator fault in a step of requests {request_ids}: {fault!r}")
+        self.request_ids = request_ids  # the step loop fails these only (`StepLoop._one_step`)
+
+
 def device_fatal(exc: BaseException) -> bool:
     """Whether `exc`, or an error it was raised from, is a sticky accelerator fault."""
     seen: set[int] = set()
@@ -31,6 +41,8 @@ def device_fatal(exc: BaseException) -> bool:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         code = getattr(err, "error_code", None)
+        if isinstance(err, DeviceFault):
+            return True
         if isinstance(err, RuntimeError) and (code in STICKY_CODES if isinstance(code, int)
                                               else any(text in str(err) for text in STICKY_TEXT)):
             return True

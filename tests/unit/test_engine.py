@@ -24,6 +24,7 @@ from mmserve.errors import (
     UnsupportedURLError,
 )
 from mmserve.messages import ChatRequest, SamplingParams, StructuredOutput
+from mmserve.runtime.device_errors import DeviceFault
 from mmserve.runtime.shared_cores import HOST
 from tests.unit.test_parity import data_url, make_image
 
@@ -420,11 +421,12 @@ def test_an_accelerator_fault_in_a_step_is_raised_not_run_again_item_by_item(eng
 
     runner.execute = faulty
     try:
-        with pytest.raises(torch.AcceleratorError):
+        with pytest.raises(DeviceFault) as fault:
             engine.decoder._execute([(SimpleNamespace(request_id="a"), 1), (SimpleNamespace(request_id="b"), 1)])
     finally:
         runner.execute = execute
     assert calls == [2]
+    assert fault.value.request_ids == ["a", "b"] and isinstance(fault.value.__cause__, torch.AcceleratorError)
 
 
 def test_the_image_token_is_never_sampled_and_a_sampled_one_would_not_break_the_step(engine):

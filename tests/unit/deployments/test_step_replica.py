@@ -115,9 +115,10 @@ def test_the_process_exits_once_the_step_thread_dies_not_at_the_next_probe(monke
     replica.watch_step_thread()
     replica.service.loop.dead = True
     replica.service.loop.on_death()  # what StepLoop._run calls as the thread ends
+    first = replica._exiting
     assert exited.wait(5)
     with pytest.raises(RuntimeError, match="died"):
         replica.check_health()
-    assert log == ["exit 1", "health 60.0"]
+    assert replica._exiting is first and log == ["exit 1", "health 60.0"]  # no second exit started
     del replica
     gc.collect()  # NOTE: Python's own call of __del__ (a coroutine nobody awaits) falls inside this test

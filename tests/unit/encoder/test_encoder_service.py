@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mmserve.encoder.service import EncoderService
+from mmserve.runtime.device_errors import DeviceFault
 from mmserve.runtime.step_loop import StageStopped
 from tests.unit.encoder.test_encoder_stage import FakeVision, Store, _item, _spec, _stage
 
@@ -239,3 +240,37 @@ def _zero_item() -> Any:
     item = _item(1)
     item.pixel_values[...] = 0
     return item
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_requests_that_came_during_the_faulting_forward_get_the_fault_only_for_its_items() -> None:
+    """Their adds were queued behind the step that faulted: the loop fails them as a lost stage, and the service
+    turns that into the fault for a request of the faulting forward's item (no retry elsewhere), not for others."""
+    inside, release = threading.Event(), threading.Event()
+
+    def faulty(pixels: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        release.wait(10)
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    async def run() -> None:
+        store = Store()
+        store.items.update(bad=_item(3), other=_item(4))
+        service = EncoderService(_stage(faulty), resolve=store.resolve)
+        try:
+            first = asyncio.ensure_future(service.encode("r1", [_spec("z", "bad")]))
+            while not inside.is_set():
+                await asyncio.sleep(0.005)
+            same = asyncio.ensure_future(service.encode("r2", [_spec("z", "bad")]))
+            other = asyncio.ensure_future(service.encode("r3", [_spec("o", "other")]))
+            await asyncio.sleep(0.05)  # both submitted: their adds wait behind the step
+            release.set()
+            results = await asyncio.gather(first, same, other, return_exceptions=True)
+            assert isinstance(results[0], DeviceFault)  # in the forward
+            assert isinstance(results[1], torch.AcceleratorError)  # its item was the faulting forward's
+            assert isinstance(results[2], StageStopped)  # innocent: its caller retries it on a live replica
+        finally:
+            release.set()
+            service.stop()
+
+    asyncio.run(run())

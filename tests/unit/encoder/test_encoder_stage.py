@@ -20,6 +20,7 @@ from mmserve.encoder.stage import EncoderStage
 from mmserve.errors import CapacityError
 from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, ProcessedItem
 from mmserve.models.pixels import PixelNormalization
+from mmserve.runtime.device_errors import DeviceFault
 from tests.numerics import assert_close_ulps
 
 MM_TOKENS = 4  # rows per crop of the fake vision model
@@ -628,9 +629,11 @@ def test_an_accelerator_fault_is_raised_not_run_again_item_by_item() -> None:
     stage = _stage(faulty)
     stage.add_request("r1", [_spec("a", _item(1))])
     stage.add_request("r2", [_spec("b", _item(2))])
-    with pytest.raises(torch.AcceleratorError):
+    with pytest.raises(DeviceFault) as fault:
         stage.step()
     assert len(calls) == 1  # the batch's forward only
+    assert fault.value.request_ids == ["r1", "r2"] and isinstance(fault.value.__cause__, torch.AcceleratorError)
+    assert stage.fault_of([_spec("b", _item(2))]) is fault.value.__cause__
 
 
 def test_read_only_arrays_encode_without_warnings() -> None:
