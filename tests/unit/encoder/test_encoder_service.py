@@ -39,10 +39,12 @@ def test_an_early_encode_on_an_idle_stage_is_what_the_requests_own_call_gets() -
     asyncio.run(run())
 
 
-def held_vision() -> tuple[threading.Event, threading.Event, Callable[[torch.Tensor], torch.Tensor]]:
-    """(set once a forward is inside, set to let it finish, the vision callable): a forward held (10 s at most)."""
+def held_vision(vision: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[threading.Event, threading.Event, Callable[[torch.Tensor], torch.Tensor]]:
+    """(set once a forward is inside, set to let it finish, the vision callable): a forward of `vision` (a fake
+    one by default) held (10 s at most)."""
     inside, release = threading.Event(), threading.Event()
-    vision = FakeVision()
+    vision = vision or FakeVision()
 
     def slow(pixels: torch.Tensor) -> torch.Tensor:
         inside.set()
@@ -246,12 +248,10 @@ def _zero_item() -> Any:
 def test_requests_that_came_during_the_faulting_forward_get_the_fault_only_for_its_items() -> None:
     """Their adds were queued behind the step that faulted: the loop fails them as a lost stage, and the service
     turns that into the fault for a request of the faulting forward's item (no retry elsewhere), not for others."""
-    inside, release = threading.Event(), threading.Event()
-
-    def faulty(pixels: torch.Tensor) -> torch.Tensor:
-        inside.set()
-        release.wait(10)
+    def fault(pixels: torch.Tensor) -> torch.Tensor:
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    inside, release, faulty = held_vision(fault)
 
     async def run() -> None:
         store = Store()
