@@ -38,7 +38,7 @@ from mmserve.decoder.token_history import TokenHistory
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
 from mmserve.models.base import ModelSpec, TextDecoder
-from mmserve.runtime.device_errors import DeviceFault, device_fatal
+from mmserve.runtime.device_errors import device_fatal, naming_faults
 from mmserve.runtime.step_threads import StepThreads
 from mmserve.runtime.weight_layout import weight_layout
 
@@ -178,26 +178,28 @@ class Decoder:
             return []
         scheduled = [(s.seq, s.num_new_tokens) for s in plan.scheduled]
         num_new, attended = step_size(scheduled)
-        masks = self.grammar_step.start([(s.seq.request_id, self._states[s.seq.request_id].matcher)
-                                         for s in plan.scheduled if s.samples],
-                                        beside=self.runner.threads.leaves_a_core(num_new, attended))
-        result, failed = self._execute(scheduled)
-        self.steps += 1
-        self.computed_tokens += num_new
-        ids = [seq.request_id for seq in result.seqs]
-        if self.on_logits is not None:
-            self.on_logits(ids, result.logits)
-        row_masks = self.grammar_step.finish(masks, ids)
-        samplings = [seq.sampling for seq in result.seqs]
-        sampled = self.sampler.sample(
-            result.logits,
-            samplings,
-            [self._states[rid].generator for rid in ids],
-            [self._states[rid].history for rid in ids],
-            row_masks,
-        )  # (n,)
-        asked = asked_logprobs(result.logits, sampled, samplings, row_masks)
-        tokens, table = read_tokens(sampled, asked)  # NOTE: the step's one wait for the device
+        # NOTE: a kernel's fault surfaces at a later wait (the tokens' read): the step's requests are named
+        with naming_faults(lambda: [seq.request_id for seq, _ in scheduled]):
+            masks = self.grammar_step.start([(s.seq.request_id, self._states[s.seq.request_id].matcher)
+                                             for s in plan.scheduled if s.samples],
+                                            beside=self.runner.threads.leaves_a_core(num_new, attended))
+            result, failed = self._execute(scheduled)
+            self.steps += 1
+            self.computed_tokens += num_new
+            ids = [seq.request_id for seq in result.seqs]
+            if self.on_logits is not None:
+                self.on_logits(ids, result.logits)
+            row_masks = self.grammar_step.finish(masks, ids)
+            samplings = [seq.sampling for seq in result.seqs]
+            sampled = self.sampler.sample(
+                result.logits,
+                samplings,
+                [self._states[rid].generator for rid in ids],
+                [self._states[rid].history for rid in ids],
+                row_masks,
+            )  # (n,)
+            asked = asked_logprobs(result.logits, sampled, samplings, row_masks)
+            tokens, table = read_tokens(sampled, asked)  # NOTE: the step's one wait for the device
         self.sampled_tokens += sum(t >= 0 for t in tokens)  # NOTE: -1: a row whose masks left no token
         logprobs = shaped_logprobs(asked, table, tokens, samplings, self._piece)
         ended, broken = self.grammar_step.advance(ids, tokens, [self._states[rid].matcher for rid in ids])
@@ -224,8 +226,8 @@ class Decoder:
         try:
             return self.runner.execute(scheduled), []
         except Exception as exc:
-            if device_fatal(exc):  # NOTE: every forward after it fails too: the step loop ends, the replica exits
-                raise DeviceFault(exc, [seq.request_id for seq, _ in scheduled]) from exc
+            if device_fatal(exc):  # NOTE: every forward after it fails too (`step` names the requests)
+                raise
             if len(scheduled) == 1:
                 return self._no_logits(), [self._fail(scheduled[0][0], exc)]
             log.warning("decoder step of %d sequences failed (%r); running each alone", len(scheduled), exc)
@@ -236,7 +238,7 @@ class Decoder:
                 parts.append(self.runner.execute([one]))
             except Exception as alone:
                 if device_fatal(alone):
-                    raise DeviceFault(alone, [seq.request_id for seq, _ in scheduled]) from alone
+                    raise
                 failed.append(self._fail(one[0], alone))
         if not parts:
             return self._no_logits(), failed

@@ -11,6 +11,9 @@ does on other failures (per-request isolation; `abort_all`: `step_loop.py`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 # NOTE: CUDA's runtime error codes that corrupt the context (cudaError_t): ECC uncorrectable (214), illegal
 # address (700), launch timed out (702), device-side assert (710), hardware stack error (714), illegal
 # instruction (715), misaligned address (716), invalid address space (717), invalid PC (718), launch failure (719)
@@ -31,7 +34,26 @@ class DeviceFault(RuntimeError):
 
     def __init__(self, fault: BaseException, request_ids: list[str]) -> None:
         super().__init__(f"an accelerator fault in a step of requests {request_ids}: {fault!r}")
+        self.fault = fault
         self.request_ids = request_ids  # the step loop fails these only (`StepLoop._one_step`)
+
+    def __reduce__(self) -> tuple[type[DeviceFault], tuple[BaseException, list[str]]]:
+        return (type(self), (self.fault, self.request_ids))  # NOTE: across Ray, to the caller of a stage
+
+
+@contextlib.contextmanager
+def naming_faults(request_ids: Callable[[], list[str]]) -> Iterator[None]:
+    """Raise a sticky fault met inside as a DeviceFault of `request_ids()` (the requests whose work the device
+    ran then); NOTE: on an accelerator a kernel's fault surfaces at the next wait, e.g. the read of the step's
+    tokens, not in the call that queued the kernel."""
+    try:
+        yield
+    except DeviceFault:
+        raise
+    except Exception as exc:
+        if device_fatal(exc):
+            raise DeviceFault(exc, request_ids()) from exc
+        raise
 
 
 def device_fatal(exc: BaseException) -> bool:

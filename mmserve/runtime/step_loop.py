@@ -11,7 +11,8 @@ Failure contract: an action's exception fails its request only. A step's excepti
 carries (`outputs`: what the step finished for others) are delivered as a step's would be; any other
 step exception fails every waiting request and calls `abort_all`, and the loop carries on (if `abort_all`
 raises too, the stage's books are broken and the thread ends, as below), unless `fatal` says the exception
-left the stage unable to step again (an accelerator fault): then, its requests failed, the thread ends. A step's outputs
+left the stage unable to step again (an accelerator fault): then, its requests (those it names, else all) failed
+and `abort_all` called, the thread ends, failing every other waiting request with StageStopped. A step's outputs
 and failures reach a consumer only once an action submitted for its channel (its add) has run: an id opened
 again right after an abort does not receive what a step or an older action of the old request brings.
 
@@ -265,6 +266,8 @@ class StepLoop:
                 for request_id in named or ():
                     self._deliver(request_id, RequestFailed(request_id, exc), from_step=True)
             if self._fatal(exc):
+                with contextlib.suppress(Exception):  # NOTE: the stage's books (host only) emptied, as after any
+                    self._abort_all()  # step error naming no request; whoever still waits fails as a lost stage
                 raise  # NOTE: the thread ends (`_run`): every later step would fail too; check_health reports it
             return
         finally:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,9 +23,10 @@ from mmserve.errors import (
     TooManyItemsError,
     UnsupportedURLError,
 )
-from mmserve.messages import ChatRequest, SamplingParams, StructuredOutput
+from mmserve.messages import ChatRequest, DecodeRequest, SamplingParams, StructuredOutput
 from mmserve.runtime.device_errors import DeviceFault
 from mmserve.runtime.shared_cores import HOST
+from mmserve.stages import StageFactory
 from tests.unit.test_parity import data_url, make_image
 
 IMAGE = data_url(make_image(640, 480, seed=11))
@@ -407,26 +408,35 @@ def test_a_request_that_breaks_the_decoder_step_fails_alone_and_the_rest_match_a
     assert stats.running == 0 and stats.free_blocks == stats.total_blocks and "bad" not in engine.decoder.request_ids()
 
 
-def test_an_accelerator_fault_in_a_step_is_raised_not_run_again_item_by_item(engine):
+@pytest.mark.parametrize("where", ["forward", "sampler"])
+def test_an_accelerator_fault_in_a_step_names_the_steps_requests_and_is_not_run_again_item_by_item(
+        tiny_ckpt_224, where, monkeypatch):
     """A CUDA fault is sticky (every later call fails too): re-running the batch item by item would only fail
-    each request as if it were its own fault, and the replica would go on failing every request; raised, it
-    ends the step loop, whose health check then has the replica replaced (tests/unit/runtime)."""
-    runner = engine.decoder.runner
-    execute = runner.execute
+    each request as if it were its own fault, and the replica would go on failing every request. It is raised
+    as a DeviceFault of the step's requests, wherever it surfaces (on a GPU, at the wait for the sampled tokens,
+    not in the forward that queued the kernel); the step loop then ends (tests/unit/runtime)."""
+    decoder = StageFactory(EngineConfig(model=str(tiny_ckpt_224))).decoder().decoder
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for rid in ("a", "b"):
+        decoder.add(DecodeRequest(rid, list(range(2, 12)), [], [], greedy))
     calls: list[int] = []
 
-    def faulty(scheduled):
-        calls.append(len(scheduled))
+    def fault(*args):
+        calls.append(len(args[0]) if where == "forward" else 1)
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-    runner.execute = faulty
-    try:
-        with pytest.raises(DeviceFault) as fault:
-            engine.decoder._execute([(SimpleNamespace(request_id="a"), 1), (SimpleNamespace(request_id="b"), 1)])
-    finally:
-        runner.execute = execute
-    assert calls == [2]
-    assert fault.value.request_ids == ["a", "b"] and isinstance(fault.value.__cause__, torch.AcceleratorError)
+    monkeypatch.setattr(decoder.runner if where == "forward" else decoder.sampler,
+                        "execute" if where == "forward" else "sample", fault)
+    with pytest.raises(DeviceFault) as raised:
+        decoder.step()
+    assert calls == ([2] if where == "forward" else [1])  # the batch's forward (or draw) only
+    assert raised.value.request_ids == ["a", "b"] and isinstance(raised.value.__cause__, torch.AcceleratorError)
+
+
+def test_a_device_fault_crosses_ray_as_itself() -> None:
+    fault = DeviceFault(torch.AcceleratorError("CUDA error: an illegal memory access"), ["a", "b"])
+    again = pickle.loads(pickle.dumps(fault))
+    assert isinstance(again, DeviceFault) and again.request_ids == ["a", "b"] and str(again) == str(fault)
 
 
 def test_the_image_token_is_never_sampled_and_a_sampled_one_would_not_break_the_step(engine):

@@ -14,7 +14,7 @@ import torch
 from mmserve.encoder.service import EncoderService
 from mmserve.runtime.device_errors import DeviceFault
 from mmserve.runtime.step_loop import StageStopped
-from tests.unit.encoder.test_encoder_stage import FakeVision, Store, _item, _spec, _stage
+from tests.unit.encoder.test_encoder_stage import MM_TOKENS, FakeVision, Store, _item, _spec, _stage
 
 
 def test_an_early_encode_on_an_idle_stage_is_what_the_requests_own_call_gets() -> None:
@@ -271,6 +271,29 @@ def test_requests_that_came_during_the_faulting_forward_get_the_fault_only_for_i
             assert isinstance(results[2], StageStopped)  # innocent: its caller retries it on a live replica
         finally:
             release.set()
+            service.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_a_request_pending_beside_the_faulting_forward_is_failed_as_a_lost_stage() -> None:
+    """Added before the step but left out of its forward by the compute budget: no work of it was on the device,
+    so its caller may retry it on a live replica (StageStopped), where the forward's requests get the fault."""
+    def fault(pixels: torch.Tensor) -> torch.Tensor:
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    async def run() -> None:
+        store = Store()
+        store.items.update(a=_item(5), b=_item(6), c=_item(7))
+        # NOTE: the batch window lets all three adds run before the first step, whose budget holds two items
+        service = EncoderService(_stage(fault, compute_budget_tokens=2 * MM_TOKENS), resolve=store.resolve,
+                                 batch_wait_s=0.2)
+        try:
+            results = await asyncio.gather(*(service.encode(f"r{i}", [_spec(key, key)]) for i, key in
+                                             enumerate("abc")), return_exceptions=True)
+            assert [type(r) for r in results] == [DeviceFault, DeviceFault, StageStopped], results
+        finally:
             service.stop()
 
     asyncio.run(run())
