@@ -255,6 +255,7 @@ class StepLoop:
             outputs = self._step()
         except Exception as exc:
             named = getattr(exc, "request_ids", None)
+            aborted = named is None
             try:
                 if named is None:
                     log.exception("%s: step failed; aborting every request", self.name)
@@ -266,9 +267,13 @@ class StepLoop:
                 for request_id in named or ():
                     self._deliver(request_id, RequestFailed(request_id, exc), from_step=True)
             if self._fatal(exc):
-                with contextlib.suppress(Exception):  # NOTE: the stage's books (host only) emptied, as after any
-                    self._abort_all()  # step error naming no request; whoever still waits fails as a lost stage
-                raise  # NOTE: the thread ends (`_run`): every later step would fail too; check_health reports it
+                if not aborted:  # NOTE: the stage's books (host only) emptied, as after a step error naming no one
+                    try:
+                        self._abort_all()
+                    except Exception:
+                        log.exception("%s: abort_all after a fatal step failed", self.name)
+                raise  # NOTE: the thread ends (`_run`): every later step would fail too; whoever still waits gets
+                # StageStopped; check_health reports it
             return
         finally:
             self._step_started = None

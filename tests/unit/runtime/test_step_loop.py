@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmserve.messages import RequestFailed, RequestOutput, merge_outputs
-from mmserve.runtime.device_errors import device_fatal
+from mmserve.runtime.device_errors import DeviceFault, device_fatal
 from mmserve.runtime.step_loop import StageStopped, StepLoop
 
 
@@ -234,6 +234,38 @@ def test_a_fatal_step_error_fails_its_requests_and_ends_the_thread_so_health_fai
     with pytest.raises(RuntimeError, match="step thread died"):
         loop.check_health()
     assert deaths == [1]  # once the thread ended, not after the first error
+    loop.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_a_fatal_step_error_naming_its_requests_fails_those_empties_the_books_once_and_stops_the_rest() -> None:
+    work: list[str] = []
+    aborted: list[int] = []
+
+    def step() -> list:
+        work.clear()
+        raise DeviceFault(torch.AcceleratorError("CUDA error: an illegal memory access"), ["r1"])
+
+    loop = StepLoop(step, lambda: bool(work), lambda: aborted.append(1), fatal=device_fatal)
+
+    async def both() -> list[BaseException | None]:
+        async def one(request_id: str) -> BaseException | None:
+            loop.open(request_id)
+            loop.submit(request_id, lambda: work.append(request_id))
+            try:
+                async for _ in loop.outputs(request_id):
+                    pass
+            except Exception as exc:
+                return exc
+            return None
+
+        return list(await asyncio.gather(one("r1"), one("r2")))
+
+    first, second = asyncio.run(both())
+    assert isinstance(first, DeviceFault) and isinstance(second, StageStopped)  # r2 was not in the step
+    assert loop._thread is not None
+    loop._thread.join(5)
+    assert aborted == [1]
     loop.stop()
 
 
