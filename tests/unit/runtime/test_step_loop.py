@@ -198,6 +198,18 @@ def test_health_fails_once_the_step_thread_died_and_not_after_a_stop() -> None:
     loop.check_health()  # stopped on purpose: nothing to replace
 
 
+async def _failure(loop: StepLoop, request_id: str, work: list[str]) -> BaseException | None:
+    """Add `request_id` (its add puts it in `work`) and read its outputs to the end -> the error they ended with."""
+    loop.open(request_id)
+    loop.submit(request_id, lambda: work.append(request_id))
+    try:
+        async for _ in loop.outputs(request_id):
+            pass
+    except Exception as exc:
+        return exc
+    return None
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
 def test_a_fatal_step_error_fails_its_requests_and_ends_the_thread_so_health_fails() -> None:
     """An accelerator fault is sticky: the loop fails what waits, stops stepping, and check_health reports it;
@@ -214,20 +226,10 @@ def test_a_fatal_step_error_fails_its_requests_and_ends_the_thread_so_health_fai
     deaths: list[int] = []
     loop.on_death = lambda: deaths.append(1)  # a replica's exit
 
-    async def one(request_id: str) -> BaseException | None:
-        loop.open(request_id)
-        loop.submit(request_id, lambda: work.append(request_id))
-        try:
-            async for _ in loop.outputs(request_id):
-                pass
-        except Exception as exc:
-            return exc
-        return None
-
-    first = asyncio.run(one("r1"))
+    first = asyncio.run(_failure(loop, "r1", work))
     assert isinstance(first, RuntimeError) and "bad batch" in str(first) and aborted == [1]
     loop.check_health()  # stepped on
-    second = asyncio.run(one("r2"))
+    second = asyncio.run(_failure(loop, "r2", work))
     assert isinstance(second, torch.AcceleratorError)
     assert loop._thread is not None
     loop._thread.join(5)
@@ -249,17 +251,7 @@ def test_a_fatal_step_error_naming_its_requests_fails_those_empties_the_books_on
     loop = StepLoop(step, lambda: bool(work), lambda: aborted.append(1), fatal=device_fatal)
 
     async def both() -> list[BaseException | None]:
-        async def one(request_id: str) -> BaseException | None:
-            loop.open(request_id)
-            loop.submit(request_id, lambda: work.append(request_id))
-            try:
-                async for _ in loop.outputs(request_id):
-                    pass
-            except Exception as exc:
-                return exc
-            return None
-
-        return list(await asyncio.gather(one("r1"), one("r2")))
+        return list(await asyncio.gather(_failure(loop, "r1", work), _failure(loop, "r2", work)))
 
     first, second = asyncio.run(both())
     assert isinstance(first, DeviceFault) and isinstance(second, StageStopped)  # r2 was not in the step
