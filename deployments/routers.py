@@ -28,8 +28,9 @@ ROUTED_METHODS = {"Encoder": ("encode", "encode_early"), "Decoder": ("generate",
 class _AffinityRouter(RequestRouter):
     deployment = ""
 
-    def initialize_state(self, load_margin: int = 4, **kwargs: Any) -> None:
+    def initialize_state(self, load_margin: int = 4, pending_bound: int = PENDING_BOUND, **kwargs: Any) -> None:
         self.load_margin = load_margin
+        self.pending_bound = pending_bound  # the bound on `_decided` (requests)
         self._decided: OrderedDict[str, Decision] = OrderedDict()  # internal request id -> its first decision
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -58,7 +59,7 @@ class _AffinityRouter(RequestRouter):
             return
         self._decided[request_id] = decision
         # NOTE: bounded: a request cancelled before it was routed never comes back here (Serve has no hook for it)
-        while len(self._decided) > PENDING_BOUND:
+        while len(self._decided) > self.pending_bound:
             self._decided.popitem(last=False)
         affinity.DECISIONS.add(self.deployment, decision)
 
@@ -85,8 +86,9 @@ class DecoderAffinityRouter(_AffinityRouter):
 
     deployment = "Decoder"
 
-    def initialize_state(self, load_margin: int = 4, index_blocks: int = 65536, **kwargs: Any) -> None:
-        super().initialize_state(load_margin)
+    def initialize_state(self, load_margin: int = 4, pending_bound: int = PENDING_BOUND, index_blocks: int = 65536,
+                         **kwargs: Any) -> None:
+        super().initialize_state(load_margin, pending_bound)
         self.index = PrefixIndex(index_blocks)
 
     def preferred(self, request: PendingRequest, loads: dict[str, int | None]) -> tuple[str | None, Decision]:

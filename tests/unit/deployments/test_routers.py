@@ -6,7 +6,6 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from deployments import routers
 from deployments.routers import DecoderAffinityRouter, EncoderAffinityRouter
 from mmserve.messages import MultiModalFeatureSpec, PlaceholderRange, PreprocessedRequest, SamplingParams
 from mmserve.runtime.affinity import DECISIONS, owner
@@ -93,12 +92,11 @@ def test_a_decode_follows_its_prompts_blocks_to_where_they_were_sent() -> None:
     assert names(asyncio.run(r.choose_replicas(cands, request("generate", pre(b"h1"), rid="t4"))))[0] == ["a"]
 
 
-def test_requests_never_routed_leave_a_bounded_decision_and_a_routed_one_nothing(monkeypatch) -> None:
+def test_requests_never_routed_leave_a_bounded_decision_and_a_routed_one_nothing() -> None:
     """A request cancelled before it was routed never comes back (Serve has no hook for it): nothing of it may
     stay without bound; a routed one's hashes go to the index, read from the routed request itself."""
-    monkeypatch.setattr(routers, "PENDING_BOUND", 3)
     cands = replicas("a", "b")
-    r = router(DecoderAffinityRouter, {"a": 0, "b": 0}, load_margin=4, index_blocks=100)
+    r = router(DecoderAffinityRouter, {"a": 0, "b": 0}, load_margin=4, index_blocks=100, pending_bound=3)
 
     def pre(i: int) -> PreprocessedRequest:
         return PreprocessedRequest("p", [1] * 64, [], SamplingParams(), block_hashes=(b"h%d" % i, b"g%d" % i))
@@ -111,6 +109,7 @@ def test_requests_never_routed_leave_a_bounded_decision_and_a_routed_one_nothing
     r.on_request_routed(request("generate", pre(3), rid="c3"), cands[1].replica_id, None)
     assert list(r._decided) == ["c2", "c4"]
     assert r.index.best(pre(3).block_hashes, ["a", "b"])[0] == ["b"]
-    assert set(vars(r)) <= {"load_margin", "_decided", "index", "_replica_queue_len_cache"}  # no other map to leak
+    assert set(vars(r)) <= {"load_margin", "pending_bound", "_decided", "index",
+                            "_replica_queue_len_cache"}  # no other map to leak
 
 
