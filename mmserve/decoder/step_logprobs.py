@@ -74,14 +74,6 @@ def shaped_logprobs(asked: AskedLogprobs | None, table: list[list[float]], token
     return out
 
 
-def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, sampling: Sequence[SamplingParams],
-                  piece: Callable[[int], tuple[str, bytes]], masks: RowMasks | None = None) -> dict[int, TokenLogprob]:
-    """`asked_logprobs`, `read_tokens` and `shaped_logprobs` in turn (what a step does around its other work)."""
-    asked = asked_logprobs(logits, sampled, sampling, masks)
-    tokens, table = read_tokens(sampled, asked)
-    return shaped_logprobs(asked, table, tokens, sampling, piece)
-
-
 def _alternative(token: int, logprob: float, piece: Callable[[int], tuple[str, bytes]]
                  ) -> tuple[int, str, float, bytes]:
     text, raw = piece(token)

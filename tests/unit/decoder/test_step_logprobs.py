@@ -4,13 +4,22 @@ alternatives, from the raw logits' log-softmax."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from mmserve.api.logprobs import FORBIDDEN_LOGPROB, choice_logprobs
 from mmserve.decoder.sampler import RowMasks
-from mmserve.decoder.step_logprobs import asked_logprobs, read_tokens, step_logprobs
-from mmserve.messages import SamplingParams
+from mmserve.decoder.step_logprobs import asked_logprobs, read_tokens, shaped_logprobs
+from mmserve.messages import SamplingParams, TokenLogprob
+
+
+def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, sampling: list[SamplingParams],
+                  piece: Callable[[int], tuple[str, bytes]], masks: RowMasks | None = None) -> dict[int, TokenLogprob]:
+    """What a decoder step does around its other work: compute on the device, read with the tokens, shape."""
+    asked = asked_logprobs(logits, sampled, sampling, masks)
+    tokens, table = read_tokens(sampled, asked)
+    return shaped_logprobs(asked, table, tokens, sampling, piece)
 
 
 def test_rows_that_asked_get_their_token_and_own_top_k():
@@ -54,7 +63,6 @@ def test_a_grammar_rows_log_probs_are_over_the_tokens_its_grammar_allows():
 
 def test_a_nan_logprob_is_sent_as_the_floor_json_can_hold() -> None:
     """A broken checkpoint's NaN logits: JSON has no NaN, and a client's parser refuses one."""
-    from mmserve.messages import TokenLogprob
 
     rendered = choice_logprobs([TokenLogprob(5, "x", math.nan, b"x", ((5, "x", math.nan, b"x"),))]).content[0]
     assert rendered.logprob == FORBIDDEN_LOGPROB and rendered.top_logprobs[0].logprob == FORBIDDEN_LOGPROB

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mmserve.encoder.service import EncoderService
+from mmserve.messages import MultiModalFeatureSpec
 from mmserve.runtime.device_errors import DeviceFault
 from mmserve.runtime.step_loop import StageStopped
 from tests.unit.encoder.test_encoder_stage import MM_TOKENS, FakeVision, Store, _item, _spec, _stage
@@ -54,6 +55,15 @@ def held_vision(vision: Callable[[torch.Tensor], torch.Tensor] | None = None
     return inside, release, slow
 
 
+async def in_its_forward(service: EncoderService, request_id: str, features: list[MultiModalFeatureSpec],
+                         inside: threading.Event) -> asyncio.Future:
+    """`service.encode(request_id, features)` started, once its forward (held, `held_vision`) is under way."""
+    call = asyncio.ensure_future(service.encode(request_id, features))
+    while not inside.is_set():
+        await asyncio.sleep(0.005)
+    return call
+
+
 def test_a_busy_stage_starts_no_early_encode() -> None:
     inside, release, slow = held_vision()
 
@@ -62,9 +72,7 @@ def test_a_busy_stage_starts_no_early_encode() -> None:
         store.items.update(k=_item(1), j=_item(2))
         service = EncoderService(_stage(slow), resolve=store.resolve)
         try:
-            first = asyncio.ensure_future(service.encode("r1", [_spec("h", "k")]))
-            while not inside.is_set():
-                await asyncio.sleep(0.005)
+            first = await in_its_forward(service, "r1", [_spec("h", "k")], inside)
             assert not service.encode_early("r2/early", [_spec("g", "j")])
             release.set()
             await first
@@ -83,9 +91,7 @@ def test_a_second_call_under_a_live_request_id_is_refused_and_the_first_still_ge
     async def run() -> None:
         service = EncoderService(_stage(slow))
         try:
-            first = asyncio.ensure_future(service.encode("r", [_spec("h", _item(1))]))
-            while not inside.is_set():
-                await asyncio.sleep(0.005)
+            first = await in_its_forward(service, "r", [_spec("h", _item(1))], inside)
             with pytest.raises(ValueError, match="already has a consumer"):
                 await service.encode("r", [_spec("g", _item(2))])
             release.set()
@@ -107,9 +113,7 @@ def test_callers_that_leave_mid_encode_leave_nothing_held_and_the_service_serves
         service = EncoderService(_stage(slow), resolve=store.resolve)
         stage = service.stage
         try:
-            running = asyncio.ensure_future(service.encode("r1", [_spec("h", "k")]))  # in its forward
-            while not inside.is_set():
-                await asyncio.sleep(0.005)
+            running = await in_its_forward(service, "r1", [_spec("h", "k")], inside)  # in its forward
             queued = asyncio.ensure_future(service.encode("r2", [_spec("g", "j")]))  # behind that forward
             await asyncio.sleep(0.05)  # NOTE: its add waits on the step thread, which the forward holds
             running.cancel()
@@ -162,9 +166,7 @@ def test_a_request_whose_items_are_cached_is_served_during_a_forward_for_others(
             (first,) = (await service.encode("r0", [_spec("h", "k")])).embeddings  # now cached
             release.clear()
             inside.clear()
-            busy = asyncio.ensure_future(service.encode("r1", [_spec("g", "j")]))  # a miss, in its forward
-            while not inside.is_set():
-                await asyncio.sleep(0.005)
+            busy = await in_its_forward(service, "r1", [_spec("g", "j")], inside)  # a miss, in its forward
             queued = asyncio.ensure_future(service.encode("r2", [_spec("f", "m")]))  # a miss behind it
             await asyncio.sleep(0.02)
             served = await asyncio.wait_for(service.encode("r3", [_spec("h", "k"), _spec("h", "k")]), 1)
@@ -258,9 +260,7 @@ def test_requests_that_came_during_the_faulting_forward_get_the_fault_only_for_i
         store.items.update(bad=_item(3), other=_item(4))
         service = EncoderService(_stage(faulty), resolve=store.resolve)
         try:
-            first = asyncio.ensure_future(service.encode("r1", [_spec("z", "bad")]))
-            while not inside.is_set():
-                await asyncio.sleep(0.005)
+            first = await in_its_forward(service, "r1", [_spec("z", "bad")], inside)
             same = asyncio.ensure_future(service.encode("r2", [_spec("z", "bad")]))
             other = asyncio.ensure_future(service.encode("r3", [_spec("o", "other")]))
             await asyncio.sleep(0.05)  # both submitted: their adds wait behind the step
