@@ -39,11 +39,17 @@ class Autoscaling(StrictArgs):
     # Optional: None leaves Serve's own default. Small values make scaling react in seconds (tests).
     metrics_interval_s: float | None = Field(None, gt=0)  # how often handles/replicas report load
     look_back_period_s: float | None = Field(None, gt=0)  # window the load is averaged over
+    # Replicas a new deployment starts with (a deploy, an upgrade's new cluster), before load moves it; None:
+    # min_replicas. E.g. the replicas the old cluster runs, so that traffic switched to the new one finds them.
+    initial_replicas: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) is outside min_replicas "
+                             f"({self.min_replicas}) to max_replicas ({self.max_replicas})")
         return self
 
 
@@ -89,6 +95,14 @@ ENCODER_INLINE_BYTES = 2 << 20
 ENCODER_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(ENCODER_INLINE_BYTES)}
 
 
+# NOTE: Serve gives a replica being removed one budget, `graceful_shutdown_timeout_s`, for both waiting out the
+# calls it holds (checked every 2 s) and its own shutdown hook, and force-kills it once the budget is spent,
+# hook or not. The hooks: the last metrics push; Preprocess's hand-over to the store (HAND_OVER_TIMEOUT_S, 2 s);
+# an Encoder's or Decoder's step thread joined (StepLoop.stop, up to 30 s). So the default budget is what the
+# calls may take plus this.
+SHUTDOWN_HOOK_S = 40.0
+SERVE_CALL_S = 20.0  # how long a stage's call may take where nothing bounds it (Serve's own drain budget) (s)
+
 # Requests on the ingress's other routes (/health, /metrics, /v1/models) a replica takes beside a full load of
 # chat requests (requests)
 INGRESS_PROBE_SLOTS = 16
@@ -111,9 +125,10 @@ class StageArgs(StrictArgs):
     # (our default) would run torch on one thread: about half the speed of encoder and prefill.
     torch_threads: int | None = Field(None, ge=1)
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_STAGE_ENV))  # replica environment
-    # Seconds a replica being removed (a downscale, a redeploy) goes on serving the calls it holds before it is
-    # stopped; None: Serve's own 20 s, but the Ingress and the Decoder, which hold a request to its last token,
-    # wait as long as a request may live (`ingress.request_timeout_s`; `deployment_options`' `holds_for_s`)
+    # Seconds a replica being removed (a downscale, a redeploy) goes on serving the calls it holds, then runs its
+    # shutdown hook, before Serve stops it; None: how long its calls may take (Serve's 20 s, but the Ingress and
+    # the Decoder, which hold a request to its last token, as long as a request may live, `ingress.request_timeout_s`;
+    # Preprocess, its fetches' deadline more) plus SHUTDOWN_HOOK_S (`deployment_options`' `holds_for_s`)
     graceful_shutdown_timeout_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
@@ -163,7 +178,8 @@ class StageArgs(StrictArgs):
 
     def deployment_options(self, holds_for_s: float | None = None) -> dict[str, Any]:
         """Serve's options of this stage's deployment; `holds_for_s`: how long a call to it may last, which a
-        replica being removed waits out unless `graceful_shutdown_timeout_s` is set (None: Serve's default)."""
+        replica being removed waits out, then its shutdown hook, unless `graceful_shutdown_timeout_s` is set
+        (None: SERVE_CALL_S)."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
         if self.num_gpus:
             actor["num_gpus"] = self.num_gpus
@@ -177,8 +193,8 @@ class StageArgs(StrictArgs):
             options["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
         else:
             options["num_replicas"] = self.num_replicas or 1
-        if (shutdown_s := self.graceful_shutdown_timeout_s or holds_for_s) is not None:
-            options["graceful_shutdown_timeout_s"] = shutdown_s
+        options["graceful_shutdown_timeout_s"] = self.graceful_shutdown_timeout_s or (
+            (SERVE_CALL_S if holds_for_s is None else holds_for_s) + SHUTDOWN_HOOK_S)
         return options
 
 

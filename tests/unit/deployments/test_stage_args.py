@@ -9,7 +9,14 @@ import torch
 from pydantic import ValidationError
 
 from deployments.args import parse_args
-from deployments.stage_args import DEFAULT_STAGE_ENV, INGRESS_PROBE_SLOTS, StageArgs
+from deployments.preprocess import HAND_OVER_TIMEOUT_S
+from deployments.stage_args import (
+    DEFAULT_STAGE_ENV,
+    INGRESS_PROBE_SLOTS,
+    SERVE_CALL_S,
+    SHUTDOWN_HOOK_S,
+    StageArgs,
+)
 from mmserve.config import EngineConfig
 
 
@@ -98,15 +105,26 @@ def test_a_fixed_replica_count_overrides_a_default_autoscaling_and_both_together
         parse_args({"encoder.num_replicas": "2", "encoder.autoscaling": '{"max_replicas": 3}'})
 
 
-def test_a_replica_being_removed_waits_out_the_requests_it_holds() -> None:
-    """Serve stops a removed replica after 20 s by default: a downscale would cut every longer stream."""
+def test_a_replica_being_removed_waits_out_the_requests_it_holds_then_has_time_for_its_hook() -> None:
+    """Serve stops a removed replica after 20 s by default, its shutdown hook included: a downscale would cut every
+    longer stream, and a hook started late would be killed midway (the last metrics, a step thread's join)."""
     args = parse_args({"ingress.request_timeout_s": "120"})
-    assert args.ingress.deployment_options()["graceful_shutdown_timeout_s"] == 120
-    assert args.decoder.deployment_options(holds_for_s=120)["graceful_shutdown_timeout_s"] == 120
-    assert "graceful_shutdown_timeout_s" not in args.encoder.deployment_options()  # short calls: Serve's own
+    assert args.ingress.deployment_options()["graceful_shutdown_timeout_s"] == 120 + SHUTDOWN_HOOK_S
+    assert args.decoder.deployment_options(holds_for_s=120)["graceful_shutdown_timeout_s"] == 120 + SHUTDOWN_HOOK_S
+    short = args.encoder.deployment_options()["graceful_shutdown_timeout_s"]  # short calls: Serve's own bound
+    assert short == SERVE_CALL_S + SHUTDOWN_HOOK_S > HAND_OVER_TIMEOUT_S + 30  # Preprocess's hand-over; a join
     chosen = parse_args({"decoder.graceful_shutdown_timeout_s": "30", "ingress.graceful_shutdown_timeout_s": "45"})
-    assert chosen.decoder.deployment_options(holds_for_s=600)["graceful_shutdown_timeout_s"] == 30
+    assert chosen.decoder.deployment_options(holds_for_s=600)["graceful_shutdown_timeout_s"] == 30  # as given
     assert chosen.ingress.deployment_options()["graceful_shutdown_timeout_s"] == 45
+
+
+def test_initial_replicas_reach_serve_within_the_bounds() -> None:
+    """An upgrade's new cluster starts with the replicas the old one ran, not at min_replicas."""
+    args = parse_args({"decoder.autoscaling": '{"min_replicas": 1, "max_replicas": 8, "initial_replicas": 6}'})
+    assert args.decoder.deployment_options()["autoscaling_config"]["initial_replicas"] == 6
+    assert "initial_replicas" not in parse_args({}).preprocess.deployment_options()["autoscaling_config"]
+    with pytest.raises(ValidationError, match=r"initial_replicas \(9\) is outside min_replicas \(1\) to max"):
+        parse_args({"decoder.autoscaling": '{"min_replicas": 1, "max_replicas": 8, "initial_replicas": 9}'})
 
 
 def test_a_queue_bound_serve_would_refuse_is_refused_naming_it() -> None:
