@@ -1,11 +1,12 @@
-"""The scheduler under random load with everything on at once: prefix caching, sliding-window and full layers,
-images attended both ways (repeated, so prefix hits end inside them), preemption, aborts (a scheduled one too)
-and embeddings a prefix hit lost, supplied a step later.
+"""The scheduler under random load with everything on at once: prefix caching (two images alike but for their
+identity, cache salts), sliding-window and full layers, images attended both ways (repeated, so prefix hits end
+inside them), preemption, aborts (a scheduled one too) and embeddings a prefix hit lost, supplied a step later.
 
 After every step: no page is held twice, the pool's pages add up, each cached block's holder count is its
 readers', no chunk splits an image or uses embeddings it lacks, and every position a step reads (the window on
-a sliding layer, all on a full one) holds what was written for exactly that token prefix: a page reused while
-read, or a prefix hit on other content, shows as a wrong shadow entry. At the end every request finishes.
+a sliding layer, all on a full one) holds what was written for exactly that prefix (tokens, images, salt): a
+page reused while read, or a prefix hit on other content, shows as a wrong shadow entry. At the end every
+request finishes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from mmserve.models.base import FULL, SLIDING, AttentionPattern
 IMAGE = 9  # the image token id
 BLOCK = 4  # tokens per block
 STEPS, REQUESTS = 400, 40  # steps with arrivals, requests in all (the rest of a run drains them)
-Shadow = dict[tuple[int, int], tuple[int, ...]]  # (page, slot) -> the token prefix its K/V was computed for
+Prefix = tuple[tuple[int, ...], tuple[tuple[str, int], ...], str | None]  # tokens, (image, offset)s, salt
+Shadow = dict[tuple[int, int], Prefix]  # (page, slot) -> the prefix its K/V was computed for
 
 
 class Load:
@@ -37,13 +39,16 @@ class Load:
 
     def __init__(self, rng: random.Random, budget: int) -> None:
         self.rng = rng
-        self.images = {f"i{j}": rng.randint(2, budget) for j in range(3)}  # image -> its placeholder length
-        self.turns: list[tuple[list[int], list[MultiModalFeatureSpec]]] = []  # earlier prompts
+        # image -> its placeholder length; NOTE: two of them alike, so only their identity tells their K/V apart
+        alike = rng.randint(2, budget)
+        self.images = {"i0": alike, "i1": alike, "i2": rng.randint(2, budget)}
+        self.turns: list[tuple[list[int], list[MultiModalFeatureSpec], str | None]] = []  # earlier prompts, salts
 
     def request(self, rid: str) -> Sequence:
         rng, tokens, features = self.rng, [], []
+        salt: str | None = rng.choice([None, None, "s"])  # a new chat's; a next turn keeps its chat's
         if self.turns and rng.random() < 0.4:  # NOTE: one that grew too long for the pool is refused at its add
-            earlier_tokens, earlier_features = rng.choice(self.turns)
+            earlier_tokens, earlier_features, salt = rng.choice(self.turns)
             tokens, features = list(earlier_tokens), list(earlier_features)
         for _ in range(rng.randint(1, 3)):
             tokens += [rng.randint(2, 3) for _ in range(rng.randint(1, 5))]
@@ -53,17 +58,19 @@ class Load:
                 features.append(MultiModalFeatureSpec(name, "image", PlaceholderRange(len(tokens), length), length))
                 tokens += [IMAGE] * length
         tokens += [rng.randint(2, 3) for _ in range(rng.randint(1, 3))]
-        self.turns.append((tokens, features))
+        self.turns.append((tokens, features, salt))
         images = PromptImages.of(tokens, features, IMAGE) if features else None
         embeddings: list[object | None] = [None if rng.random() < 0.3 else object() for _ in features]
         return Sequence(rid, list(tokens), SamplingParams(max_tokens=rng.randint(1, 24)), list(features), embeddings,
-                        atomic_spans=images.spans() if images else [], images=images)
+                        atomic_spans=images.spans() if images else [], images=images, cache_salt=salt)
 
 
-def prefix(seq: Sequence, p: int) -> tuple[int, ...]:
-    """What position p's K/V depends on: the tokens up to it, or to the end of the image it is in."""
+def prefix(seq: Sequence, p: int) -> Prefix:
+    """What position p's K/V depends on: the tokens up to it, or to the end of the image it is in, which images
+    sit where among them (alike tokens), and the cache salt."""
     end = max([b for a, b in seq.atomic_spans if a <= p < b], default=p + 1)
-    return tuple(seq.token_ids[:end])
+    images = tuple((f.identifier, f.placeholder.offset) for f in seq.features if f.placeholder.offset < end)
+    return tuple(seq.token_ids[:end]), images, seq.cache_salt
 
 
 def check_chunks(out: SchedulerOutput) -> None:
