@@ -95,6 +95,9 @@ class Ingress:
         if (reporter := getattr(self, "reporter", None)) is not None:  # None: __init__ failed
             await reporter.close()
 
+    # NOTE: HEAD beside GET on the probes' routes (uptime monitors probe with HEAD; FastAPI adds it to no route),
+    # kept out of the API's document
+    @api.head("/health", include_in_schema=False)
     @api.get("/health")
     async def health(self) -> Response:
         """200 once every deployment of the app has a running replica; 503 naming those that have none, and why.
@@ -106,6 +109,7 @@ class Ingress:
         status, body = await self.app_health.answer()
         return JSONResponse(body, status_code=status)
 
+    @api.head("/v1/models", include_in_schema=False)
     @api.get("/v1/models")
     async def models(self) -> Response:
         try:
@@ -115,6 +119,7 @@ class Ingress:
         return JSONResponse(ModelList(data=[ModelCard(id=served.model_id, max_model_len=served.max_model_len)])
                             .model_dump())
 
+    @api.head("/v1/models/{model:path}", include_in_schema=False)
     @api.get("/v1/models/{model:path}")  # NOTE: a path: model ids hold slashes (google/gemma-3-4b-it)
     async def model(self, model: str) -> Response:
         try:

@@ -89,7 +89,7 @@ def parse_json(raw: bytes) -> Any:
     if not raw.strip():
         raise InvalidRequestError("the request body is empty; expected a JSON object")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # NOTE: a leading byte-order mark (Notepad, PowerShell 5) skipped, as json does
     except UnicodeDecodeError as err:
         raise InvalidRequestError(f"the request body is not UTF-8 (byte {err.start})") from None
     try:

@@ -37,9 +37,9 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
-def http_get(url: str, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+def http_get(url: str, timeout: float = 10.0, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=timeout) as resp:
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as err:
         return err.code, dict(err.headers), err.read()

@@ -88,6 +88,7 @@ def test_a_body_that_is_not_json_is_a_400_saying_why(raw: bytes, says: str) -> N
 def test_json_decodes_as_is() -> None:
     assert parse_json(b'{"a": [1, "\xc3\xa9"]}') == {"a": [1, "é"]}
     assert parse_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001f600"}  # a surrogate pair is one character
+    assert parse_json(b'\xef\xbb\xbf{"a": 1}') == {"a": 1}  # a UTF-8 byte-order mark first, as json.loads(bytes)
 
 
 @pytest.mark.parametrize(("raw", "param"), [
