@@ -23,7 +23,6 @@ from deployments.encoder import Encoder
 from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.preprocess import Preprocess
-from deployments.stage_args import SERVE_CALL_S
 from mmserve.errors import OverloadedError
 from mmserve.models.registry import served_model_type
 
@@ -49,10 +48,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                                                   app_args.metrics_push_interval_s)
     encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options(), **_router(
         app_args.encoder.router("deployments.routers:EncoderAffinityRouter"))).bind(app_args, store, hub)
-    # NOTE: a Preprocess call fetches its images (side by side, each within the deadline), then processes them
-    fetches_s = app_args.engine.media.fetch_timeout_s
     preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options(
-        fetches_s + SERVE_CALL_S)).bind(app_args, store, hub, encoder)
+        app_args.preprocess_call_s())).bind(app_args, store, hub, encoder)
     # NOTE: the decoder's index of routed prompt blocks holds about what its KV pool caches
     holds_for_s = app_args.ingress.request_timeout_s  # a Decoder holds a request to its last token
     decoder = _deployment(Decoder).options(**app_args.decoder.deployment_options(holds_for_s), **_router(

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, Field, TypeAdapter, model_validator
 
 from deployments.stage_args import (
+    SERVE_CALL_S,
     DecoderArgs,
     EncoderArgs,
     IngressArgs,
@@ -73,6 +74,12 @@ class AppArgs(StrictArgs):
         fails and replaces it): longer than any request may live, so every request in it has had its deadline,
         and at least HUNG_STEP_MIN_S (a slow first step on a CPU is no hang)."""
         return max(self.ingress.request_timeout_s, HUNG_STEP_MIN_S)
+
+    def preprocess_call_s(self) -> float:
+        """About how long a Preprocess call may take, which a replica being removed waits out: its fetches (side
+        by side, each within `media.fetch_timeout_s`), then the processor. NOTE: an estimate, not a bound: a call
+        waiting for a worker thread takes longer (the request's deadline bounds it, and a call cut is retried)."""
+        return self.engine.media.fetch_timeout_s + SERVE_CALL_S
 
     def early_encode(self) -> bool:
         """Whether Preprocess sends the Encoder a request's new images early (`preprocess.early_encode`)."""

@@ -96,7 +96,8 @@ class Ingress:
             await reporter.close()
 
     # NOTE: HEAD beside GET on the probes' routes (uptime monitors probe with HEAD; FastAPI adds it to no route),
-    # kept out of the API's document
+    # kept out of the API's document. As routes of their own (one route of both would give the document two
+    # operations of one id); GET's is registered first (the inner decorator), so a 405 on these paths lists GET
     @api.head("/health", include_in_schema=False)
     @api.get("/health")
     async def health(self) -> Response:

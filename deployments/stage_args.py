@@ -39,8 +39,9 @@ class Autoscaling(StrictArgs):
     # Optional: None leaves Serve's own default. Small values make scaling react in seconds (tests).
     metrics_interval_s: float | None = Field(None, gt=0)  # how often handles/replicas report load
     look_back_period_s: float | None = Field(None, gt=0)  # window the load is averaged over
-    # Replicas a new deployment starts with (a deploy, an upgrade's new cluster), before load moves it; None:
-    # min_replicas. E.g. the replicas the old cluster runs, so that traffic switched to the new one finds them.
+    # Replicas the stage starts with (a deploy, an upgrade's new cluster), before load moves it; None: min_replicas.
+    # E.g. the replicas the old cluster runs, so that traffic switched to the new one finds them. NOTE: Serve
+    # applies it again on every redeploy that changes the app's args (any of them): remove it after the upgrade.
     initial_replicas: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
@@ -96,10 +97,10 @@ ENCODER_ENV = {**DEFAULT_STAGE_ENV, "RAY_max_direct_call_object_size": str(ENCOD
 
 
 # NOTE: Serve gives a replica being removed one budget, `graceful_shutdown_timeout_s`, for both waiting out the
-# calls it holds (checked every 2 s) and its own shutdown hook, and force-kills it once the budget is spent,
-# hook or not. The hooks: the last metrics push; Preprocess's hand-over to the store (HAND_OVER_TIMEOUT_S, 2 s);
-# an Encoder's or Decoder's step thread joined (StepLoop.stop, up to 30 s). So the default budget is what the
-# calls may take plus this.
+# calls it holds (checked every 2 s: graceful_shutdown_wait_loop_s) and its own shutdown hook, and force-kills it
+# once the budget is spent, hook or not. The hooks: the last metrics push (HUB_TIMEOUT_S, 2 s); Preprocess's
+# hand-over to the store (HAND_OVER_TIMEOUT_S, 2 s); an Encoder's or Decoder's step thread joined (StepLoop.stop,
+# JOIN_TIMEOUT_S, 30 s). So the default budget is what the calls may take plus this.
 SHUTDOWN_HOOK_S = 40.0
 SERVE_CALL_S = 20.0  # how long a stage's call may take where nothing bounds it (Serve's own drain budget) (s)
 

@@ -11,6 +11,7 @@ hold (protocol.py) nor the socket (the ingress hands in the body's chunks).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import re
@@ -86,12 +87,14 @@ async def validated(raw: bytes, model: type[M]) -> M:
 
 def parse_json(raw: bytes) -> Any:
     """The body's JSON value; InvalidRequestError (400) if it is empty, not UTF-8 or not JSON."""
-    if not raw.strip():
+    body = raw.removeprefix(codecs.BOM_UTF8)  # NOTE: a leading byte-order mark (Notepad) skipped, as json.loads does
+    if not body.strip():
         raise InvalidRequestError("the request body is empty; expected a JSON object")
     try:
-        text = raw.decode("utf-8-sig")  # NOTE: a leading byte-order mark (Notepad, PowerShell 5) skipped, as json does
+        text = body.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise InvalidRequestError(f"the request body is not UTF-8 (byte {err.start})") from None
+        offset = err.start + len(raw) - len(body)  # in the body as sent
+        raise InvalidRequestError(f"the request body is not UTF-8 (byte {offset})") from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:

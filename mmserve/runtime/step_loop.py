@@ -39,6 +39,7 @@ from mmserve.messages import RequestFailed
 from mmserve.runtime.output_channel import OutputChannel, read
 
 log = logging.getLogger(__name__)
+JOIN_TIMEOUT_S = 30.0  # how long `stop` waits for the step under way to end (s)
 _LIVE: weakref.WeakSet[StepLoop] = weakref.WeakSet()  # loops with a thread, for the exit hook
 
 
@@ -173,7 +174,7 @@ class StepLoop:
             thread, stopped = self._thread, self._stopped
         return thread is not None and not thread.is_alive() and not stopped
 
-    def stop(self, timeout_s: float | None = 30.0) -> None:
+    def stop(self, timeout_s: float | None = JOIN_TIMEOUT_S) -> None:
         """End the loop after the step under way, join its thread, fail what still waits. Idempotent."""
         with self._lock:
             self._stopped = True

@@ -76,7 +76,9 @@ def test_a_refused_body_that_never_comes_is_waited_for_a_moment_only(monkeypatch
     (b"  \n", "empty"),
     (b'{"messages": [', "not valid JSON"),
     (b"{'single': 'quotes'}", "not valid JSON"),
-    (b'{"text": "\xff\xfe"}', "not UTF-8"),
+    (b'{"text": "\xff\xfe"}', r"not UTF-8 \(byte 10\)"),
+    (b'\xef\xbb\xbf{"text": "\xff\xfe"}', r"not UTF-8 \(byte 13\)"),  # counted in the body as sent, its BOM too
+    (b"\xef\xbb\xbf \n", "empty"),
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
 ])
 def test_a_body_that_is_not_json_is_a_400_saying_why(raw: bytes, says: str) -> None:

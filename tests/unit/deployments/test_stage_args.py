@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from deployments.args import parse_args
+from deployments.metrics_hub import HUB_TIMEOUT_S
 from deployments.preprocess import HAND_OVER_TIMEOUT_S
 from deployments.stage_args import (
     DEFAULT_STAGE_ENV,
@@ -18,6 +19,7 @@ from deployments.stage_args import (
     StageArgs,
 )
 from mmserve.config import EngineConfig
+from mmserve.runtime.step_loop import JOIN_TIMEOUT_S
 
 
 def test_threads_follow_num_cpus_or_take_the_whole_node_when_zero() -> None:
@@ -111,8 +113,13 @@ def test_a_replica_being_removed_waits_out_the_requests_it_holds_then_has_time_f
     args = parse_args({"ingress.request_timeout_s": "120"})
     assert args.ingress.deployment_options()["graceful_shutdown_timeout_s"] == 120 + SHUTDOWN_HOOK_S
     assert args.decoder.deployment_options(holds_for_s=120)["graceful_shutdown_timeout_s"] == 120 + SHUTDOWN_HOOK_S
-    short = args.encoder.deployment_options()["graceful_shutdown_timeout_s"]  # short calls: Serve's own bound
-    assert short == SERVE_CALL_S + SHUTDOWN_HOOK_S > HAND_OVER_TIMEOUT_S + 30  # Preprocess's hand-over; a join
+    assert args.encoder.deployment_options()["graceful_shutdown_timeout_s"] == SERVE_CALL_S + SHUTDOWN_HOOK_S
+    # Preprocess: its fetches' deadline, then the processor
+    fetches = parse_args({"media.fetch_timeout_s": "15"})
+    assert fetches.preprocess_call_s() == 15 + SERVE_CALL_S
+    # the longest hook: Serve's drain check (every 2 s), the last metrics push, then a step thread's join
+    # (Preprocess: the push and its hand-over to the store)
+    assert 2 + HUB_TIMEOUT_S + max(JOIN_TIMEOUT_S, HAND_OVER_TIMEOUT_S) <= SHUTDOWN_HOOK_S
     chosen = parse_args({"decoder.graceful_shutdown_timeout_s": "30", "ingress.graceful_shutdown_timeout_s": "45"})
     assert chosen.decoder.deployment_options(holds_for_s=600)["graceful_shutdown_timeout_s"] == 30  # as given
     assert chosen.ingress.deployment_options()["graceful_shutdown_timeout_s"] == 45
