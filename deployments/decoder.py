@@ -24,6 +24,7 @@ from deployments.retry import ACTOR_LOST, attempt_id, retrying
 from deployments.step_replica import StepReplica
 from mmserve.errors import InvalidRequestError, OverloadedError, ReplicaLostError
 from mmserve.messages import EncoderOutput, PreprocessedRequest, RequestFailed, RequestOutput
+from mmserve.models.weights_id import check_same_weights
 from mmserve.runtime import affinity
 from mmserve.runtime.embeddings_wire import from_wire
 from mmserve.runtime.metrics import MetricsSnapshot, decoder_snapshot, merge
@@ -36,6 +37,7 @@ class Decoder(StepReplica):
         configure_step_process(app_args.decoder)
         stages = StageFactory(app_args.engine_config(app_args.decoder))
         self.service = stages.decoder()
+        self.vision_weights = stages.family.vision_weights_id()  # what an Encoder's answer must have been made with
         self.watch_step_thread()
         stages.release_unused()
         self.engine = self.service.decoder
@@ -71,6 +73,7 @@ class Decoder(StepReplica):
             raise ReplicaLostError(f"encoder replicas lost ({type(exc).__name__}); retry") from None
         if isinstance(out, RequestFailed):
             raise out.error
+        check_same_weights(out.vision_weights, self.vision_weights)  # NOTE: before anything caches them
         return replace(out, embeddings=from_wire(out.embeddings, out.dtype))  # tensors, with the encoder's phases
 
     def metrics(self) -> MetricsSnapshot:

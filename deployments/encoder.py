@@ -46,6 +46,7 @@ class Encoder(StepReplica):
         stages.release_unused()
         self.stage = self.service.stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.vision_weights = stages.family.vision_weights_id()  # stamped on each answer: the Decoder checks it
         self.ongoing = 0  # `encode` calls in flight here (introspection)
         self.early_encode_calls = 0  # early encodes asked of this replica (introspection)
         self.early_encodes = 0  # early encodes started here, those that came while the stage was idle (introspection)
@@ -80,7 +81,8 @@ class Encoder(StepReplica):
             arrays, dtype = to_wire(encoded.embeddings)
         timeline.add(encoded.timings)
         timeline.since_start("encoder.replica")  # the call's whole time here: its round trip less this is the hop
-        return EncoderOutput(request_id, arrays, dtype=dtype, timings=timeline.phases, host=encoded.host)
+        return EncoderOutput(request_id, arrays, dtype=dtype, timings=timeline.phases, host=encoded.host,
+                             vision_weights=self.vision_weights)
 
     async def encode_early(self, request_id: str, features: list[MultiModalFeatureSpec]) -> bool:
         """Start encoding a request's items into this replica's cache before its `encode` call comes (the

@@ -256,6 +256,7 @@ class EncoderOutput:
     timings: PhaseTimes = ()  # the encoder stage's own time on the call (phase, ms)
     host: str = ""  # the host whose CPU computes this encoder's forwards (its name, runtime/shared_cores.py); "" = an
     # accelerator (the answer may come from its cache, with no forward run)
+    vision_weights: str = ""  # the weights the embeddings were computed with (models/weights_id.py); "" = unknown
 
 
 @dataclass(frozen=True)

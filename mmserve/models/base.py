@@ -130,6 +130,8 @@ class ModelFamily(Protocol):
 
     def load_text(self) -> TextDecoder: ...
 
+    def vision_weights_id(self) -> str: ...  # the weights load_vision reads, fingerprinted (weights_id.py); "" unknown
+
     def release_unused(self) -> None: ...  # drop whatever loading kept that no part handed out uses
 
 

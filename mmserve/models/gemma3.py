@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.gemma3_text import Gemma3PagedText
 from mmserve.models.generation_defaults import sampling_defaults
 from mmserve.models.pixels import PixelNormalization
+from mmserve.models.weights_id import weights_fingerprint
 from mmserve.runtime.matmul_forms import pack_linears
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,9 @@ def _as_list(ids: int | list[int] | None) -> list[int]:
 
 
 # dtypes Gemma 3 is not served in -> why (EngineConfig.dtype)
+# The text model's tensors in every checkpoint layout (google's, older transformers', current): all but these are the
+# vision tower's and projector's (Gemma3VisionParts skips these when it reads the vision parts alone)
+TEXT_WEIGHTS = re.compile(r"(^|\.)(language_model|lm_head)\.")
 REFUSED_DTYPES = {"float16": "Gemma 3's activations overflow float16 (use bfloat16)"}
 
 # Text-config values the paged model's arithmetic assumes (every Gemma 3 release has them): a checkpoint that
@@ -223,6 +228,9 @@ class Gemma3Family:
         hf.lm_head.to(device)  # NOTE: tied to the embeddings: moved in place, it stays the same parameter
         return Gemma3PagedText(language_model, hf.lm_head, self.spec.attention,
                                layers=one_at_a_time(language_model.layers, device))
+
+    def vision_weights_id(self) -> str:
+        return weights_fingerprint(self.model_dir, lambda name: TEXT_WEIGHTS.search(name) is None)
 
     def release_unused(self) -> None:
         """Drop the reference to the whole HF model; parts handed out stay alive."""

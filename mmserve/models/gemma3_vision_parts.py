@@ -18,6 +18,8 @@ from torch import nn
 from transformers import AutoModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector, Gemma3PreTrainedModel
 
+from mmserve.models.gemma3 import TEXT_WEIGHTS
+
 
 class _VisionModel(nn.Module):
     def __init__(self, config: Any) -> None:
@@ -28,7 +30,7 @@ class _VisionModel(nn.Module):
 
 class Gemma3VisionParts(Gemma3PreTrainedModel):
     # NOTE: the text model's keys in any layout; expected to be there, not loaded
-    _keys_to_ignore_on_load_unexpected = [r"language_model\.", r"lm_head\."]
+    _keys_to_ignore_on_load_unexpected = [TEXT_WEIGHTS.pattern]
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

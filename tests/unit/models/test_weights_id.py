@@ -1,0 +1,77 @@
+"""The vision weights' fingerprint: the same for the same weights wherever they lie, another for trained ones, and
+the Decoder's refusal of embeddings made with other weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mmserve.config import EngineConfig
+from mmserve.errors import OverloadedError
+from mmserve.models.gemma3 import TEXT_WEIGHTS
+from mmserve.models.registry import load_family
+from mmserve.models.weights_id import check_same_weights, weights_fingerprint
+
+
+def vision(name: str) -> bool:
+    return TEXT_WEIGHTS.search(name) is None
+
+
+def copy_with(ckpt: Path, folder: Path, change: str | None = None) -> Path:
+    """A copy of the checkpoint in `folder`; the tensor named `change` (if any) trained, i.e. every value moved."""
+    shutil.copytree(ckpt, folder)
+    if change is not None:
+        tensors = load_file(folder / "model.safetensors")
+        tensors[change] = tensors[change] * 1.01 + 1e-3
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_the_same_weights_in_another_folder_have_the_same_id(tiny_ckpt: Path, tmp_path: Path) -> None:
+    ids = {load_family(str(folder), EngineConfig()).vision_weights_id()
+           for folder in (tiny_ckpt, copy_with(tiny_ckpt, tmp_path / "elsewhere"))}
+    assert len(ids) == 1 and next(iter(ids)) != ""
+
+
+def test_trained_vision_weights_change_it_and_text_weights_do_not(tiny_ckpt: Path, tmp_path: Path) -> None:
+    names = list(load_file(tiny_ckpt / "model.safetensors"))
+    projector = next(n for n in names if "multi_modal_projector" in n)
+    tower = next(n for n in names if "vision_tower" in n and n.endswith("weight"))
+    text = next(n for n in names if not vision(n))
+    base = weights_fingerprint(tiny_ckpt, vision)
+    assert weights_fingerprint(copy_with(tiny_ckpt, tmp_path / "p", projector), vision) != base
+    assert weights_fingerprint(copy_with(tiny_ckpt, tmp_path / "t", tower), vision) != base
+    assert weights_fingerprint(copy_with(tiny_ckpt, tmp_path / "x", text), vision) == base
+
+
+def test_a_sharded_checkpoint_is_read_through_its_index_and_one_without_safetensors_is_unknown(
+        tiny_ckpt: Path, tmp_path: Path) -> None:
+    tensors = load_file(tiny_ckpt / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, sharded / file, metadata={"format": "pt"})
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert weights_fingerprint(sharded, vision) != ""
+    assert weights_fingerprint(sharded, lambda name: False) != weights_fingerprint(sharded, vision)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    torch.save({}, bare / "pytorch_model.bin")
+    assert weights_fingerprint(bare, vision) == ""
+
+
+def test_embeddings_made_with_other_weights_are_refused_and_unknown_ones_taken() -> None:
+    check_same_weights("a1", "a1")
+    check_same_weights("", "a1")  # an encoder that does not say (an older version): not checked
+    check_same_weights("a1", "")
+    with pytest.raises(OverloadedError, match="other vision weights") as refused:
+        check_same_weights("b2", "a1")
+    assert refused.value.status == 503
