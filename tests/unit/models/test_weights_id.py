@@ -4,6 +4,7 @@ the Decoder's refusal of embeddings made with other weights."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -33,8 +34,9 @@ def copy_with(ckpt: Path, folder: Path, change: str | None = None) -> Path:
 
 
 def test_the_same_weights_in_another_folder_have_the_same_id(tiny_ckpt: Path, tmp_path: Path) -> None:
-    ids = {load_family(str(folder), EngineConfig()).vision_weights_id()
-           for folder in (tiny_ckpt, copy_with(tiny_ckpt, tmp_path / "elsewhere"))}
+    elsewhere = copy_with(tiny_ckpt, tmp_path / "elsewhere")
+    os.utime(elsewhere / "model.safetensors", (1e9, 1e9))  # another node's copy: other times, another path
+    ids = {load_family(str(folder), EngineConfig()).vision_weights_id() for folder in (tiny_ckpt, elsewhere)}
     assert len(ids) == 1 and next(iter(ids)) != ""
 
 
@@ -49,22 +51,37 @@ def test_trained_vision_weights_change_it_and_text_weights_do_not(tiny_ckpt: Pat
     assert weights_fingerprint(copy_with(tiny_ckpt, tmp_path / "x", text), vision) == base
 
 
-def test_a_sharded_checkpoint_is_read_through_its_index_and_one_without_safetensors_is_unknown(
-        tiny_ckpt: Path, tmp_path: Path) -> None:
-    tensors = load_file(tiny_ckpt / "model.safetensors")
+def save_sharded(tensors: dict[str, torch.Tensor], folder: Path) -> Path:
+    """`tensors` saved as transformers saves a big checkpoint: two shards and their index."""
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    sharded = tmp_path / "sharded"
-    sharded.mkdir()
+    shards = {"model-00001-of-00002.safetensors": names[1::2], "model-00002-of-00002.safetensors": names[::2]}
+    folder.mkdir()
     for file, part in shards.items():
-        save_file({n: tensors[n] for n in part}, sharded / file, metadata={"format": "pt"})
+        save_file({n: tensors[n] for n in part}, folder / file, metadata={"format": "pt"})
     weight_map = {n: file for file, part in shards.items() for n in part}
-    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    assert weights_fingerprint(sharded, vision) != ""
-    assert weights_fingerprint(sharded, lambda name: False) != weights_fingerprint(sharded, vision)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def test_the_same_weights_saved_another_way_have_the_same_id(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Sharded, or under google's key names instead of transformers' (the same tensors), they are the same."""
+    tensors = load_file(tiny_ckpt / "model.safetensors")
+    base = weights_fingerprint(tiny_ckpt, vision)
+    assert weights_fingerprint(save_sharded(tensors, tmp_path / "sharded"), vision) == base
+    renamed = {(n.removeprefix("model.") if n.startswith("model.") else "model." + n): t for n, t in tensors.items()}
+    assert renamed.keys() != tensors.keys()
+    assert weights_fingerprint(save_sharded(renamed, tmp_path / "renamed"), vision) == base
+
+
+def test_weights_it_cannot_read_are_unknown_not_a_failed_start(tiny_ckpt: Path, tmp_path: Path) -> None:
+    sharded = save_sharded(load_file(tiny_ckpt / "model.safetensors"), tmp_path / "sharded")
+    (sharded / "model-00002-of-00002.safetensors").unlink()  # an index left naming a shard that is gone
+    assert weights_fingerprint(sharded, vision) == ""
+    (sharded / "model.safetensors").write_bytes(b"")  # transformers takes a single file first
+    assert weights_fingerprint(sharded, vision) == ""
     bare = tmp_path / "bare"
     bare.mkdir()
-    torch.save({}, bare / "pytorch_model.bin")
+    torch.save({}, bare / "pytorch_model.bin")  # no safetensors at all
     assert weights_fingerprint(bare, vision) == ""
 
 
