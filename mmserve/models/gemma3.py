@@ -46,10 +46,10 @@ def _as_list(ids: int | list[int] | None) -> list[int]:
     return ids if isinstance(ids, list) else [ids] if ids is not None else []
 
 
-# dtypes Gemma 3 is not served in -> why (EngineConfig.dtype)
 # The text model's tensors in every checkpoint layout (google's, older transformers', current): all but these are the
 # vision tower's and projector's (Gemma3VisionParts skips these when it reads the vision parts alone)
 TEXT_WEIGHTS = re.compile(r"(^|\.)(language_model|lm_head)\.")
+# dtypes Gemma 3 is not served in -> why (EngineConfig.dtype)
 REFUSED_DTYPES = {"float16": "Gemma 3's activations overflow float16 (use bfloat16)"}
 
 # Text-config values the paged model's arithmetic assumes (every Gemma 3 release has them): a checkpoint that

@@ -29,6 +29,8 @@ from mmserve.errors import OverloadedError
 
 log = logging.getLogger(__name__)
 SAMPLE_BYTES = 64  # bytes read at each of a tensor's three places
+# NOTE: the fingerprint's form, its prefix: replicas of versions that compute it otherwise do not compare theirs
+FORM = "w1"
 
 
 def weights_fingerprint(model_dir: Path, reads: Callable[[str], bool]) -> str:
@@ -37,12 +39,15 @@ def weights_fingerprint(model_dir: Path, reads: Callable[[str], bool]) -> str:
     try:
         tensors = sorted(d for path in _safetensors_files(model_dir) for d in _tensor_digests(path, reads))
     except (OSError, ValueError, KeyError, struct.error) as exc:  # NOTE: transformers, loading them, says what is wrong
-        log.warning("the vision weights of %s are not fingerprinted (%r): Encoder answers are not checked", model_dir,
-                    exc)
-        return ""
+        return _unknown(model_dir, repr(exc))
     if not tensors:
-        return ""
-    return hashlib.blake2b(b"".join(tensors), digest_size=16).hexdigest()
+        return _unknown(model_dir, "no safetensors tensor of the stage's")
+    return f"{FORM}:{hashlib.blake2b(b''.join(tensors), digest_size=16).hexdigest()}"
+
+
+def _unknown(model_dir: Path, why: str) -> str:
+    log.warning("the vision weights of %s are not fingerprinted (%s): Encoder answers are not checked", model_dir, why)
+    return ""
 
 
 def _tensor_digests(path: Path, reads: Callable[[str], bool]) -> list[bytes]:
@@ -65,8 +70,9 @@ def _tensor_digests(path: Path, reads: Callable[[str], bool]) -> list[bytes]:
 
 def check_same_weights(theirs: str, ours: str) -> None:
     """Refuse embeddings an encoder computed with other vision weights than this decoder's checkpoint holds (a
-    503, retried by clients: it lasts while a new `model` rolls out); "" on either side is unknown, not checked."""
-    if theirs and ours and theirs != ours:
+    503, retried by clients: it lasts while a new `model` rolls out); "" on either side is unknown, and fingerprints
+    of another form (a version that computes them otherwise) are not compared."""
+    if theirs and ours and theirs != ours and theirs.split(":")[0] == ours.split(":")[0]:
         if (theirs, ours) not in _WARNED:  # NOTE: once per pair: a rollout meets it on many requests
             _WARNED.add((theirs, ours))
             log.warning("an Encoder answered with vision weights %s, this Decoder holds %s: refused (a new model "
@@ -80,7 +86,7 @@ _WARNED: set[tuple[str, str]] = set()  # (theirs, ours) pairs logged
 def _safetensors_files(model_dir: Path) -> list[Path]:
     """The weight files as transformers picks them: one `model.safetensors` first, else the shards its index names."""
     single = model_dir / "model.safetensors"
-    if single.exists():
+    if single.is_file():  # NOTE: as transformers picks it
         return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.exists():

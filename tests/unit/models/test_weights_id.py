@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -73,22 +74,37 @@ def test_the_same_weights_saved_another_way_have_the_same_id(tiny_ckpt: Path, tm
     assert weights_fingerprint(save_sharded(renamed, tmp_path / "renamed"), vision) == base
 
 
-def test_weights_it_cannot_read_are_unknown_not_a_failed_start(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_the_single_file_is_read_first_as_transformers_reads_it(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A folder re-saved as one file over a sharded download keeps the old index, naming shards gone."""
     sharded = save_sharded(load_file(tiny_ckpt / "model.safetensors"), tmp_path / "sharded")
-    (sharded / "model-00002-of-00002.safetensors").unlink()  # an index left naming a shard that is gone
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    shutil.copy(tiny_ckpt / "model.safetensors", sharded / "model.safetensors")
+    assert weights_fingerprint(sharded, vision) == weights_fingerprint(tiny_ckpt, vision) != ""
+
+
+def test_weights_it_cannot_read_are_unknown_not_a_failed_start(tiny_ckpt: Path, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    sharded = save_sharded(load_file(tiny_ckpt / "model.safetensors"), tmp_path / "sharded")
+    (sharded / "model-00002-of-00002.safetensors").unlink()  # an index naming a shard that is gone
     assert weights_fingerprint(sharded, vision) == ""
-    (sharded / "model.safetensors").write_bytes(b"")  # transformers takes a single file first
+    (sharded / "model.safetensors").write_bytes(b"short")  # not a safetensors file
     assert weights_fingerprint(sharded, vision) == ""
     bare = tmp_path / "bare"
     bare.mkdir()
     torch.save({}, bare / "pytorch_model.bin")  # no safetensors at all
     assert weights_fingerprint(bare, vision) == ""
+    assert sum("not fingerprinted" in r.getMessage() for r in caplog.records) == 3  # each said, none silent
 
 
-def test_embeddings_made_with_other_weights_are_refused_and_unknown_ones_taken() -> None:
-    check_same_weights("a1", "a1")
-    check_same_weights("", "a1")  # an encoder that does not say (an older version): not checked
-    check_same_weights("a1", "")
-    with pytest.raises(OverloadedError, match="other vision weights") as refused:
-        check_same_weights("b2", "a1")
-    assert refused.value.status == 503
+def test_embeddings_made_with_other_weights_are_refused_and_unknown_ones_taken(
+        caplog: pytest.LogCaptureFixture) -> None:
+    check_same_weights("w1:a1", "w1:a1")
+    check_same_weights("", "w1:a1")  # an encoder that does not say (an older version): not checked
+    check_same_weights("w1:a1", "")
+    check_same_weights("w0:b2", "w1:a1")  # a fingerprint of another form: not compared
+    theirs = f"w1:{uuid.uuid4().hex}"  # NOTE: a pair of its own: pairs are logged once per process
+    for _ in range(3):
+        with pytest.raises(OverloadedError, match="other vision weights") as refused:
+            check_same_weights(theirs, "w1:a1")
+        assert refused.value.status == 503
+    assert sum(theirs in r.getMessage() for r in caplog.records) == 1  # said once per pair
