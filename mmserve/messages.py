@@ -297,7 +297,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (tokens)
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     index: int = 0  # which of the request's `n` choices this output belongs to (choice index)
-    # vLLM's: what ended a "stop": the stop string, or the request's stop token id; None for the model's own end
+    # vLLM's: what ended a "stop": the stop string, or the stop token id (the request's own, or a checkpoint end id
+    # other than the tokenizer's, outside structured output and ignore_eos); None for the tokenizer's end
     stop_reason: str | int | None = None
     # on a choice's first output: the stages' own time up to it (phase, ms): the preprocess phases its request
     # carried, then the decoder's (with the encoder's inside); () on the others
