@@ -24,7 +24,7 @@ from mmserve.models.gemma3_prompt import Gemma3PromptRule
 from mmserve.models.gemma3_text import Gemma3PagedText
 from mmserve.models.generation_defaults import sampling_defaults
 from mmserve.models.pixels import PixelNormalization
-from mmserve.models.weights_id import weights_fingerprint
+from mmserve.models.weights_id import safetensors_files, weights_fingerprint
 from mmserve.runtime.matmul_forms import pack_linears
 
 log = logging.getLogger(__name__)
@@ -143,13 +143,10 @@ def weights_dtype(model_dir: Path) -> torch.dtype | None:
     """The dtype of the checkpoint's first floating tensor (its first shard's), None if it has none."""
     from safetensors import safe_open
 
-    index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        ["model.safetensors"]
-    path = model_dir / files[0]
-    if not path.exists():
+    files = safetensors_files(model_dir)
+    if not files or not files[0].exists():
         return None
-    with safe_open(str(path), "pt") as weights:
+    with safe_open(str(files[0]), "pt") as weights:
         for name in weights.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
             dtype = getattr(torch, _SAFETENSORS_DTYPES.get(weights.get_slice(name).get_dtype(), "int64"))
             if dtype.is_floating_point:

@@ -1,6 +1,7 @@
 """Which weights a stage computes with: a fingerprint that every node holding the same checkpoint agrees on.
 
-Owns: `weights_fingerprint`, a digest over the checkpoint's safetensors tensors a predicate selects (each one's
+Owns: which safetensors files hold a checkpoint's weights (`safetensors_files`, as transformers picks them);
+`weights_fingerprint`, a digest over the checkpoint's safetensors tensors a predicate selects (each one's
 dtype, shape and bytes sampled at its start, middle and end), read through a memory map: a few pages per tensor,
 not the weights; and `check_same_weights`, the refusal of embeddings computed with other vision weights. Does not
 own which tensors a stage reads (the model family says) nor where the check is made (the Decoder's replica, on each
@@ -37,7 +38,7 @@ def weights_fingerprint(model_dir: Path, reads: Callable[[str], bool]) -> str:
     """A hex digest of the tensors named by `reads` in `model_dir`'s safetensors files; "" where they cannot be
     read (other formats; a file the index names is missing)."""
     try:
-        tensors = sorted(d for path in _safetensors_files(model_dir) for d in _tensor_digests(path, reads))
+        tensors = sorted(d for path in safetensors_files(model_dir) for d in _tensor_digests(path, reads))
     except (OSError, ValueError, KeyError, struct.error) as exc:  # NOTE: transformers, loading them, says what is wrong
         return _unknown(model_dir, repr(exc))
     if not tensors:
@@ -83,10 +84,11 @@ def check_same_weights(theirs: str, ours: str) -> None:
 _WARNED: set[tuple[str, str]] = set()  # (theirs, ours) pairs logged
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files as transformers picks them: one `model.safetensors` first, else the shards its index names."""
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files as transformers picks them: one `model.safetensors` first, else the shards its index names
+    (which may be missing); [] for neither."""
     single = model_dir / "model.safetensors"
-    if single.is_file():  # NOTE: as transformers picks it
+    if single.is_file():
         return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
