@@ -117,8 +117,10 @@ class SSEStream:
 
 
 def deploy(app: Any, *, name: str, route_prefix: str, timeout: float = 300) -> None:
-    """`serve.run` with a deadline: a replica that can never be placed fails the test, not hangs it."""
-    serve._run(app, name=name, route_prefix=route_prefix, _blocking=False)
+    """`serve.run` with a deadline: a replica that can never be placed fails the test, not hangs it.
+    NOTE: `serve.run` itself waits for RUNNING without one; `run_many` (Serve's developer API) can not wait."""
+    serve.run_many([serve.RunTarget(app, name=name, route_prefix=route_prefix)],
+                   wait_for_applications_running=False)
     wait_running(name, timeout)
 
 

@@ -70,7 +70,8 @@ def _deploy_in_grpc_mode(args: dict[str, Any]) -> None:
 
     from deployments.app import build_app
 
-    serve._run(build_app(args), name=APP, route_prefix="/grpc", _blocking=False)
+    serve.run_many([serve.RunTarget(build_app(args), name=APP, route_prefix="/grpc")],
+                   wait_for_applications_running=False)
 
 
 def object_store_bytes(cluster: ClusterInfo) -> int:
