@@ -91,7 +91,8 @@ class Decoder:
         self.sampler = Sampler(spec.never_sampled, spec.eos_token_ids)
         # NOTE: as vLLM, the checkpoint's end ids other than the tokenizer's own end count as stop token ids (Gemma
         # 3's <end_of_turn>): a choice they end reports them as its `stop_reason`
-        self._named_ends = frozenset(spec.eos_token_ids) - {getattr(tokenizer, "eos_token_id", None)}
+        self._tokenizer_end: int | None = getattr(tokenizer, "eos_token_id", None)
+        self._named_ends = frozenset(spec.eos_token_ids) - {self._tokenizer_end}
         self.grammars = Grammars(tokenizer, spec.vocab_size, spec.eos_token_ids, never=spec.never_sampled)
         self.grammar_step = GrammarStep(self.grammars, device)
         self._states: dict[str, _OutputState] = {}
@@ -255,10 +256,12 @@ class Decoder:
 
     def _emit(self, request_id: str, token: int, finished: bool, logprob: TokenLogprob | None) -> RequestOutput:
         state = self._states[request_id]
-        # NOTE: the token that stops a sequence is in its token ids, not in its text, as vLLM leaves it out
-        stop = finished and state.seq.finish_reason == "stop" and self.scheduler.is_stop_token(state.seq, token) \
-            and not state.seq.sampling.include_stop_str_in_output
-        text = "" if stop else state.detokenizer.add(token)
+        # NOTE: the token that stops a sequence is in its token ids, not in its text, as vLLM leaves it out; with
+        # include_stop_str_in_output its text is kept, and (as vLLM) not searched for stop strings
+        ended_by_token = finished and state.seq.finish_reason == "stop" and self.scheduler.is_stop_token(state.seq,
+                                                                                                       token)
+        stop = ended_by_token and not state.seq.sampling.include_stop_str_in_output
+        text = "" if stop else state.detokenizer.add(token, stops=not ended_by_token)
         if state.detokenizer.stopped:  # NOTE: this token completed a stop string (it finishes only once)
             if not finished:
                 self.scheduler.finish(request_id, "stop")
@@ -267,7 +270,7 @@ class Decoder:
         if finished:
             text += state.detokenizer.flush()
             del self._states[request_id]
-            reason = state.seq.stop_reason(token, state.detokenizer.stop_string, self._named_ends)
+            reason = state.seq.stop_reason(token, state.detokenizer.stop_string, self._named_ends, self._tokenizer_end)
         return self._output(state, [token], text, finish_reason=state.seq.finish_reason if finished else None,
                             finished=finished, logprobs=None if logprob is None else [logprob], stop_reason=reason)
 

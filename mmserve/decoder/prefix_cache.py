@@ -12,6 +12,9 @@ NOTE: a collision here would hand one request another's context, so the digest i
 canonical byte encoding (fixed-width parent and token ids, length-prefixed item ids), never `hash()`.
 An item's identifier is its content hash (pixels, size, model, processor kwargs), so two images that
 differ in one pixel share no block past the template.
+NOTE: a hit may end inside an image: the cached image rows' K/V are exact because that identifier names the
+whole image (a later row of the same run is the same), and only then. An identifier a client could choose
+(vLLM's `multi_modal_uuids`) would break this, and must not reach the hash.
 """
 
 from __future__ import annotations

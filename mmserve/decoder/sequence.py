@@ -112,11 +112,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def stop_reason(self, last_token: int, stop_string: str | None, named_ends: frozenset[int] = frozenset()
-                    ) -> str | int | None:
+    def stop_reason(self, last_token: int, stop_string: str | None, named_ends: frozenset[int] = frozenset(),
+                    tokenizer_end: int | None = None) -> str | int | None:
         """vLLM's `stop_reason` once finished: the stop string found, else the stop token id that ended it (the
         request's own, or one of `named_ends` unless it ignores the model's end or writes under a grammar), else
-        None (the tokenizer's end, a grammar's, or a finish other than "stop").
+        None (`tokenizer_end`, the tokenizer's own end, unless it ignores the model's end: vLLM checks that end
+        first, listed in `stop_token_ids` or not; a grammar's end; a finish other than "stop").
 
         NOTE: vLLM's grammars end only on the tokenizer's own end token; ours on any of the model's, so a
         constrained choice's end is named by none of them."""
@@ -124,5 +125,7 @@ class Sequence:
             return None
         if stop_string is not None:
             return stop_string
+        if last_token == tokenizer_end and not self.sampling.ignore_eos:
+            return None
         named = last_token in named_ends and not self.sampling.ignore_eos and self.sampling.structured is None
         return last_token if last_token in self.sampling.stop_token_ids or named else None

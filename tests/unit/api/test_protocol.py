@@ -536,6 +536,11 @@ def test_official_client_reads_logprobs_in_a_response_and_in_chunks() -> None:
                                                                    logprobs=True))
     # the held-back token's log-prob comes with the next chunk that is sent: none is lost, none doubled
     assert [[t.token for t in c.choices[0].logprobs.content] for c in chunks] == [["t0"], ["t1", "t2"]]
+    outs = _with_logprobs(outputs(["", "AB"]))  # the first token's text held back: the role goes out alone
+    chunks = list(fake_client(stream, {}).chat.completions.create(model="gemma-3", messages=USER, stream=True,
+                                                                   logprobs=True))
+    assert (chunks[0].choices[0].delta.content, chunks[0].choices[0].logprobs) == ("", None)
+    assert [t.token for t in chunks[1].choices[0].logprobs.content] == ["t0", "t1"]
 
 
 def test_without_logprobs_a_choice_says_null() -> None:
@@ -586,6 +591,10 @@ def test_return_token_ids_gives_the_prompts_and_every_tokens_ids_only_when_asked
     bodies = [json.loads(e[len("data: "):]) for out in outs for e in chunks.events(out) if e != SSE_DONE]
     assert [b.get("prompt_token_ids") for b in bodies] == [prompt, None, None]
     assert [b["choices"][0]["token_ids"] for b in bodies[:-1]] == [[0], [1, 2]] and bodies[-1]["choices"] == []
+    late = ChunkBuilder("c", "gemma-3", prompt_token_ids=prompt)  # the first token's text held back
+    bodies = [json.loads(e[len("data: "):]) for out in outputs(["", "AB"]) for e in late.events(out) if e != SSE_DONE]
+    assert [(b["choices"][0]["delta"].get("content"), b["choices"][0]["token_ids"]) for b in bodies] == \
+        [("", []), ("AB", [0, 1])] and bodies[0]["prompt_token_ids"] == prompt
     plain = CompletionBuilder("c", "gemma-3")
     for out in outs:
         plain.add(out)
