@@ -191,9 +191,8 @@ class ChunkBuilder:
             return opening
         delta = Delta(role="assistant" if first else None, content=out.new_text if out.new_text or first else None)
         reason = out.finish_reason if out.finished else None
-        if first and not out.new_text and not out.finished:  # the role alone: its held-back token goes on later
-            return [self._chunk([ChunkChoice(index=index, delta=delta, token_ids=None if self._unsent_ids is None
-                                             else [])])]
+        if first and not out.new_text and not out.finished:  # the role alone (as vLLM's): its held-back token's
+            return [self._chunk([ChunkChoice(index=index, delta=delta)])]  # log-probs and id go with its text
         pending = self._pending.pop(index, None)
         if pending is not None:
             self._pending[index] = []  # NOTE: a held-back token's log-probs go with the next chunk sent

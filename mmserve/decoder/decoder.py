@@ -256,12 +256,11 @@ class Decoder:
 
     def _emit(self, request_id: str, token: int, finished: bool, logprob: TokenLogprob | None) -> RequestOutput:
         state = self._states[request_id]
-        # NOTE: the token that stops a sequence is in its token ids, not in its text, as vLLM leaves it out; with
-        # include_stop_str_in_output its text is kept, and (as vLLM) not searched for stop strings
-        ended_by_token = finished and state.seq.finish_reason == "stop" and self.scheduler.is_stop_token(state.seq,
-                                                                                                       token)
-        stop = ended_by_token and not state.seq.sampling.include_stop_str_in_output
-        text = "" if stop else state.detokenizer.add(token, stops=not ended_by_token)
+        # NOTE: the token that stops a sequence is in its token ids, not in its text, as vLLM leaves it out (with
+        # include_stop_str_in_output its text is kept, and searched for stop strings as vLLM's is since v0.10.1)
+        stop = finished and state.seq.finish_reason == "stop" and self.scheduler.is_stop_token(state.seq, token) \
+            and not state.seq.sampling.include_stop_str_in_output
+        text = "" if stop else state.detokenizer.add(token)
         if state.detokenizer.stopped:  # NOTE: this token completed a stop string (it finishes only once)
             if not finished:
                 self.scheduler.finish(request_id, "stop")

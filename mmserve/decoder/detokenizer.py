@@ -86,16 +86,13 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_string is not None
 
-    def add(self, token_id: int, *, stops: bool = True) -> str:
-        """Feed one sampled token; return the newly completed text (may be empty). `stops=False`: its text
-        ends no stop string (a stop token's, kept in the text: vLLM checks no stop string then)."""
+    def add(self, token_id: int) -> str:
+        """Feed one sampled token; return the newly completed text (may be empty)."""
         if self.stopped:
             return ""
         chunk, fresh = self._decode_step(token_id), len(self._pending)
         self._pending += chunk
         self._tokens += 1
-        if not stops:
-            return self._emit(len(self._pending))
         return self._emit(self._check_stop(fresh if self._tokens > self._min_tokens else None))
 
     def _decode_step(self, token_id: int) -> str:

@@ -201,7 +201,8 @@ def test_the_checkpoints_end_of_turn_is_named_as_the_stop_reason_and_the_tokeniz
     ignoring = Sequence("r", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True), finish_reason="stop")
     assert ignoring.stop_reason(turn, None, named) is None
     # the tokenizer's end listed as a stop token id: vLLM checks that end first and names it only when ignored
-    end_first: dict[str, Any] = {"max_tokens": 4, "stop_token_ids": (tokenizer_end,), "logit_bias": ((tokenizer_end, 100.0),)}
+    end_first: dict[str, Any] = {"max_tokens": 4, "stop_token_ids": (tokenizer_end,),
+                                 "logit_bias": ((tokenizer_end, 100.0),)}
     [ended] = engine.generate([chat("tke1", **end_first)])
     [listed] = engine.generate([chat("tke2", ignore_eos=True, **end_first)])
     assert [(o.token_ids[-1], o.finish_reason, o.stop_reason) for o in (ended, listed)] == \
@@ -298,13 +299,13 @@ def test_a_stop_token_ends_the_ids_but_not_the_text(engine):
     [through] = engine.generate([chat("sti5", max_tokens=last + 1, ignore_eos=True)])
     assert kept.token_ids == ids[: last + 1] and kept.text == through.text != cut.text
     assert kept.stop_reason == ids[last]
-    # the stop token's text is also a stop string: as vLLM, a stop token's text is not searched for stop strings
+    # the stop token's kept text is also a stop string: as vLLM (since v0.10.1) the string names the stop
     own = through.text[len(upto.text):]
     assert own.strip() and own not in upto.text, f"need a token with text of its own, got {own!r}"
     [both] = engine.generate([chat("sti6", max_tokens=8, ignore_eos=True, stop_token_ids=(ids[last],), stop=(own,),
                                    include_stop_str_in_output=True)])
     assert (both.token_ids, both.text, both.finish_reason, both.stop_reason) == (kept.token_ids, kept.text, "stop",
-                                                                                 ids[last])
+                                                                                 own)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
@@ -660,8 +661,9 @@ def test_the_text_is_the_tokenizers_own_decode_of_the_output_ids(engine):
     """Streamed piece by piece (the incremental detokenizer), the whole text equals one decode of every output id,
     the model's end left out, as vLLM's text is."""
     tokenizer = engine.decoder.tokenizer
-    for i, kw in enumerate([{"max_tokens": 24, "ignore_eos": True}, {"max_tokens": 24},
-                            {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0, "seed": 3}]):
+    asks: list[dict[str, Any]] = [{"max_tokens": 24, "ignore_eos": True}, {"max_tokens": 24},
+                                  {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0, "seed": 3}]
+    for i, kw in enumerate(asks):
         [out] = engine.generate([chat(f"dec{i}", IMAGE, **kw)])
         ids = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
         assert out.text == tokenizer.decode(ids, skip_special_tokens=True), (kw, out.token_ids)
