@@ -244,10 +244,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 def _message_dict(message: Message) -> dict[str, Any]:
     """Plain OpenAI-shaped dict for `ChatRequest.messages`; unknown keys and `detail: null` dropped."""
-    data = message.model_dump(exclude_none=True)
-    if data["role"] == "developer":
-        data["role"] = "system"
-    return data
+    return message.model_dump(exclude_none=True)  # NOTE: a "developer" message is served as "system" (chat_messages)
 
 
 # --- responses ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 from mmserve.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "developer")  # NOTE: "developer" (OpenAI's newer name) is served as "system"
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ def parse_messages(messages: Any, *, reserved: tuple[str, ...], max_parts: int |
         if role not in ROLES:
             raise InvalidRequestError(f"{where}.role must be one of {list(ROLES)}, got {role!r}")
         content = _parse_content(message.get("content"), where, reserved, urls)
+        role = "system" if role == "developer" else role
         if role == "system":
             content = _system_text(content, where)
         out.append({"role": role, "content": content})

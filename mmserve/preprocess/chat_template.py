@@ -130,6 +130,12 @@ def _check_options(parsed: ParsedMessages, options: TemplateOptions) -> None:
     if not any(text.strip() for text in texts):
         raise InvalidRequestError("continue_final_message needs text in the final message to continue",
                                   param="continue_final_message")
+    kinds = [] if isinstance(content, str) else [part["type"] for part in content]
+    if "image" in kinds and kinds[::-1].index("image") < kinds[::-1].index("text"):
+        # NOTE: transformers cuts the prompt after the final message's last text, and an image after it with it
+        raise InvalidRequestError("continue_final_message continues the final message's last text, so no image "
+                                  "may follow it in that message; put the image before the text",
+                                  param="continue_final_message")
 
 
 def _variables(template: str | dict[str, str]) -> frozenset[str]:

@@ -240,7 +240,7 @@ def test_stop_string_top_k_off_developer_role_and_bare_image_url() -> None:
             "stop": "END", "top_k": -1}
     req = parse(body).to_chat_request("r", 16)
     assert req.sampling.stop == ("END",) and req.sampling.top_k == 0
-    assert req.messages == [{"role": "system", "content": "sys"},
+    assert req.messages == [{"role": "developer", "content": "sys"},  # served as "system" (chat_messages)
                             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}},
                                                          {"type": "image_url", "image_url": {"url": "https://x/b.png",
                                                                                              "detail": "original"}}]}]

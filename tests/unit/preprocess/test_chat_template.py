@@ -58,6 +58,15 @@ def test_continuing_needs_the_generation_prompt_off_and_text_to_continue(process
     with pytest.raises(InvalidRequestError, match="needs text") as info:
         render(processor, only_image, CONTINUE)
     assert info.value.param == "continue_final_message"
+    image: dict[str, Any] = {"type": "image_url", "image_url": {"url": "data:,"}}
+    text_then_image: list[dict[str, Any]] = [{"type": "text", "text": "It is"}, image]
+    for messages in ([{"role": "user", "content": text_then_image}],  # transformers would cut the image off
+                     [*ASK, {"role": "assistant", "content": text_then_image}]):
+        with pytest.raises(InvalidRequestError, match="no image may follow") as info:
+            render(processor, messages, CONTINUE)
+        assert info.value.param == "continue_final_message"
+    before = [*ASK, {"role": "assistant", "content": [image, {"type": "text", "text": "It shows"}]}]
+    assert render(processor, before, CONTINUE).endswith("<start_of_image>It shows")
     blank_parts = [{"type": "text", "text": " "}, {"type": "text", "text": "\n"}]
     for blank in ("", "  \n", blank_parts):  # NOTE: the cut took the header's newline: "...<start_of_turn>model"
         with pytest.raises(InvalidRequestError, match="needs text"):
@@ -153,3 +162,12 @@ def test_more_messages_and_parts_than_the_limit_are_a_400_before_any_rendering()
     with pytest.raises(InvalidRequestError, match=r"8 messages and content parts; the limit is 7") as info:
         parse_messages(messages, reserved=RESERVED, max_parts=7)
     assert info.value.param == "messages"
+
+
+def test_a_developer_message_is_a_system_message(processor: Any) -> None:
+    """OpenAI's newer name for the system role, in the Engine's messages as over HTTP."""
+    def asked(role: str) -> str:
+        return render(processor, [{"role": role, "content": "Be brief."}, *ASK], TemplateOptions())
+
+    assert asked("developer") == asked("system") == processor.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, *ASK], tokenize=False, add_generation_prompt=True)
