@@ -210,7 +210,16 @@ class SharedProcessorCache:
         if monotonic() < self._down_until:
             return
         self._store.submit("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes, source, self._maker,
-                           timeout_s=LOOKUP_TIMEOUT_S)
+                           timeout_s=LOOKUP_TIMEOUT_S).add_done_callback(self._adopted)
+
+    def _adopted(self, asked: Future[Any]) -> None:
+        """An adopt's end: one the store did not take is logged (its item is a miss elsewhere), and a store that
+        did not answer is taken as down, as by a lookup."""
+        try:
+            asked.result()
+        except BaseException as exc:
+            if not self._taken_down(exc):
+                log.warning("the processor cache store did not index an item: %r", exc)
 
     def _ask(self, method: str, *args: Any, pick: Callable[[StoreLookup], Any] = _key_and_item) -> Future[Any]:
         """The store's answer, through `pick`, as a future; a store that is down or slow answers None (a
@@ -227,13 +236,10 @@ class SharedProcessorCache:
             try:
                 found: StoreLookup = asked.result()
             except BaseException as exc:  # NOTE: a cancelled call too: the waiting request must hear of it
-                if not (replica_lost(exc) or isinstance(exc, TimeoutError)):
+                if self._taken_down(exc):
+                    answer.set_result(None)
+                else:
                     answer.set_exception(exc)
-                    return
-                log.warning("processor cache store unavailable (%s); misses for %.0f s", type(exc).__name__,
-                            LOOKUP_TIMEOUT_S)
-                self._down_until = monotonic() + LOOKUP_TIMEOUT_S
-                answer.set_result(None)
                 return
             try:
                 picked = pick(found)
@@ -245,6 +251,17 @@ class SharedProcessorCache:
 
         self._store.submit(method, *args, timeout_s=LOOKUP_TIMEOUT_S).add_done_callback(settle)
         return answer
+
+    def _taken_down(self, exc: BaseException) -> bool:
+        """Whether `exc` says the store is unavailable (lost, or no answer in time): then it is taken as down for
+        a lookup's timeout (logged once, as it goes down)."""
+        if not (replica_lost(exc) or isinstance(exc, TimeoutError)):
+            return False
+        if monotonic() >= self._down_until:
+            log.warning("processor cache store unavailable (%s); misses for %.0f s", type(exc).__name__,
+                        LOOKUP_TIMEOUT_S)
+        self._down_until = monotonic() + LOOKUP_TIMEOUT_S
+        return True
 
     def hand_over(self, timeout_s: float) -> Future[int]:
         """On this replica's graceful shutdown: have the store copy the items this replica made (requests in

@@ -167,13 +167,13 @@ class Ingress:
         deadline = Deadline(self.request_timeout_s)
         self.reporter.ensure_started()
         timing = ServerTiming(self.stage_timing)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"  # the response's id: the logs name the request by it
         try:
             raw = await deadline.wait(failures.read_body(request, self.max_body_bytes))  # a slow drip too
             body = await deadline.wait(validated(raw, ChatCompletionRequest))
             served = await deadline.wait(self._served_model())
             check_model(body.model, served.model_id)
-            make = functools.partial(body.to_chat_request, f"chatcmpl-{uuid.uuid4().hex}", served.max_model_len,
-                                     served.sampling_defaults)
+            make = functools.partial(body.to_chat_request, request_id, served.max_model_len, served.sampling_defaults)
             # NOTE: a constraint is compiled here (seconds, for some): off the loop that serves every other request
             chat = await deadline.wait(asyncio.to_thread(make)) if body.constrained else make()
             timing.mark("parse")
@@ -190,7 +190,7 @@ class Ingress:
             return Response(status_code=failures.CLIENT_CLOSED_REQUEST)  # NOTE: nobody reads it
         except Exception as exc:
             self._done(failures.failure_status(exc), started)
-            return failures.error_response(exc)
+            return failures.error_response(exc, request_id)
         if not body.stream:
             return await self._complete(chat, started, deadline, timing, bool(body.return_token_ids))
         self.stats.observe_ttft(first_s := time.perf_counter() - started)
@@ -298,13 +298,19 @@ class Ingress:
 
         try:
             builder = await retrying(attempt, retries=self.replica_loss_retries, what=f"request {chat.request_id}")
-            answer = JSONResponse(builder.build().model_dump(), headers=timing.header())
+
+            def render() -> JSONResponse:
+                return JSONResponse(builder.build().model_dump(), headers=timing.header())
+
+            # NOTE: an answer with log-probs is built off the event loop: up to 21 entries a token (tens of µs a
+            # token to build and encode), so a long one would hold every other request of this replica for seconds
+            answer = render() if chat.sampling.logprobs is None else await asyncio.to_thread(render)
         except asyncio.CancelledError:  # the client left: counted as a stream that loses its client is
             self._done("aborted", started, tokens())
             raise
         except Exception as exc:
             self._done(failures.failure_status(exc), started, tokens())
-            return failures.error_response(exc)
+            return failures.error_response(exc, chat.request_id)
         self._done("ok", started, builder.choices.tokens, firsts[-1], chat.sampling.n)
         return answer
 
@@ -332,7 +338,7 @@ class Ingress:
             status = "ok"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             status = failures.failure_status(exc)
-            failures.log_fault(exc)
+            failures.log_fault(exc, chunks.response_id)
             yield sse_error(unwrapped(exc))
         finally:
             if not chunks.finished:  # the client left, or the deadline: abort it in the decoder, free its KV

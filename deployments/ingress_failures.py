@@ -78,19 +78,26 @@ def raise_failed(message: Any) -> Any:
     return message
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    """The answer to a request that failed with `exc`, before its response began."""
-    log_fault(exc)
+def error_response(exc: BaseException, request_id: str | None = None) -> JSONResponse:
+    """The answer to a request (named `request_id` where it has one yet) that failed with `exc`, before its
+    response began."""
+    log_fault(exc, request_id)
     exc = unwrapped(exc)
     status, body = error_body(exc)
     return JSONResponse(body, status_code=status, headers=error_headers(exc))
 
 
-def log_fault(exc: BaseException) -> None:
-    """NOTE: the client is told nothing of a server fault (a 500, or a stream's error event); the log says what
-    it was."""
-    if error_body(unwrapped(exc))[0] == 500:
-        log.error("request failed with a server fault", exc_info=exc)
+def log_fault(exc: BaseException, request_id: str | None = None) -> None:
+    """Log a failure that is the service's, not the client's, by the request's id (the response's `id`).
+
+    NOTE: the client is told nothing of a server fault (a 500, or a stream's error event); the log says what
+    it was. A replica lost past the retries (a 503 `replica_lost`) is logged too: the client saw a failure."""
+    inner = unwrapped(exc)
+    name = f"request {request_id}" if request_id else "a request"
+    if isinstance(inner, ReplicaLostError):
+        log.warning("%s failed: %s", name, inner)
+    elif error_body(inner)[0] == 500:
+        log.error("%s failed with a server fault", name, exc_info=exc)
 
 
 class GuardedStream(StreamingResponse):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 # NOTE: a hub call answers in about a millisecond: this long means the hub is down or being replaced, and a push
 # (or a scrape) that waited on would hold the next ones behind it
 HUB_TIMEOUT_S = 2.0
+FAILURE_LOG_INTERVAL_S = 60.0  # failing pushes are logged when they begin, then at most this often (s)
 MIRROR_REPLAY = 1000  # observations of one histogram bucket replayed into Ray's mirror per push
 MIRROR_BACKLOG = 10 * MIRROR_REPLAY  # observations of one bucket left for later pushes at most; the rest dropped
 
@@ -101,11 +103,23 @@ class MetricsReporter:
                 self.mirror.update(snapshot)
 
     async def _loop(self) -> None:
+        failing_since: float | None = None  # when the pushes began to fail (monotonic s); None = they succeed
+        told = 0.0  # when that was last logged
         while True:
             try:
                 await self.push()
+                if failing_since is not None:
+                    log.info("metrics from %s pushed again after %.0f s", self.source, time.monotonic() - failing_since)
+                failing_since = None
             except Exception:  # metrics must never take a replica down
-                log.warning("pushing metrics from %s failed", self.source, exc_info=True)
+                now = time.monotonic()
+                # NOTE: once when they begin to fail, then once a minute: every replica pushes every few seconds,
+                # and a hub that is down (being replaced) would fill every log with the same traceback
+                if failing_since is None or now - told >= FAILURE_LOG_INTERVAL_S:
+                    log.warning("pushing metrics from %s failed%s", self.source, "" if failing_since is None else
+                                f" (since {now - failing_since:.0f} s)", exc_info=failing_since is None)
+                    told = now
+                failing_since = now if failing_since is None else failing_since
             await asyncio.sleep(self.interval_s)
 
 

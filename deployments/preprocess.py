@@ -132,6 +132,7 @@ async def _settle(sent: Any) -> None:
         await asyncio.wait_for(sent, EARLY_TIMEOUT_S)
     except TimeoutError:
         cancel(sent)
-        log.info("an early encode found no Encoder within %.0f s; given up", EARLY_TIMEOUT_S)
+        log.info("an early encode was not answered within %.0f s (every Encoder busy, or none reachable); given up",
+                 EARLY_TIMEOUT_S)
     except Exception as exc:
-        log.info("an early encode was not sent: %r", exc)
+        log.info("an early encode failed: %r", exc)

@@ -41,7 +41,11 @@ class BlockHasher:
                salt: str | None) -> None:
         """Append to `hashes` the digest of every full block of `token_ids` past those it has."""
         bs = self.block_size
-        for b in range(len(hashes), len(token_ids) // bs):
+        first, last = len(hashes), len(token_ids) // bs
+        # NOTE: the new blocks' ids made bytes in one call, not one call a block (a 128k prompt has 8k blocks)
+        raw = np.asarray(token_ids[first * bs : last * bs], dtype=np.int64).tobytes()  # (blocks * bs) int64
+        width = bs * 8  # bytes of a block's ids
+        for b in range(first, last):
             start = b * bs
             items = b"".join(  # every item overlapping the block, with the block's offset inside it
                 _field(f.identifier.encode()) + struct.pack("<q", start - f.placeholder.offset)
@@ -49,7 +53,7 @@ class BlockHasher:
                 if f.placeholder.offset < start + bs and start < f.placeholder.offset + f.placeholder.length
             )
             salted = _field(salt.encode()) if salt is not None and b == 0 else b""
-            tokens = np.asarray(token_ids[start : start + bs], dtype=np.int64).tobytes()
+            tokens = raw[(b - first) * width : (b - first + 1) * width]
             hashes.append(_digest(hashes[-1] if hashes else self.root, tokens, _field(items), salted))
 
 

@@ -32,6 +32,10 @@ from mmserve.runtime.shared_cores import SharedCores
 from mmserve.runtime.step_loop import StepLoop
 from mmserve.runtime.timeline import Timeline
 
+# NOTE: a prompt this long is hashed off the event loop (~2 µs a 16-token block: a 128k prompt's ~16 ms would hold
+# every stream of the replica); a shorter one here, where a thread's hand-off would cost more than its hashing
+HASH_OFF_LOOP_TOKENS = 8192
+
 
 def choice_id(request_id: str, index: int) -> str:
     """The id choice `index` of an n > 1 request is served under."""
@@ -155,7 +159,8 @@ class DecoderService:
         try:
             try:
                 self.decoder.scheduler.check_length(len(pre.prompt_token_ids))  # NOTE: before its images are encoded
-                hashes = self._block_hashes(pre)
+                hashes = self._block_hashes(pre) if len(pre.prompt_token_ids) < HASH_OFF_LOOP_TOKENS else \
+                    await asyncio.to_thread(self._block_hashes, pre)
                 embeddings = await self._embeddings_outside_cache(live, hashes)
                 pre = live.pre = without_encoded_pixels(pre, embeddings)  # a late fetch reads the rest here
                 specs = [replace(f, data=None) for f in pre.features]  # the decoder needs no pixels

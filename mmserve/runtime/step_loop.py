@@ -259,8 +259,9 @@ class StepLoop:
             aborted = named is None
             try:
                 if named is None:
-                    log.exception("%s: step failed; aborting every request", self.name)
                     named = list(self._channels)
+                    log.exception("%s: step failed; aborting every request (%d: %s)", self.name, len(named),
+                                  ", ".join(named[:8]) + (", ..." if len(named) > 8 else ""))
                     self._abort_all()  # NOTE: if this raises too, the stage's books are broken: the thread ends
             finally:
                 for out in getattr(exc, "outputs", ()):

@@ -128,6 +128,30 @@ def test_the_same_image_under_another_question_hits_inside_the_image(oracle: Any
     assert image.offset < out.num_cached_tokens < image.offset + image.length  # the hit ends inside the image
 
 
+def test_prompts_hashed_off_the_event_loop_hit_alike(oracle: Any, engine_for: MakeEngine,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of at least `HASH_OFF_LOOP_TOKENS` (here every one) is hashed on a worker thread: the same hits."""
+    import threading
+
+    from mmserve.decoder import service
+
+    threads: list[str] = []
+    hashes = service.DecoderService._block_hashes
+
+    def recorded(self: Any, pre: Any) -> list[bytes]:
+        threads.append(threading.current_thread().name)
+        return hashes(self, pre)
+
+    monkeypatch.setattr(service, "HASH_OFF_LOOP_TOKENS", 0)
+    monkeypatch.setattr(service.DecoderService, "_block_hashes", recorded)
+    engine, rec = engine_for()
+    run(engine, "first", [user("What is in this picture?", PHOTO)])
+    messages = [user("Tell me the colours.", PHOTO)]
+    out = run(engine, "second", messages)
+    check(oracle, rec, out, messages, [PHOTO])
+    assert out.num_cached_tokens > 0 and len(threads) == 2 and all(t.startswith("asyncio") for t in threads), threads
+
+
 def test_pan_and_scan_crops_and_a_prompt_past_the_window(oracle: Any, engine_for: MakeEngine) -> None:
     engine, rec = engine_for()
     pas = {"do_pan_and_scan": True}

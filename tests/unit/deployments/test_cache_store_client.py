@@ -71,10 +71,20 @@ def test_an_item_made_while_the_store_is_down_is_not_sent_to_it_and_a_sent_one_i
     monkeypatch.setattr(cache_store, "monotonic", lambda: now[0])
     cache.store("k1", ITEM, "s1")
     assert [(m, t) for m, _, t in store.calls] == [("adopt", LOOKUP_TIMEOUT_S)]
-    assert cache.find_source("s2").result(timeout=5) is None  # the store is lost: taken as down
+    assert cache.find_source("s2").result(timeout=5) is None  # the adopt found the store lost: taken as down
     cache.store("k2", ITEM, "s2")
-    assert [m for m, _, _ in store.calls] == ["adopt", "lookup_source"]  # nothing sent for k2
+    assert [m for m, _, _ in store.calls] == ["adopt"]  # nothing sent since, k2 neither
     assert cache.own.peek("k2") is not None  # kept here all the same
+
+
+def test_an_adopt_the_store_refuses_is_logged_and_leaves_it_up(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    store = FailingStore(ValueError("no room"))
+    cache = client(store)
+    cache._maker = "me"
+    monkeypatch.setattr(cache_store.ray, "put", lambda item: f"ref-{id(item)}")
+    cache.store("k1", ITEM, "s1")
+    assert "did not index an item: ValueError('no room')" in caplog.text and cache._down_until == 0.0
 
 
 def test_any_other_store_error_is_the_lookups() -> None:

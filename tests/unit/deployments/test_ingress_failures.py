@@ -142,3 +142,19 @@ def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a
     assert counted == ["server_error"]
     assert [str(r.exc_info[1]) for r in caplog.records if r.exc_info] == [
         "the decoder's stream of r ended before its answer"]
+
+
+def test_failures_the_client_sees_as_the_services_are_logged_by_request_id(caplog: pytest.LogCaptureFixture) -> None:
+    """A server fault (500) with its traceback, a replica lost past the retries (503) as a warning, each naming the
+    response's id; a client's own error (400) and load shed (503 overloaded) not at all."""
+    from deployments.ingress_failures import error_response, log_fault
+    from mmserve.errors import InvalidRequestError, OverloadedError, ReplicaLostError
+
+    caplog.set_level(logging.INFO, logger="deployments.ingress_failures")
+    log_fault(RuntimeError("boom"), "chatcmpl-a")
+    assert error_response(ReplicaLostError("the Decoder replica died"), "chatcmpl-b").status_code == 503
+    log_fault(InvalidRequestError("bad"), "chatcmpl-c")
+    log_fault(OverloadedError("full"), "chatcmpl-d")
+    assert [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+        ("ERROR", "request chatcmpl-a failed with a server fault", True),
+        ("WARNING", "request chatcmpl-b failed: the Decoder replica died", False)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import typing
 from typing import Any
 
@@ -109,6 +110,30 @@ def test_a_push_to_a_hub_that_does_not_answer_ends_at_its_timeout_and_holds_no_l
 
     asyncio.run(run())
     assert hub.reports == [("Ingress#1", False), ("Ingress#1", True)]  # the last push says it is the last
+
+
+def test_a_hub_that_is_down_is_logged_when_pushes_begin_to_fail_then_once_a_minute_and_when_they_succeed(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(metrics_hub, "HUB_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(metrics_hub, "FAILURE_LOG_INTERVAL_S", 0.2)
+    monkeypatch.setattr(metrics_hub, "resident_memory_snapshot", lambda source: MetricsSnapshot())
+    caplog.set_level(logging.INFO, logger="deployments.metrics_hub")
+    hub = SilentHub()
+    reporter = _reporter(hub)
+    reporter.interval_s = 0.01
+
+    async def run() -> None:
+        loop = asyncio.create_task(reporter._loop())
+        await asyncio.sleep(0.5)  # ~25 failed pushes
+        hub.answering = True
+        await asyncio.sleep(0.1)
+        loop.cancel()
+
+    asyncio.run(run())
+    told = [r.getMessage() for r in caplog.records]
+    assert 2 <= len(told) <= 5 and told[0] == "pushing metrics from Ingress#1 failed", told
+    assert all("failed (since" in m for m in told[1:-1]) and told[-1].startswith("metrics from Ingress#1 pushed again")
+    assert caplog.records[0].exc_info and not any(r.exc_info for r in caplog.records[1:])
 
 
 def test_closing_with_the_hub_gone_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
