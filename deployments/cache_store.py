@@ -34,7 +34,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from time import monotonic  # NOTE: a name of its own, which a test may replace for this module alone
 from typing import Any
 
@@ -217,6 +217,8 @@ class SharedProcessorCache:
         did not answer is taken as down, as by a lookup."""
         try:
             asked.result()
+        except CancelledError:  # NOTE: the replica's loop going down cancels its calls: nothing to tell
+            return
         except BaseException as exc:
             if not self._taken_down(exc):
                 log.warning("the processor cache store did not index an item: %r", exc)

@@ -104,22 +104,22 @@ class MetricsReporter:
 
     async def _loop(self) -> None:
         failing_since: float | None = None  # when the pushes began to fail (monotonic s); None = they succeed
-        told = 0.0  # when that was last logged
+        told = -FAILURE_LOG_INTERVAL_S  # when a failure was last logged (monotonic s)
         while True:
             try:
                 await self.push()
-                if failing_since is not None:
+                if failing_since is not None and told >= failing_since:  # its failures were logged
                     log.info("metrics from %s pushed again after %.0f s", self.source, time.monotonic() - failing_since)
                 failing_since = None
-            except Exception:  # metrics must never take a replica down
+            except Exception as exc:  # metrics must never take a replica down
                 now = time.monotonic()
-                # NOTE: once when they begin to fail, then once a minute: every replica pushes every few seconds,
-                # and a hub that is down (being replaced) would fill every log with the same traceback
-                if failing_since is None or now - told >= FAILURE_LOG_INTERVAL_S:
-                    log.warning("pushing metrics from %s failed%s", self.source, "" if failing_since is None else
-                                f" (since {now - failing_since:.0f} s)", exc_info=failing_since is None)
-                    told = now
                 failing_since = now if failing_since is None else failing_since
+                # NOTE: at most once a minute, the first of a run with its traceback: every replica pushes every few
+                # seconds, and a hub that is down (being replaced) or slow now and then would fill every log
+                if now - told >= FAILURE_LOG_INTERVAL_S:
+                    log.warning("pushing metrics from %s failed for %.0f s: %r", self.source, now - failing_since, exc,
+                                exc_info=now == failing_since)
+                    told = now
             await asyncio.sleep(self.interval_s)
 
 

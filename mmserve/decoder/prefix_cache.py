@@ -42,6 +42,8 @@ class BlockHasher:
         """Append to `hashes` the digest of every full block of `token_ids` past those it has."""
         bs = self.block_size
         first, last = len(hashes), len(token_ids) // bs
+        if first >= last:  # NOTE: most calls (a decode step's, 15 in 16): no block completed
+            return
         # NOTE: the new blocks' ids made bytes in one call, not one call a block (a 128k prompt has 8k blocks)
         raw = np.asarray(token_ids[first * bs : last * bs], dtype=np.int64).tobytes()  # (blocks * bs) int64
         width = bs * 8  # bytes of a block's ids

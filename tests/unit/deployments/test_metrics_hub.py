@@ -131,9 +131,34 @@ def test_a_hub_that_is_down_is_logged_when_pushes_begin_to_fail_then_once_a_minu
 
     asyncio.run(run())
     told = [r.getMessage() for r in caplog.records]
-    assert 2 <= len(told) <= 5 and told[0] == "pushing metrics from Ingress#1 failed", told
-    assert all("failed (since" in m for m in told[1:-1]) and told[-1].startswith("metrics from Ingress#1 pushed again")
+    assert 2 <= len(told) <= 5 and told[0] == "pushing metrics from Ingress#1 failed for 0 s: TimeoutError()", told
+    assert all("failed for" in m for m in told[1:-1]) and told[-1].startswith("metrics from Ingress#1 pushed again")
     assert caplog.records[0].exc_info and not any(r.exc_info for r in caplog.records[1:])
+
+
+def test_a_hub_that_fails_now_and_then_is_logged_at_most_once_an_interval(monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(metrics_hub, "FAILURE_LOG_INTERVAL_S", 60.0)
+    monkeypatch.setattr(metrics_hub, "resident_memory_snapshot", lambda source: MetricsSnapshot())
+    caplog.set_level(logging.INFO, logger="deployments.metrics_hub")
+    reporter = _reporter(SilentHub())
+    reporter.interval_s = 0.0
+    pushes = iter([False, True] * 20)  # fails, succeeds, fails, ...
+
+    class Done(BaseException):  # NOTE: not an Exception, which the loop takes for a failed push
+        pass
+
+    async def push(final: bool = False) -> None:
+        ok = next(pushes, None)
+        if ok is None:
+            raise Done
+        if not ok:
+            raise TimeoutError
+
+    reporter.push = push  # type: ignore[method-assign]
+    with pytest.raises(Done):  # after 40 pushes
+        asyncio.run(reporter._loop())
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]  # the first failure and its end only
 
 
 def test_closing_with_the_hub_gone_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
