@@ -92,7 +92,9 @@ def _check_ratio(name: str, value: Any) -> float:
 
 _CHECKS = {
     "do_pan_and_scan": _check_bool,
-    "pan_and_scan_min_crop_size": lambda n, v: _check_int(n, v, 1),
+    # NOTE: at least the most crops a request may ask: transformers' crops are ceil(side / n) wide, and one narrower
+    # than n can leave the last crop past the image's edge, empty (the processor raises, or pads a blank tile)
+    "pan_and_scan_min_crop_size": lambda n, v: _check_int(n, v, MAX_CROPS_CAP),
     "pan_and_scan_max_num_crops": lambda n, v: _check_int(n, v, 1, MAX_CROPS_CAP),
     "pan_and_scan_min_ratio_to_activate": _check_ratio,
 }

@@ -61,6 +61,19 @@ def test_a_ratio_past_a_floats_range_is_a_4xx_naming_it() -> None:
         Gemma3PromptRule(mm_tokens=4).resolve_kwargs({"pan_and_scan_min_ratio_to_activate": 10**400})
 
 
+def test_a_crop_size_below_the_crop_cap_is_a_4xx_naming_it() -> None:
+    """A 5x1 image with min crop size 1 would get 4 crops 2 wide, the last past its edge, empty (a 500 or a
+    blank tile before): the crop size must be at least the most crops a request may ask."""
+    from mmserve.errors import InvalidRequestError
+    from mmserve.models.gemma3_prompt import MAX_CROPS_CAP
+
+    rule = Gemma3PromptRule(mm_tokens=4)
+    with pytest.raises(InvalidRequestError, match=f"pan_and_scan_min_crop_size must be an integer >= {MAX_CROPS_CAP}"):
+        rule.resolve_kwargs({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 1})
+    assert rule.resolve_kwargs({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": MAX_CROPS_CAP})[
+        "pan_and_scan_min_crop_size"] == MAX_CROPS_CAP
+
+
 def test_pan_and_scan_settings_without_pan_and_scan_resolve_as_the_defaults() -> None:
     """They change nothing then: one cache key for the image, whatever a client sends with them."""
     rule = Gemma3PromptRule(mm_tokens=4)
