@@ -18,10 +18,17 @@ the smaller blocks it freed, so growing to each new largest gather exactly would
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 
 from mmserve.config import DecoderConfig
 from mmserve.models.base import ModelSpec
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
+ROOM = 0.1  # the share of an accelerator's free memory a pool should leave for a step's activations and gathers
 
 
 class KVCache:
@@ -29,6 +36,7 @@ class KVCache:
         self.block_size = config.block_size
         self.num_pages = config.num_blocks * spec.num_layers
         shape = (self.num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
+        check_pool_fits(2 * math.prod(shape) * dtype.itemsize, config.num_blocks, device)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (pages, block_size, kv_heads, head_dim)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         rows = (self.num_pages * self.block_size, spec.num_kv_heads, spec.head_dim)
@@ -57,3 +65,20 @@ class KVCache:
     def nbytes(self) -> int:
         """The pages' bytes (the workspace, sized by the largest gather, is not counted)."""
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+def check_pool_fits(pool_bytes: int, num_blocks: int, device: torch.device) -> None:
+    """On an accelerator, before the pool is allocated: refuse one its free memory cannot hold (torch's own error
+    would name no setting), and warn of one that leaves it less than ROOM, naming `decoder.num_blocks` and the most
+    blocks that would leave that room. NOTE: `num_blocks` is set, not sized from the device as vLLM's pool is."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = int(num_blocks * free * (1 - ROOM) / pool_bytes)
+    need = f"decoder.num_blocks={num_blocks} makes a KV cache of {pool_bytes / GiB:.1f} GiB; {device} has " \
+           f"{free / GiB:.1f} GiB free after the weights"
+    if pool_bytes > free:
+        raise ValueError(f"{need}: set decoder.num_blocks to at most {fit} (or use a device with more memory)")
+    if pool_bytes > free * (1 - ROOM):
+        log.warning("%s, leaving %.1f GiB for the steps' activations; %d blocks would leave %.0f%%", need,
+                    (free - pool_bytes) / GiB, fit, 100 * ROOM)

@@ -73,6 +73,7 @@ def gemma3_spec(model_dir: Path, config: Any, engine: EngineConfig) -> ModelSpec
             raise ValueError(f"{model_dir}: text_config.{key} is {value!r}; mmserve serves Gemma 3 with "
                              f"{' or '.join(map(repr, served))} only")
     _check_rope(model_dir, text)
+    _check_unquantized(model_dir, config)
     kinds = tuple(text.layer_types)
     assert set(kinds) <= {FULL, SLIDING}, f"unknown Gemma 3 layer types {set(kinds)}"
     return ModelSpec(
@@ -121,6 +122,15 @@ def _check_rope(model_dir: Path, text: Any) -> None:
         if rope_type not in SERVED_ROPE_TYPES:
             raise ValueError(f"{model_dir}: text_config.rope_parameters[{kind!r}] has rope_type {rope_type!r}; "
                              f"mmserve serves Gemma 3 with {', '.join(SERVED_ROPE_TYPES)} only")
+
+
+def _check_unquantized(model_dir: Path, config: Any) -> None:
+    """Refuse a quantized checkpoint before its weights load: the paged model multiplies plain weight tensors."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        raise ValueError(f"{model_dir} is quantized (quantization_config, quant_method {method!r}); mmserve serves "
+                         "unquantized weights only (Gemma 3's bfloat16 release)")
 
 
 def served_dtype(name: str, config: Any, model_dir: Path | None = None) -> torch.dtype:

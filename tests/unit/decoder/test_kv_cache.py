@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mmserve.config import DecoderConfig
@@ -46,3 +47,20 @@ def test_off_the_cpu_the_workspace_grows_by_a_quarter() -> None:
     assert kv._workspace.shape[1] == 20  # not 32: device memory is what the pool is sized against
     kv.gather(torch.arange(30, device="meta"))
     assert kv._workspace.shape[1] == 30  # a bigger jump: to what it needs
+
+
+def test_a_pool_the_accelerator_cannot_hold_is_refused_naming_num_blocks_and_one_that_leaves_little_room_warned(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from mmserve.decoder import kv_cache
+
+    gib = kv_cache.GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    cuda = torch.device("cuda")
+    kv_cache.check_pool_fits(8 * gib, 1000, cuda)  # room left: nothing said
+    assert not caplog.records
+    with pytest.raises(ValueError, match=r"decoder.num_blocks=2000 makes a KV cache of 16.0 GiB; cuda has 10.0 GiB "
+                                         r"free after the weights: set decoder.num_blocks to at most 1125"):
+        kv_cache.check_pool_fits(16 * gib, 2000, cuda)
+    kv_cache.check_pool_fits(int(9.5 * gib), 1000, cuda)
+    assert "leaving 0.5 GiB" in caplog.text and "947 blocks would leave 10%" in caplog.text
+    kv_cache.check_pool_fits(1 << 50, 1, torch.device("cpu"))  # a CPU's memory is not checked here

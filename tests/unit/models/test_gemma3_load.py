@@ -45,6 +45,15 @@ def test_a_checkpoint_asking_for_other_arithmetic_is_refused_at_load(tiny_ckpt_2
         gemma3_spec(tiny_ckpt_224, config, engine)
 
 
+def test_a_quantized_checkpoint_is_refused_before_its_weights_load(tiny_ckpt_224: Path) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_ckpt_224)
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}  # as config.json holds it
+    with pytest.raises(ValueError, match=r"quantized .*'bitsandbytes'.*unquantized weights only"):
+        gemma3_spec(tiny_ckpt_224, config, EngineConfig(model=str(tiny_ckpt_224)))
+
+
 def test_the_stop_tokens_of_config_json_count_without_a_generation_config(tiny_ckpt_224: Path,
                                                                          tmp_path: Path) -> None:
     """google's releases list `<eos>` and `<end_of_turn>` in config.json too; a copy that lost its
