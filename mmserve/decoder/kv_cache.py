@@ -74,9 +74,12 @@ def check_pool_fits(pool_bytes: int, num_blocks: int, device: torch.device) -> N
     if device.type != "cuda":
         return
     free, _ = torch.cuda.mem_get_info(device)
+    # NOTE: what torch's allocator holds unused (transformers' layers dropped after the load, a warm-up's activations)
+    # the device counts as used, yet an allocation gets it back
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     fit = int(num_blocks * free * (1 - ROOM) / pool_bytes)
     need = f"decoder.num_blocks={num_blocks} makes a KV cache of {pool_bytes / GiB:.1f} GiB; {device} has " \
-           f"{free / GiB:.1f} GiB free after the weights"
+           f"{free / GiB:.1f} GiB free now (the weights loaded; another stage on it may take more later)"
     if pool_bytes > free:
         raise ValueError(f"{need}: set decoder.num_blocks to at most {fit} (or use a device with more memory)")
     if pool_bytes > free * (1 - ROOM):
