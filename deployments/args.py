@@ -69,6 +69,17 @@ class AppArgs(StrictArgs):
                         "holds more than the latter", seqs, ongoing)
         return self
 
+    @model_validator(mode="after")
+    def _accelerators_reserved(self) -> AppArgs:
+        """Refuse an accelerator `device` for a computing stage that reserves no GPU: Ray shows its replicas none,
+        so each would fail at start, not here."""
+        if self.device is not None and self.device != "cpu":
+            for name, stage in (("encoder", self.encoder), ("decoder", self.decoder)):
+                if stage.num_gpus <= 0:
+                    raise ValueError(f"device={self.device} but {name}.num_gpus is {stage.num_gpus}: set "
+                                     f"{name}.num_gpus (a stage with GPUs computes on them without device=...)")
+        return self
+
     def hung_step_s(self) -> float:
         """How long one Encoder or Decoder step may run before the replica counts as hung (Serve's check_health
         fails and replaces it): longer than any request may live, so every request in it has had its deadline,

@@ -70,7 +70,8 @@ def test_every_engine_field_is_an_argument(path: str, kind: Any, default: Any) -
     raw = json.dumps(list(value)) if isinstance(value, tuple) else json.dumps(value)
     if isinstance(value, str):
         raw = value  # as a shell passes it: a plain string, not JSON
-    args = parse_args({path: raw})
+    gpus = {"encoder.num_gpus": "1", "decoder.num_gpus": "1"} if path == "device" else {}  # a device needs them
+    args = parse_args({path: raw, **gpus})
     assert _get(args.engine_config(), path) == value
     assert _get(parse_args({}).engine_config(), path) == (default if path != "device" else "cpu")
 
@@ -146,7 +147,7 @@ def test_a_kv_pool_that_cannot_hold_one_max_model_len_sequence_is_warned_of(
 @pytest.mark.parametrize(("args", "early"), [
     ({}, False),  # the encoder on the CPU: its forward would share the cores with the request's trip
     ({"encoder.num_gpus": "1"}, True),
-    ({"device": "cuda"}, True),
+    ({"device": "cuda:0", "encoder.num_gpus": "1", "decoder.num_gpus": "1"}, True),
     ({"encoder.num_gpus": "1", "encoder.routing": "default"}, False),  # two calls could meet two replicas
     ({"preprocess.early_encode": "true"}, True),
     ({"encoder.num_gpus": "1", "preprocess.early_encode": "false"}, False),
@@ -154,6 +155,15 @@ def test_a_kv_pool_that_cannot_hold_one_max_model_len_sequence_is_warned_of(
 def test_early_encodes_where_the_encoder_computes_apart_and_both_calls_meet_one_replica(
         args: dict[str, str], early: bool) -> None:
     assert parse_args(args).early_encode() is early
+
+
+@pytest.mark.parametrize("stage", ["encoder", "decoder"])
+def test_an_accelerator_device_for_a_stage_without_gpus_is_refused(stage: str) -> None:
+    """Ray shows a replica that reserves no GPU none: each would fail at start, far from the argument."""
+    other = "decoder" if stage == "encoder" else "encoder"
+    with pytest.raises(ValueError, match=f"device=cuda but {stage}.num_gpus is 0.0: set {stage}.num_gpus"):
+        parse_args({"device": "cuda", f"{other}.num_gpus": "1"})
+    assert parse_args({"device": "cpu"}).engine_config(parse_args({}).decoder).device == "cpu"
 
 
 def test_a_push_interval_past_a_third_of_the_hubs_patience_is_refused() -> None:
