@@ -71,13 +71,14 @@ class AppArgs(StrictArgs):
 
     @model_validator(mode="after")
     def _accelerators_reserved(self) -> AppArgs:
-        """Refuse an accelerator `device` for a computing stage that reserves no GPU: Ray shows its replicas none,
-        so each would fail at start, not here."""
+        """Refuse an accelerator `device` for a computing stage that reserves no GPU: Ray would neither place its
+        replicas on a GPU node nor count the GPU memory they take (a share of one: `num_gpus` 0.5)."""
         if self.device is not None and self.device != "cpu":
             for name, stage in (("encoder", self.encoder), ("decoder", self.decoder)):
                 if stage.num_gpus <= 0:
                     raise ValueError(f"device={self.device} but {name}.num_gpus is {stage.num_gpus}: set "
-                                     f"{name}.num_gpus (a stage with GPUs computes on them without device=...)")
+                                     f"{name}.num_gpus, a share of a GPU at least (a stage with GPUs computes on "
+                                     "them without device=...)")
         return self
 
     def hung_step_s(self) -> float:

@@ -159,7 +159,7 @@ def test_early_encodes_where_the_encoder_computes_apart_and_both_calls_meet_one_
 
 @pytest.mark.parametrize("stage", ["encoder", "decoder"])
 def test_an_accelerator_device_for_a_stage_without_gpus_is_refused(stage: str) -> None:
-    """Ray shows a replica that reserves no GPU none: each would fail at start, far from the argument."""
+    """Ray would place such a replica on any node, a GPU-less one too, and count none of its GPU memory."""
     other = "decoder" if stage == "encoder" else "encoder"
     with pytest.raises(ValueError, match=f"device=cuda but {stage}.num_gpus is 0.0: set {stage}.num_gpus"):
         parse_args({"device": "cuda", f"{other}.num_gpus": "1"})
