@@ -226,8 +226,20 @@ def _chunk_mask(s: SeqStep, first_key: int, window: int | None, images: bool,
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True = may attend) as SDPA adds it to the scores: 0 where allowed, -inf elsewhere."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    """A bool mask (True = may attend) as SDPA adds it to the scores: 0 where allowed, -inf elsewhere.
+
+    NOTE: off the CPU its rows start at multiples of MASK_ALIGNMENT elements (a view of a wider tensor): CUDA's
+    memory-efficient kernel otherwise copies a mask whose strides are not, on every call (torch's `pad_bias`),
+    i.e. on each masked layer of a prefill chunk, whose keys are any number. The CPU's kernel needs no such rows.
+    """
+    keys, align = allowed.shape[-1], mask_alignment(allowed.device)
+    padded = torch.zeros((*allowed.shape[:-1], -(-keys // align) * align), dtype=dtype, device=allowed.device)
+    return padded[..., :keys].masked_fill_(~allowed, float("-inf"))
+
+
+def mask_alignment(device: torch.device) -> int:
+    """The multiple (elements) a mask's row strides are made of on `device` (`_additive`)."""
+    return 1 if device.type == "cpu" else 8  # NOTE: 8, the alignment torch's `preprocess_mask` checks
 
 
 def _runs_at(image_runs: np.ndarray, start: int, end: int) -> np.ndarray:

@@ -83,8 +83,10 @@ def test_a_long_decode_among_short_ones_pads_none_of_them_to_its_length() -> Non
 
 @pytest.mark.parametrize("expanded", [False, True], ids=["enable_gqa", "repeated_heads"])
 def test_grouped_attention_equals_each_sequence_alone(expanded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # NOTE: `repeated_heads` is an accelerator's form of a masked GQA chunk (`expands_masked_gqa`), run here
+    # NOTE: `repeated_heads` is an accelerator's form of a masked GQA chunk (`expands_masked_gqa`), run here, and
+    # so are an accelerator's masks: views whose rows start at multiples of 8 elements (`mask_alignment`)
     monkeypatch.setattr(attention, "expands_masked_gqa", lambda device: expanded)
+    monkeypatch.setattr(attention, "mask_alignment", lambda device: 8 if expanded else 1)
     for out, expected in _grouped_against_alone(torch.device("cpu"), torch.float32):
         # NOTE: batched, padded and sliced against dense: other SDPA kernels sum the softmax and the
         # weighted values (<= 9 keys, O(1) values) in another order; a few roundings each, 32 ulps.
@@ -201,3 +203,12 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: Seq
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=allowed[None, None], scale=PATTERN.scaling, enable_gqa=True,
     )[0].transpose(0, 1)  # (num_new, heads, head_dim)
+
+
+def test_an_accelerators_mask_rows_start_at_aligned_strides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's memory-efficient SDPA copies a mask whose row strides are not multiples of 8, on every call."""
+    monkeypatch.setattr(attention, "mask_alignment", lambda device: 8)
+    allowed = torch.rand(1, 1, 5, 13) > 0.5  # (1, 1, Q, keys): 13 keys, a prefill chunk's odd count
+    mask = attention._additive(allowed, torch.bfloat16)
+    assert mask.shape == allowed.shape and mask.stride()[:3] == (80, 80, 16) and mask.stride(-1) == 1
+    assert torch.equal(mask == 0, allowed) and bool(mask[~allowed].isneginf().all())
