@@ -71,8 +71,8 @@ class AppArgs(StrictArgs):
 
     @model_validator(mode="after")
     def _accelerators_reserved(self) -> AppArgs:
-        """Refuse an accelerator `device` for a computing stage that reserves no GPU: Ray would neither place its
-        replicas on a GPU node nor count the GPU memory they take (a share of one: `num_gpus` 0.5)."""
+        """Refuse an accelerator `device` for a computing stage that reserves no GPU: Ray might place its replicas
+        on a node without one, and would count none of the GPU memory they take (a share of one: `num_gpus` 0.5)."""
         if self.device is not None and self.device != "cpu":
             for name, stage in (("encoder", self.encoder), ("decoder", self.decoder)):
                 if stage.num_gpus <= 0:

@@ -302,8 +302,8 @@ class Ingress:
             def render() -> JSONResponse:
                 return JSONResponse(builder.build().model_dump(), headers=timing.header())
 
-            # NOTE: an answer with log-probs is built off the event loop: up to 21 entries a token (tens of µs a
-            # token to build and encode), so a long one would hold every other request of this replica for seconds
+            # NOTE: an answer with log-probs is built off the event loop: up to 21 entries a token to build and
+            # encode, so a long one would hold every other request of this replica meanwhile
             answer = render() if chat.sampling.logprobs is None else await asyncio.to_thread(render)
         except asyncio.CancelledError:  # the client left: counted as a stream that loses its client is
             self._done("aborted", started, tokens())

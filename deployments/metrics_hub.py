@@ -105,21 +105,24 @@ class MetricsReporter:
     async def _loop(self) -> None:
         failing_since: float | None = None  # when the pushes began to fail (monotonic s); None = they succeed
         told = -FAILURE_LOG_INTERVAL_S  # when a failure was last logged (monotonic s)
+        logged = False  # whether a failure of the present run of them was logged
         while True:
             try:
                 await self.push()
-                if failing_since is not None and told >= failing_since:  # its failures were logged
+                if failing_since is not None and logged:
                     log.info("metrics from %s pushed again after %.0f s", self.source, time.monotonic() - failing_since)
-                failing_since = None
+                failing_since, logged = None, False
             except Exception as exc:  # metrics must never take a replica down
                 now = time.monotonic()
-                failing_since = now if failing_since is None else failing_since
+                first = failing_since is None
+                if failing_since is None:
+                    failing_since = now
                 # NOTE: at most once a minute, the first of a run with its traceback: every replica pushes every few
                 # seconds, and a hub that is down (being replaced) or slow now and then would fill every log
                 if now - told >= FAILURE_LOG_INTERVAL_S:
                     log.warning("pushing metrics from %s failed for %.0f s: %r", self.source, now - failing_since, exc,
-                                exc_info=now == failing_since)
-                    told = now
+                                exc_info=first)
+                    told, logged = now, True
             await asyncio.sleep(self.interval_s)
 
 

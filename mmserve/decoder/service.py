@@ -32,8 +32,9 @@ from mmserve.runtime.shared_cores import SharedCores
 from mmserve.runtime.step_loop import StepLoop
 from mmserve.runtime.timeline import Timeline
 
-# NOTE: a prompt this long is hashed off the event loop (~2 µs a 16-token block: a 128k prompt's ~16 ms would hold
-# every stream of the replica); a shorter one here, where a thread's hand-off would cost more than its hashing
+# NOTE: a prompt this long is hashed off the event loop, whose every stream a 128k prompt's hashing would hold
+# (docs/benchmarks.md, "A long prompt's block hashes"); a shorter one here, where a thread's hand-off would cost
+# more than its hashing
 HASH_OFF_LOOP_TOKENS = 8192
 
 

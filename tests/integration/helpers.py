@@ -118,7 +118,8 @@ class SSEStream:
 
 def deploy(app: Any, *, name: str, route_prefix: str, timeout: float = 300) -> None:
     """`serve.run` with a deadline: a replica that can never be placed fails the test, not hangs it.
-    NOTE: `serve.run` itself waits for RUNNING without one; `run_many` (Serve's developer API) can not wait."""
+    NOTE: `serve.run` itself waits for RUNNING without one; `run_many` (Serve's developer API) need not wait
+    (`wait_for_applications_running=False`)."""
     serve.run_many([serve.RunTarget(app, name=name, route_prefix=route_prefix)],
                    wait_for_applications_running=False)
     wait_running(name, timeout)
