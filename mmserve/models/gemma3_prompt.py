@@ -138,14 +138,16 @@ class Gemma3PromptRule:
         return (crops + 1) * self.mm_tokens
 
     def resolve_kwargs(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
-        """Defaults updated by the request's kwargs, each checked; unknown keys are refused."""
+        """Defaults updated by the request's kwargs, each checked; unknown keys are refused; a null one is the
+        default (as transformers' processor takes None)."""
         unknown = sorted(set(overrides) - set(_CHECKS))
         if unknown:
             raise InvalidRequestError(f"unknown mm_processor_kwargs {unknown}; "
                                       f"supported: {sorted(_CHECKS)}")
         resolved = self.output_kwargs_defaults
         for name, value in overrides.items():
-            resolved[name] = _CHECKS[name](name, value)
+            if value is not None:
+                resolved[name] = _CHECKS[name](name, value)
         if not resolved["do_pan_and_scan"]:  # NOTE: the other pan-and-scan settings change nothing then: one key
             resolved.update((k, v) for k, v in self.defaults if k.startswith("pan_and_scan_"))
         return resolved

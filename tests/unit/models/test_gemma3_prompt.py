@@ -74,6 +74,15 @@ def test_a_crop_size_below_the_crop_cap_is_a_4xx_naming_it() -> None:
         "pan_and_scan_min_crop_size"] == MAX_CROPS_CAP
 
 
+def test_a_null_setting_is_its_default_as_transformers_takes_none() -> None:
+    rule = Gemma3PromptRule(mm_tokens=4)
+    nulls = {"do_pan_and_scan": None, "pan_and_scan_min_crop_size": None, "pan_and_scan_max_num_crops": None,
+             "pan_and_scan_min_ratio_to_activate": None}
+    assert rule.resolve_kwargs(nulls) == rule.resolve_kwargs({})
+    assert rule.resolve_kwargs({"do_pan_and_scan": True, "pan_and_scan_max_num_crops": None}) == \
+        rule.resolve_kwargs({"do_pan_and_scan": True})
+
+
 def test_pan_and_scan_settings_without_pan_and_scan_resolve_as_the_defaults() -> None:
     """They change nothing then: one cache key for the image, whatever a client sends with them."""
     rule = Gemma3PromptRule(mm_tokens=4)
