@@ -45,23 +45,35 @@ class Readiness:
         return not self.waiting_for
 
 
-def deployments_without_replicas(status: Any, app_name: str) -> list[str]:
-    """Deployments of `app_name` with no RUNNING replica in a `serve.status()` (all, if the app is unknown)."""
+# a deployment's statuses while Serve holds the replicas it wants, or moves to them by load (not a deploy)
+SETTLED = ("HEALTHY", "UPSCALING", "DOWNSCALING")
+
+
+def deployments_without_replicas(status: Any, app_name: str, may_idle: frozenset[str] = frozenset()) -> list[str]:
+    """Deployments of `app_name` with no RUNNING replica in a `serve.status()` (all, if the app is unknown), but
+    those of `may_idle` (autoscaled down to zero replicas) while Serve reports them settled: an app scaled to zero
+    is ready, and a load balancer that took it out for that would send it no request to scale up for."""
     app = status.applications.get(app_name)
     if app is None:
         return [f"application {app_name!r}"]
     return sorted(name for name, d in app.deployments.items()
-                  if not any(state == "RUNNING" and n > 0 for state, n in d.replica_states.items()))
+                  if not any(state == "RUNNING" and n > 0 for state, n in d.replica_states.items())
+                  and not (name in may_idle and _status_name(d) in SETTLED))
 
 
-def readiness(status: Any, app_name: str) -> Readiness:
+def _status_name(deployment: Any) -> str:
+    """A deployment's status as Serve names it ("HEALTHY", ...), whether an enum or a string."""
+    return str(getattr(deployment, "status", "")).rsplit(".", 1)[-1]
+
+
+def readiness(status: Any, app_name: str, may_idle: frozenset[str] = frozenset()) -> Readiness:
     """What /health says of a `serve.status()`: who has no running replica, and which of those failed."""
-    waiting = deployments_without_replicas(status, app_name)
+    waiting = deployments_without_replicas(status, app_name, may_idle)
     app = status.applications.get(app_name)
     failed = {}
     for name in waiting:
         deployment = app.deployments.get(name) if app is not None else None
-        state = str(getattr(deployment, "status", "")).rsplit(".", 1)[-1]
+        state = _status_name(deployment)
         if state in ("DEPLOY_FAILED", "UNHEALTHY"):
             failed[name] = f"{state}: {str(getattr(deployment, 'message', ''))[:MESSAGE_CHARS]}"
     return Readiness(waiting, failed)
@@ -69,8 +81,10 @@ def readiness(status: Any, app_name: str) -> Readiness:
 
 class AppHealth:
     def __init__(self, status: Callable[[], Any] = serve.status, app_name: Callable[[], str] | None = None,
-                 timeout_s: float = STATUS_TIMEOUT_S, grace_s: float = GRACE_S) -> None:
+                 timeout_s: float = STATUS_TIMEOUT_S, grace_s: float = GRACE_S,
+                 may_idle: frozenset[str] = frozenset()) -> None:
         self._ask_status = status  # a blocking call: Serve's controller's answer
+        self.may_idle = may_idle  # deployments autoscaled with min_replicas 0 (`deployments_without_replicas`)
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self._app_name = app_name or (lambda: serve.get_replica_context().app_name)
         self._status: tuple[float, Any] | None = None  # (monotonic s, the status) of the last answer
@@ -92,7 +106,7 @@ class AppHealth:
         if not self._recent(now):
             raise TimeoutError(self._why_not())
         assert self._status is not None
-        answer = readiness(self._status[1], self._app_name())
+        answer = readiness(self._status[1], self._app_name(), self.may_idle)
         fresh = self._asking.done() and self._error is None
         return answer if fresh else Readiness(answer.waiting_for, answer.failed, now - self._status[0])
 

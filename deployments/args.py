@@ -81,6 +81,12 @@ class AppArgs(StrictArgs):
                                      "them without device=...)")
         return self
 
+    def may_idle(self) -> frozenset[str]:
+        """The deployments (by Serve's names) autoscaled with `min_replicas` 0, which may have no replica at all."""
+        stages = {"Preprocess": self.preprocess, "Encoder": self.encoder, "Decoder": self.decoder}
+        return frozenset(name for name, stage in stages.items()
+                         if stage.autoscaling is not None and stage.autoscaling.min_replicas == 0)
+
     def hung_step_s(self) -> float:
         """How long one Encoder or Decoder step may run before the replica counts as hung (Serve's check_health
         fails and replaces it): longer than any request may live, so every request in it has had its deadline,

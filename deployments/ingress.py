@@ -82,7 +82,7 @@ class Ingress:
         # NOTE: options() builds a new handle (and its router): once here, not once per request
         self.decoder = hold(decoder).options(stream=True)
         self.stats = IngressMetrics()
-        self.app_health = AppHealth()
+        self.app_health = AppHealth(may_idle=app_args.may_idle())
         self.reporter = MetricsReporter(hub, "Ingress", self._metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
         self.chat_bound = edge.configure(

@@ -28,6 +28,30 @@ def test_a_rolling_update_keeps_it_ready_while_old_replicas_run():
     assert deployments_without_replicas(_status(Decoder={"RUNNING": 1, "STARTING": 1, "STOPPING": 1}), "mm") == []
 
 
+def test_a_stage_autoscaled_to_zero_is_ready_while_serve_holds_it_settled():
+    """A load balancer that took an app scaled to zero out would send it no request to scale up for."""
+    def status(state: str) -> SimpleNamespace:
+        app = SimpleNamespace(deployments={"Ingress": SimpleNamespace(replica_states={"RUNNING": 1}),
+                                           "Decoder": SimpleNamespace(replica_states={}, status=state)})
+        return SimpleNamespace(applications={"mm": app})
+
+    idle = frozenset({"Decoder"})
+    assert deployments_without_replicas(status("HEALTHY"), "mm", idle) == []
+    assert deployments_without_replicas(status("DeploymentStatus.UPSCALING"), "mm", idle) == []
+    assert deployments_without_replicas(status("HEALTHY"), "mm") == ["Decoder"]  # min_replicas above 0: starting
+    assert deployments_without_replicas(status("UPDATING"), "mm", idle) == ["Decoder"]  # a deploy under way
+    assert deployments_without_replicas(status("UNHEALTHY"), "mm", idle) == ["Decoder"]
+
+
+def test_the_stages_that_may_idle_are_those_autoscaled_from_zero():
+    from deployments.args import parse_args
+
+    assert parse_args({}).may_idle() == frozenset()
+    args = parse_args({"decoder.autoscaling": '{"min_replicas": 0, "max_replicas": 2}',
+                       "preprocess.autoscaling.min_replicas": "0"})
+    assert args.may_idle() == frozenset({"Decoder", "Preprocess"})
+
+
 def test_unknown_app_is_not_ready():
     assert deployments_without_replicas(_status(Ingress={"RUNNING": 1}), "other") == ["application 'other'"]
 
