@@ -11,6 +11,7 @@ anything learned from the checkpoint itself (that lives in `mmserve.models`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from numbers import Real
 from typing import Any
@@ -67,10 +68,17 @@ class MediaConfig(_Bounded):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.strip():
-            # NOTE: an empty path resolves to the working directory: leave it unset to read no files
-            raise ValueError("MediaConfig.allowed_local_media_path is empty; give a folder, or leave it unset "
-                             "for no file:// reads")
+        path = self.allowed_local_media_path
+        if path is not None and not path.startswith("/"):
+            # NOTE: an empty or relative path resolves against each replica's working directory
+            raise ValueError(f"MediaConfig.allowed_local_media_path must be an absolute folder, got {path!r}; or leave "
+                             "it unset for no file:// reads")
+        for domain in self.allowed_domains or ():
+            # NOTE: a host suffix ("example.com" or ".example.com" takes it and its subdomains); anything else would
+            # match no URL and refuse every image with no word at start-up
+            if not re.fullmatch(r"\.?[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", domain):
+                raise ValueError(f"MediaConfig.allowed_domains holds {domain!r}: give host names such as "
+                                 "'example.com' (it and its subdomains), without scheme, port, path or '*'")
 
 
 @dataclass(frozen=True)

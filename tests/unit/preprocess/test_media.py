@@ -177,6 +177,15 @@ def test_a_folder_in_the_media_folder_is_a_4xx_and_leaves_no_descriptor_open(tmp
     assert len(os.listdir("/proc/self/fd")) <= before  # NOTE: each leaked one before: a replica ran out
 
 
-def test_an_empty_media_folder_is_refused_not_read_as_the_working_directory() -> None:
-    with pytest.raises(ValueError, match="allowed_local_media_path is empty"):
-        MediaConfig(allowed_local_media_path="")
+@pytest.mark.parametrize("folder", ["", " ", "images", "./images"])
+def test_an_empty_or_relative_media_folder_is_refused_not_read_from_a_replicas_working_directory(folder: str) -> None:
+    with pytest.raises(ValueError, match="allowed_local_media_path must be an absolute folder"):
+        MediaConfig(allowed_local_media_path=folder)
+
+
+@pytest.mark.parametrize("domain", ["*.example.com", "https://example.com", "example.com:443", "example.com/img", "",
+                                    "exa mple.com"])
+def test_an_allowed_domain_that_could_match_no_url_is_refused(domain: str) -> None:
+    with pytest.raises(ValueError, match="allowed_domains holds"):
+        MediaConfig(allowed_domains=(domain,))
+    assert MediaConfig(allowed_domains=("example.com", ".cdn.example.com", "127.0.0.1", "localhost")).allowed_domains
