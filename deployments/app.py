@@ -40,7 +40,7 @@ def _router(config: dict[str, Any]) -> dict[str, Any]:
 def build_app(args: dict[str, Any] | None = None) -> Application:
     cluster_env_started_here()
     app_args = parse_args(args or {})  # NOTE: model None: each replica finds or builds the tiny checkpoint
-    config_path = Path(app_args.engine.model or "") / "config.json"
+    config_path = Path(app_args.engine.model or "").expanduser() / "config.json"
     if app_args.engine.model is not None and config_path.exists():  # NOTE: else only the replicas' nodes have it
         served_model_type(config_path)  # a checkpoint no family serves is refused here, not by each replica
     hub = _deployment(MetricsHub).bind()

@@ -188,5 +188,8 @@ class EngineConfig(_Bounded):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.model is not None and not self.model.strip():
+            raise ValueError("EngineConfig.model is empty; give a checkpoint folder, or leave it unset for the "
+                             "built-in tiny model")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")

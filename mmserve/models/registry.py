@@ -9,6 +9,7 @@ building the tiny checkpoint (tiny_checkpoint.py).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,12 +27,12 @@ NOT_SERVED: dict[str, str] = {
 
 
 def checkpoint_dir(model: str | None) -> str:
-    """The checkpoint folder to serve: `model`, or the built-in tiny one (built on first use).
+    """The checkpoint folder to serve: `model` (`~` expanded), or the built-in tiny one (built on first use).
 
     NOTE: the tiny checkpoint is deterministic, so each process (on each node) that resolves it finds or
     builds the same folder in its own cache.
     """
-    return model if model is not None else str(default_tiny_checkpoint())
+    return os.path.expanduser(model) if model is not None else str(default_tiny_checkpoint())
 
 
 def load_family(model_dir: str, config: EngineConfig) -> ModelFamily:

@@ -54,3 +54,23 @@ def test_a_text_only_gemma3_checkpoint_is_refused_by_the_builder_naming_why(
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="'llama' is not supported"):
         app.build_app({"model": str(folder)})
+
+
+def test_a_model_under_the_home_folder_is_found_as_a_shell_would_and_an_empty_one_refused(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    import json
+    from pathlib import Path
+
+    from mmserve.config import EngineConfig
+    from mmserve.models.registry import checkpoint_dir
+
+    home = Path(str(tmp_path))
+    (home / "ckpt").mkdir()
+    (home / "ckpt" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(app, "cluster_env_started_here", lambda: None)
+    assert checkpoint_dir("~/ckpt") == str(home / "ckpt")
+    with pytest.raises(ValueError, match="'llama' is not supported"):  # read at build: the folder was found
+        app.build_app({"model": "~/ckpt"})
+    with pytest.raises(ValueError, match="model is empty"):
+        EngineConfig(model=" ")
