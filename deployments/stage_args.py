@@ -51,6 +51,11 @@ class Autoscaling(StrictArgs):
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"initial_replicas ({self.initial_replicas}) is outside min_replicas "
                              f"({self.min_replicas}) to max_replicas ({self.max_replicas})")
+        if self.min_replicas == 0 and not self.initial_replicas:
+            # NOTE: Serve would start no replica, call the stage HEALTHY, and /health (which counts a stage scaled to
+            # zero as ready: app_health.py) say ready for a model that never loaded
+            raise ValueError("min_replicas 0 needs initial_replicas >= 1: a deploy then loads one replica, so that "
+                             "the app is ready only once its model is known to load; idle, it scales down to zero")
         return self
 
 

@@ -10,6 +10,7 @@ anything learned from the checkpoint itself (that lives in `mmserve.models`).
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -74,11 +75,19 @@ class MediaConfig(_Bounded):
             raise ValueError(f"MediaConfig.allowed_local_media_path must be an absolute folder, got {path!r}; or leave "
                              "it unset for no file:// reads")
         for domain in self.allowed_domains or ():
-            # NOTE: a host suffix ("example.com" or ".example.com" takes it and its subdomains); anything else would
-            # match no URL and refuse every image with no word at start-up
-            if not re.fullmatch(r"\.?[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", domain):
+            # NOTE: a host suffix ("example.com" or ".example.com" takes it and its subdomains) or an IP address;
+            # anything else would match no URL and refuse every image with no word at start-up
+            if not (re.fullmatch(r"\.?[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?", domain) or _is_ip(domain)):
                 raise ValueError(f"MediaConfig.allowed_domains holds {domain!r}: give host names such as "
                                  "'example.com' (it and its subdomains), without scheme, port, path or '*'")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,18 @@ def test_a_stage_autoscaled_to_zero_is_ready_while_serve_holds_it_settled():
 
 
 def test_the_stages_that_may_idle_are_those_autoscaled_from_zero():
+    import pytest
+
     from deployments.args import parse_args
 
     assert parse_args({}).may_idle() == frozenset()
-    args = parse_args({"decoder.autoscaling": '{"min_replicas": 0, "max_replicas": 2}',
-                       "preprocess.autoscaling.min_replicas": "0"})
+    args = parse_args({"decoder.autoscaling": '{"min_replicas": 0, "max_replicas": 2, "initial_replicas": 1}',
+                       "preprocess.autoscaling.min_replicas": "0", "preprocess.autoscaling.initial_replicas": "1"})
     assert args.may_idle() == frozenset({"Decoder", "Preprocess"})
+    # NOTE: without a first replica Serve calls such a stage HEALTHY at once, and /health would say ready for a model
+    # that never loaded
+    with pytest.raises(ValueError, match="min_replicas 0 needs initial_replicas >= 1"):
+        parse_args({"decoder.autoscaling": '{"min_replicas": 0, "max_replicas": 2}'})
 
 
 def test_unknown_app_is_not_ready():

@@ -188,4 +188,5 @@ def test_an_empty_or_relative_media_folder_is_refused_not_read_from_a_replicas_w
 def test_an_allowed_domain_that_could_match_no_url_is_refused(domain: str) -> None:
     with pytest.raises(ValueError, match="allowed_domains holds"):
         MediaConfig(allowed_domains=(domain,))
-    assert MediaConfig(allowed_domains=("example.com", ".cdn.example.com", "127.0.0.1", "localhost")).allowed_domains
+    fine = ("example.com", ".cdn.example.com", "example.com.", "_img.example.com", "127.0.0.1", "::1", "localhost")
+    assert MediaConfig(allowed_domains=fine).allowed_domains == fine
