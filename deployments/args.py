@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import logging
 import typing
@@ -125,12 +126,21 @@ def parse_args(raw: dict[str, Any]) -> AppArgs:
             raise ValueError("the engine's arguments are top-level keys (dtype=..., decoder.max_num_seqs=...), not "
                              "under 'engine'")
         placement = AppArgs.model_fields.get(key)
+        if placement is None and key not in engine_fields:
+            _refuse(key, [k for k in (*AppArgs.model_fields, *engine_fields) if k != "engine"], "at the top level")
+        kind = placement.annotation if placement is not None else None
+        section = isinstance(value, dict) and isinstance(kind, type) and issubclass(kind, BaseModel)
+        if section:  # a stage's section: a misspelt key is named with its likely meaning
+            serve_fields = typing.cast(type[BaseModel], kind).model_fields
+            own = _field_types(engine_fields[key]) if key in engine_fields else {}
+            for k in value:
+                if k not in serve_fields and k not in own:
+                    _refuse(f"{key}.{k}", [*serve_fields, *own], f"under {key!r}")
         if key not in engine_fields or key == "device":
             app[key] = value
-        elif placement is None or not isinstance(value, dict):
+        elif not section:
             engine[key] = value
-        else:  # a stage's section: its Serve fields to AppArgs, the rest to the engine's group
-            serve_fields = typing.cast(type[BaseModel], placement.annotation).model_fields
+        else:  # its Serve fields to AppArgs, the rest to the engine's group
             app[key] = {k: v for k, v in value.items() if k in serve_fields}
             engine[key] = {k: v for k, v in value.items() if k not in serve_fields}
     _refuse_unknown(engine, EngineConfig, "")
@@ -171,8 +181,16 @@ def _refuse_unknown(values: Any, cls: type, prefix: str) -> None:
     for key, value in values.items():
         name = prefix + key
         if key not in types:
-            where = f"under {prefix.rstrip('.')!r}" if prefix else "at the top level"
-            raise ValueError(f"unknown argument {name!r}; the engine's arguments {where}: {sorted(types)} "
-                             "(Serve's placement keys: docs/deploying.md)")
+            _refuse(name, types, f"under {prefix.rstrip('.')!r}" if prefix else "at the top level")
         if dataclasses.is_dataclass(types[key]):
             _refuse_unknown(value, types[key], name + ".")
+
+
+def _refuse(name: str, known: typing.Iterable[str], where: str) -> typing.NoReturn:
+    """Raise ValueError naming the unknown argument `name`, the known names nearest to its last part (a
+    misspelling's likely meaning) and every argument `where` it stands."""
+    known = sorted(set(known))
+    near = difflib.get_close_matches(name.rsplit(".", 1)[-1], known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
+    raise ValueError(f"unknown argument {name!r}; {hint}the arguments {where}: {known} "
+                     "(docs/deploying.md lists them)")

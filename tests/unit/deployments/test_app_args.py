@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import types
 import typing
 from pathlib import Path
@@ -92,6 +93,17 @@ def test_a_stage_section_holds_serve_and_engine_keys_apart() -> None:
 def test_an_unknown_argument_is_refused_by_name(name: str) -> None:
     with pytest.raises(ValueError, match=name.split(".")[-1] if name.count(".") < 2 else "foo"):
         parse_args({name: "1"})
+
+
+@pytest.mark.parametrize(("name", "meant"), [
+    ("modle", "model"), ("decoder.max_num_seq", "max_num_seqs"), ("decoder.num_replica", "num_replicas"),
+    ("preprocess.autoscalng", "autoscaling"), ("ingress.max_ongoing_request", "max_ongoing_requests"),
+    ("media.max_pixels", "max_image_pixels"),
+])
+def test_a_misspelt_argument_is_refused_with_what_it_likely_meant(name: str, meant: str) -> None:
+    """Serve keys and engine keys of a section alike: `decoder.num_replica` is not answered with the engine's list."""
+    with pytest.raises(ValueError, match=rf"unknown argument '{re.escape(name)}'; did you mean '{meant}'"):
+        parse_args({"model": "m", name: "1"})
 
 
 def test_a_bad_value_is_refused_with_its_path() -> None:
