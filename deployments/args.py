@@ -31,7 +31,7 @@ from deployments.stage_args import (
     StageArgs,
     StrictArgs,
 )
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, check_device
 from mmserve.runtime.metrics_board import STALE_AFTER_S
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ class AppArgs(StrictArgs):
     def _accelerators_reserved(self) -> AppArgs:
         """Refuse an accelerator `device` for a computing stage that reserves no GPU: Ray might place its replicas
         on a node without one, and would count none of the GPU memory they take (a share of one: `num_gpus` 0.5)."""
+        if self.device is not None:
+            check_device(self.device)
         if self.device is not None and self.device != "cpu":
             for name, stage in (("encoder", self.encoder), ("decoder", self.decoder)):
                 if stage.num_gpus <= 0:

@@ -176,6 +176,19 @@ class DecoderConfig(_Bounded):
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # EngineConfig.dtype's names
 
 
+def check_device(device: str) -> None:
+    """Raise ValueError unless `device` is a torch device string ("cpu", "cuda", "cuda:1", ...), by torch's own
+    parser: a misspelt one ("cdua", "gpu") is refused where it is set, not in each replica's first step."""
+    if device == "cpu":
+        return
+    import torch  # NOTE: here only: the default device needs no torch to be checked
+
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"device {device!r} is no torch device ({exc}); e.g. 'cpu', 'cuda', 'cuda:1'") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig(_Bounded):
     model: str | None = None  # local Hugging Face checkpoint folder; None = the built-in tiny Gemma 3
@@ -202,3 +215,4 @@ class EngineConfig(_Bounded):
                              "built-in tiny model")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        check_device(self.device)

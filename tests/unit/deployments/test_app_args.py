@@ -44,7 +44,7 @@ def _other_value(kind: Any, default: Any) -> Any:
     if base is bool:
         return not default
     if base is str:
-        return "bfloat16" if default == "float32" else "/some/folder"
+        return {"float32": "bfloat16", "cpu": "cuda:1"}.get(default, "/some/folder")
     if base in (int, float):
         return base((default or 1) * 3 + 1)
     raise AssertionError(f"no sample value for {kind}")
@@ -176,6 +176,16 @@ def test_an_accelerator_device_for_a_stage_without_gpus_is_refused(stage: str) -
     with pytest.raises(ValueError, match=f"device=cuda but {stage}.num_gpus is 0.0: set {stage}.num_gpus"):
         parse_args({"device": "cuda", f"{other}.num_gpus": "1"})
     assert parse_args({"device": "cpu"}).engine_config(parse_args({}).decoder).device == "cpu"
+
+
+@pytest.mark.parametrize("device", ["cdua", "gpu", "cuda:x"])
+def test_a_device_torch_does_not_know_is_refused_by_name(device: str) -> None:
+    """Before the GPU check (which would blame `num_gpus`), at the app and in the engine's own config."""
+    with pytest.raises(ValidationError, match=rf"device '{re.escape(device)}' is no torch device"):
+        parse_args({"model": "m", "device": device, "encoder.num_gpus": "1", "decoder.num_gpus": "1"})
+    with pytest.raises(ValueError, match="is no torch device"):
+        EngineConfig(device=device)
+    assert parse_args({"model": "m", "device": "cuda:1", "encoder.num_gpus": "1", "decoder.num_gpus": "1"})
 
 
 def test_a_push_interval_past_a_third_of_the_hubs_patience_is_refused() -> None:
