@@ -170,10 +170,13 @@ class SharedProcessorCache:
     """mmserve's `ItemCache` for a preprocess replica; `bind()` on the replica's loop, then call from a
     worker thread (it blocks)."""
 
-    def __init__(self, store: Any, replica_capacity_bytes: int):  # store: a DeploymentHandle to ProcessorCacheStore
+    def __init__(self, store: Any, replica_capacity_bytes: int, *, shared: bool = True):
+        """`store`: a DeploymentHandle to ProcessorCacheStore; `shared` False (the cache off: a store of 0 bytes)
+        asks it nothing and sends it nothing, so a new image pays no store hop for a cache that keeps nothing."""
         self._store = FromThread(store)
         self.bind = self._store.bind
         self.own = ProcessorCache(replica_capacity_bytes)  # key -> StoredItem of an object this replica made
+        self._shared = shared
         self._maker = ray.get_runtime_context().get_worker_id()  # the owner of those objects, for the store
         self._epoch: str | None = None  # of the store that answered the last lookup
         self._lock = threading.Lock()
@@ -207,7 +210,7 @@ class SharedProcessorCache:
         NOTE: not while the store is taken as down, and each call given up after a lookup's timeout: calls to a
         store being replaced queue, each pinning its pixels for as long as the outage lasts. A replaced store is
         refilled with every item this replica holds once it answers (`_notice`)."""
-        if monotonic() < self._down_until:
+        if not self._shared or monotonic() < self._down_until:
             return
         self._store.submit("adopt", key, [stored.ref], stored.num_tiles, stored.nbytes, source, self._maker,
                            timeout_s=LOOKUP_TIMEOUT_S).add_done_callback(self._adopted)
@@ -230,7 +233,7 @@ class SharedProcessorCache:
         NOTE: a store that did not answer is taken as down for a lookup's timeout: while Serve replaces it,
         calls to it queue, and each of a request's lookups (two per new image) would wait the whole timeout.
         """
-        if monotonic() < self._down_until:
+        if not self._shared or monotonic() < self._down_until:
             return done(None)
         answer: Future[Any] = Future()
 

@@ -37,7 +37,8 @@ class Preprocess:
     def __init__(self, app_args: AppArgs, cache_store: Any, hub: Any, encoder: Any):
         route_logs()
         cache = app_args.engine.processor_cache  # NOTE: the cache off (0 bytes) keeps nothing here either
-        self.cache = SharedProcessorCache(cache_store, min(cache.replica_capacity_bytes, cache.capacity_bytes))
+        self.cache = SharedProcessorCache(cache_store, min(cache.replica_capacity_bytes, cache.capacity_bytes),
+                                          shared=cache.capacity_bytes > 0)
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
         factory = StageFactory(app_args.engine_config())
         self.served = ServedModel(factory.spec.model_id, factory.spec.max_model_len, factory.spec.sampling_defaults)

@@ -35,13 +35,24 @@ class FailingStore:
         return failed
 
 
-def client(store: FailingStore) -> SharedProcessorCache:
+def client(store: FailingStore, *, shared: bool = True) -> SharedProcessorCache:
     # NOTE: built without __init__, which asks Ray for this worker's id; the lookups run as written
     cache = SharedProcessorCache.__new__(SharedProcessorCache)
     cache._store = store  # type: ignore[assignment]
-    cache.own, cache._epoch, cache._lock = ProcessorCache(1 << 20), None, threading.Lock()
-    cache._down_until = 0.0
+    cache.own, cache._epoch, cache._lock = ProcessorCache(1 << 20 if shared else 0), None, threading.Lock()
+    cache._down_until, cache._shared = 0.0, shared
     return cache
+
+
+def test_with_the_cache_off_the_store_is_asked_nothing_and_sent_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FailingStore(AssertionError("the store was called"))
+    cache = client(store, shared=False)
+    monkeypatch.setattr(cache_store.ray, "put", lambda item: ("ref", item))
+    assert cache.find_source("bytes-key").result(timeout=5) is None
+    assert cache.find("pixels-key", "bytes-key").result(timeout=5) is None
+    stored = cache.store("pixels-key", ITEM, "bytes-key")  # the request still gets its pixels' reference
+    assert stored.ref == ("ref", ITEM) and cache.own.keys() == []
+    assert store.calls == []
 
 
 @pytest.mark.parametrize("error", [TimeoutError("the store took past its timeout"), ActorDiedError()])
