@@ -232,7 +232,7 @@ class PreprocessedRequest:
     request_id: str  # the ChatRequest's, unique per request
     prompt_token_ids: list[int]  # the whole prompt, placeholders expanded (tokens)
     features: list[MultiModalFeatureSpec]  # one per item, in prompt order
-    sampling: SamplingParams  # as the ChatRequest's, its defaults resolved
+    sampling: SamplingParams  # the ChatRequest's, plus the prompt's bad_words_token_ids (defaults were resolved before)
     processor_cache_hits: int = 0  # items of this request served by the ProcessorCache (items)
     cache_salt: str | None = None  # as in ChatRequest
     # the prefix cache's chained digest of each full block of the prompt (32 bytes each), items and salt

@@ -39,8 +39,8 @@ DEPLOYING_MD = ROOT / "docs" / "deploying.md"
 
 STAGES = ("ingress", "preprocess", "encoder", "decoder")
 GPU_STAGES = {"encoder", "decoder"}
-# The five deployments build_app creates; a `deployments:` override naming anything else fails at deploy.
-DEPLOYMENT_NAMES = {"Ingress", "Preprocess", "ProcessorCacheStore", "Encoder", "Decoder"}
+# The six deployments build_app creates; a `deployments:` override naming anything else fails at deploy.
+DEPLOYMENT_NAMES = {"Ingress", "Preprocess", "ProcessorCacheStore", "Encoder", "Decoder", "MetricsHub"}
 # The pin of each stage, and where that pin must (and only there) be advertised.
 STAGE_PIN = {"ingress": "preprocess_node", "preprocess": "preprocess_node",
              "encoder": "encoder_node", "decoder": "decoder_node"}
