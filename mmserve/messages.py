@@ -99,6 +99,12 @@ class SamplingParams:
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
              "allowed_token_ids must not be empty (leave it out to allow every token)"),
             (0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            # NOTE: a grammar's end is no end token that min_tokens could hold back: the matcher stops the output
+            # where the grammar completes (min_tokens ignored), or, where the grammar could go on, the held-back
+            # end forces more of it (an integer of min_tokens digits). vLLM leaves the pair undefined.
+            (self.structured is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured output (response_format, structured_outputs): the "
+             "grammar decides where the output ends"),
             (1 <= self.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),

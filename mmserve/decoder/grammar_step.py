@@ -170,7 +170,7 @@ def _consume(matcher: llguidance.LLMatcher, token: int) -> Exception | None:
     """Advance `matcher` by `token`; what went wrong, or None."""
     if token < 0:
         why = f"its matcher failed: {matcher.get_error()}" if matcher.is_error() else \
-            "the grammar allows no token the model may sample here (e.g. only an end that min_tokens holds back)"
+            "the grammar allows no token the model may sample here (e.g. only an end that allowed_token_ids leaves out)"
         return NoTokenAllowedError(f"structured output cannot go on: {why}")
     try:
         if matcher.consume_token(token):

@@ -131,7 +131,7 @@ def test_a_grammar_that_ends_on_the_last_allowed_token_finishes_as_a_stop(engine
 
 
 @pytest.mark.parametrize("structured, sampling", [
-    (StructuredOutput("regex", ""), {"min_tokens": 1}),  # only the end is allowed, and min_tokens holds it
+    (StructuredOutput("regex", ""), {"allowed_token_ids": (100,)}),  # only the end is allowed, and it is not
     (StructuredOutput("lark", "start: <image_soft_token>"), {}),  # only a token the model never samples
 ])
 def test_a_grammar_that_leaves_no_token_fails_its_request_alone(engine, structured, sampling):

@@ -363,6 +363,7 @@ def test_vllms_spellings_of_no_seed_and_no_top_logprobs_are_served_as_such() -> 
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"logit_bias": {"--5": 1}}, "logit_bias"),
     ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"), ({"logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"min_tokens": 5, "response_format": {"type": "json_object"}}, "min_tokens"),
     # read per token of every step: a list of millions slowed a replica's every step to seconds
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
