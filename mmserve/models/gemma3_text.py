@@ -93,7 +93,7 @@ class Gemma3PagedText:
                 cos, sin = rotary(probe, positions[None], kind)  # each (1, n, head_dim), float32
                 return cos[0], sin[0]
 
-            return RopeTable(compute, self.head_dim, weight.device, weight.dtype)
+            return RopeTable(compute, self.head_dim, weight.device, weight.dtype, cfg.max_position_embeddings)
 
         self.rope = {kind: table(kind) for kind in dict.fromkeys(pattern.layer_kinds)}
 

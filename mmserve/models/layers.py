@@ -46,7 +46,8 @@ class RMSNorm:
 
 
 class RopeTable:
-    """cos and sin of every position up to the longest seen, one rotary kind; grows by doubling.
+    """cos and sin of every position up to the longest seen, one rotary kind; grows by doubling, never past
+    `limit` positions (the model's longest context) unless a position asks for more.
 
     `rotate` applies RoPE as x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] written as
     a roll of x by half the dims times sin with its first half negated (the same products and roundings
@@ -54,9 +55,12 @@ class RopeTable:
     """
 
     def __init__(self, compute: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], head_dim: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, limit: int | None = None) -> None:
         self._compute = compute  # (n,) int64 positions -> ((n, head_dim) cos, (n, head_dim) sin)
         self.head_dim, self.device, self.dtype = head_dim, device, dtype
+        # NOTE: a doubling past the longest context would hold up to twice its table for good (gemma-3-4b in
+        # bf16: 1 KiB a position, per rotary kind)
+        self.limit = limit  # positions (None = no bound)
         self._table = torch.empty(0, 2, head_dim, device=device, dtype=dtype)  # (positions, cos|sin, head_dim)
         half = head_dim // 2
         self._sign = torch.cat((-torch.ones(half), torch.ones(head_dim - half))).to(device=device, dtype=dtype)
@@ -64,7 +68,8 @@ class RopeTable:
     def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """((T, 1, head_dim) cos, (T, 1, head_dim) signed sin) at `positions` (all <= max_position)."""
         if max_position >= self._table.shape[0]:
-            n = max(max_position + 1, 2 * self._table.shape[0], 256)
+            n = max(2 * self._table.shape[0], 256)
+            n = max(max_position + 1, n if self.limit is None else min(n, self.limit))
             cos, sin = self._compute(torch.arange(n, device=self.device))
             self._table = torch.stack((cos.to(self.dtype), (sin * self._sign).to(self.dtype)), dim=1)
         both = self._table.index_select(0, positions)  # (T, 2, head_dim)

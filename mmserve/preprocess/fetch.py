@@ -188,6 +188,8 @@ class HttpFetcher:
         except InvalidRequestError:  # our own refusals (a redirect target, the byte cap) as they are
             raise
         except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:  # UnicodeError too
+            if isinstance(err, urllib.error.HTTPError):
+                err.close()  # NOTE: it holds the answer's socket, open for as long as the error (our cause) lives
             if one.expired or time.monotonic() >= one.deadline:  # (the timer may not have fired yet)
                 raise one.timed_out(url) from err
             raise _failure(url, err) from err

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 import typing
+import urllib.error
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -264,8 +265,12 @@ def test_byte_cap_on_fetch(port: int, path: str) -> None:
 
 
 def test_http_errors_and_timeouts(port: int) -> None:
-    with pytest.raises(MediaError, match="HTTP 404"):
+    with pytest.raises(MediaError, match="HTTP 404") as refused:
         local().load(f"http://127.0.0.1:{port}/nothing")
+    cause = refused.value.__cause__
+    while cause is not None and not isinstance(cause, urllib.error.HTTPError):
+        cause = cause.__cause__
+    assert cause is not None and cause.fp.closed  # NOTE: not the answer's socket held for as long as the error lives
     start = time.monotonic()
     with pytest.raises(MediaError, match="image 1: fetching"):
         local(fetch_timeout_s=0.2).load(f"http://127.0.0.1:{port}/slow")
