@@ -99,7 +99,7 @@ class FromThread:
             response = getattr(self._handle, method).remote(*args)
             try:
                 return await asyncio.wait_for(response, timeout_s)
-            except TimeoutError:
+            except (TimeoutError, asyncio.CancelledError):  # NOTE: the thread gave up (`call`) or the loop ends
                 cancel(response)  # on the replica too, if it got there
                 raise
 

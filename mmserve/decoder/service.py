@@ -152,9 +152,11 @@ class DecoderService:
     async def _one(self, pre: PreprocessedRequest, encode: EncodeFn | None, encoding: asyncio.Lock | None = None,
                    sibling: str | None = None) -> AsyncGenerator[RequestOutput]:
         request_id = pre.request_id
-        if request_id in self._live:  # NOTE: before any state changes: the live one keeps its stream
+        live = _Live(pre, encode, asyncio.get_running_loop(), encoding or asyncio.Lock())
+        # NOTE: before any state changes, in one atomic check-and-insert (consumers on two threads' loops): the
+        # live one keeps its stream
+        if self._live.setdefault(request_id, live) is not live:
             raise ValueError(f"request {request_id} is already being served here")
-        live = self._live[request_id] = _Live(pre, encode, asyncio.get_running_loop(), encoding or asyncio.Lock())
         finished = submitted = False
         self._arriving += 1
         try:
@@ -270,6 +272,8 @@ class DecoderService:
             return
         live.fetching.add(fetch)
         fetch.add_done_callback(live.fetching.discard)
+        if live.ended:  # NOTE: it ended between our look and the add, its cancels done: this call ends too
+            fetch.cancel()
 
     def _end_abandoned(self, live: _Live) -> None:
         """On the step thread: end a request whose consumer's loop closed without its own ending running (which

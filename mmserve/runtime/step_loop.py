@@ -83,9 +83,10 @@ class StepLoop:
         Raises ValueError for an id that already has a consumer here: that one keeps its outputs (replacing its
         channel would leave it waiting for ever).
         """
-        if request_id in self._channels:
+        channel = OutputChannel(asyncio.get_running_loop())
+        # NOTE: one atomic check-and-insert: two threads' loops opening one id at once must not both pass
+        if self._channels.setdefault(request_id, channel) is not channel:
             raise ValueError(f"request {request_id} already has a consumer in {self.name}")
-        self._channels[request_id] = OutputChannel(asyncio.get_running_loop())
 
     def has_consumer(self, request_id: str) -> bool:
         """Whether `request_id` has a consumer here (opened, its outputs not closed)."""
@@ -231,21 +232,26 @@ class StepLoop:
             for request_id, action, channel in actions:
                 if channel is not None:
                     channel.joined = True  # NOTE: its own consumer's: an older action under a reused id joins none
-                self._run_action(request_id, action)
+                self._run_action(request_id, action, channel)
         finally:
             with self._lock:
                 self._running_actions = False
         return True
 
-    def _run_action(self, request_id: str | None, action: Callable[[], Any]) -> None:
-        """Run one action; its exception fails `request_id` (an anonymous action's is logged)."""
+    def _run_action(self, request_id: str | None, action: Callable[[], Any], channel: OutputChannel | None) -> None:
+        """Run one action; its exception fails `request_id` through `channel`, the consumer it was submitted
+        for, if that one still listens (an anonymous action's, or one whose consumer has gone, is logged).
+
+        NOTE: not through whichever consumer has the id now: one that reopened it after the old one left
+        must not fail with the old request's error."""
         try:
             action()
         except Exception as exc:
-            if request_id is None:
-                log.exception("%s: action failed", self.name)
-            else:
+            if request_id is not None and channel is not None and self._channels.get(request_id) is channel:
                 self._deliver(request_id, RequestFailed(request_id, exc))
+            else:
+                log.exception("%s: action failed%s", self.name, "" if request_id is None else
+                              f" for request {request_id}, whose consumer has gone")
 
     def _one_step(self) -> None:
         if not self._has_work():

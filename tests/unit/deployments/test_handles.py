@@ -76,3 +76,43 @@ def test_a_thread_calling_through_a_loop_that_never_runs_the_call_gives_up_past_
         assert time.monotonic() - started < 5  # a bound on a hang, not a timing
     finally:
         held_up.close()
+
+
+def test_a_call_the_thread_gives_up_on_is_cancelled_on_the_replica_too() -> None:
+    """The thread's own give-up (`call` past its grace, or a caller cancelling `submit`'s future) cancels the
+    task on the loop: the handle call is cancelled as on its timeout, not left running on the callee."""
+    import threading
+    import time
+
+    from deployments import handles
+
+    call = PendingCall()
+
+    class Method:
+        def remote(self, *_: Any) -> PendingCall:
+            return call
+
+    class Handle:
+        def options(self, **_: Any) -> Handle:
+            return self
+
+        kept_copy = Method()
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        caller = handles.FromThread(Handle())
+        caller._loop = loop
+        answer = caller.submit("kept_copy", "key", timeout_s=60)
+        deadline = time.monotonic() + 5
+        while call._answer is None and time.monotonic() < deadline:  # the call reached the "replica"
+            time.sleep(0.01)
+        answer.cancel()
+        while call.cancels == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert call.cancels == 1
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()

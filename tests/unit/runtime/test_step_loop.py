@@ -408,6 +408,40 @@ def test_an_older_action_under_a_reused_id_does_not_make_a_new_consumer_take_the
     assert asyncio.run(asyncio.wait_for(run(), 10)) == ["new"]
 
 
+def test_an_older_action_that_fails_under_a_reused_id_fails_neither_the_new_consumer_nor_the_step() -> None:
+    """The old request's action (its failed encoder call's report) runs after the id was opened again: its error
+    goes to the consumer it was submitted for, which has gone (logged), not to the new one."""
+    live: list[str] = []
+    blocker_in, blocker_go = threading.Event(), threading.Event()
+
+    def step() -> list:
+        return [RequestOutput("r", [1], text, True, "stop", 5, 1) for text in live]
+
+    def blocker() -> None:  # holds the queue until the id is reopened
+        blocker_in.set()
+        blocker_go.wait(5)
+
+    def old_failure() -> None:
+        raise ValueError("the old request's encoder call failed")
+
+    async def run() -> list[str]:
+        loop = StepLoop(step, lambda: bool(live), lambda: None)
+        try:
+            loop.submit(None, blocker)
+            assert await asyncio.to_thread(blocker_in.wait, 5)
+            loop.open("r")
+            loop.submit("r", old_failure)
+            loop._channels.pop("r")  # the old consumer leaves
+            loop.open("r")
+            loop.submit("r", lambda: live.append("new"))
+            blocker_go.set()
+            return [o.new_text async for o in loop.outputs("r")]
+        finally:
+            loop.stop()
+
+    assert asyncio.run(asyncio.wait_for(run(), 10)) == ["new"]
+
+
 def test_a_failure_after_a_finished_output_ends_nothing() -> None:
     """A request finished in one step, its consumer not there yet; the next step failed whole: it finished."""
     got = asyncio.run(_collect(idle_loop(), [out(1, "a", n=1, finished=True), RequestFailed("r", ValueError("x"))],
