@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import threading
@@ -408,7 +409,8 @@ def test_an_older_action_under_a_reused_id_does_not_make_a_new_consumer_take_the
     assert asyncio.run(asyncio.wait_for(run(), 10)) == ["new"]
 
 
-def test_an_older_action_that_fails_under_a_reused_id_fails_neither_the_new_consumer_nor_the_step() -> None:
+def test_an_older_action_that_fails_under_a_reused_id_fails_neither_the_new_consumer_nor_the_step(
+        caplog: pytest.LogCaptureFixture) -> None:
     """The old request's action (its failed encoder call's report) runs after the id was opened again: its error
     goes to the consumer it was submitted for, which has gone (logged), not to the new one."""
     live: list[str] = []
@@ -435,11 +437,14 @@ def test_an_older_action_that_fails_under_a_reused_id_fails_neither_the_new_cons
             loop.open("r")
             loop.submit("r", lambda: live.append("new"))
             blocker_go.set()
-            return [o.new_text async for o in loop.outputs("r")]
+            async with contextlib.aclosing(loop.outputs("r")) as outputs:
+                return [o async for o in outputs]
         finally:
             loop.stop()
 
-    assert asyncio.run(asyncio.wait_for(run(), 10)) == ["new"]
+    [new] = asyncio.run(asyncio.wait_for(run(), 10))
+    assert isinstance(new, RequestOutput) and new.new_text == "new"
+    assert "action failed for request r, whose consumer has gone" in caplog.text  # not silently dropped
 
 
 def test_a_failure_after_a_finished_output_ends_nothing() -> None:
