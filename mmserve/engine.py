@@ -171,6 +171,14 @@ class Engine:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """`async with Engine(...)`: the shutdown's joins run on a worker thread, so the caller's event loop
+        (its other tasks, and the streams that learn of the stop) keeps running meanwhile."""
+        await asyncio.to_thread(self.shutdown)
+
 
 def _completion(request_id: str, prompt_tokens: int, index: int, outputs: list[RequestOutput]) -> Completion:
     """One choice's outputs folded into its Completion."""

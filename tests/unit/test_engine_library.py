@@ -70,6 +70,39 @@ def test_a_batch_is_not_refused_while_other_callers_fill_the_waiting_queue(tiny_
         assert [c.request_id for c in done] == ["g0", "g1", "g2"] and all(len(c.token_ids) == 2 for c in done)
 
 
+def test_async_with_shuts_the_engine_down_off_the_callers_loop(tiny_ckpt_224, monkeypatch):
+    """`async with`: the stop's joins run on a worker thread, and the caller's loop keeps running meanwhile."""
+    config = EngineConfig(model=str(tiny_ckpt_224), max_model_len=2048)
+    stopped_on: list[str] = []
+    ticks: list[int] = []
+
+    async def run() -> None:
+        async with Engine(config) as eng:
+            [done] = [c async for c in eng.stream(chat("aw", max_tokens=2, ignore_eos=True))][-1:]
+            assert done.finished
+            stop = eng.shutdown
+
+            def slow_shutdown() -> None:  # as a stop that waits on a step thread for a while
+                stopped_on.append(threading.current_thread().name)
+                threading.Event().wait(0.2)
+                stop()
+
+            monkeypatch.setattr(eng, "shutdown", slow_shutdown)
+
+            async def tick() -> None:
+                for i in range(100):
+                    ticks.append(i)
+                    await asyncio.sleep(0.01)
+
+            ticker = asyncio.ensure_future(tick())
+        ticker.cancel()
+        assert eng.decoder_service.loop._stopped  # stopped for real
+
+    asyncio.run(run())
+    assert stopped_on and stopped_on[0] != threading.main_thread().name
+    assert len(ticks) >= 5  # the loop ran while the stop waited
+
+
 def test_a_collected_engines_finalizer_stops_it_off_any_thread_but_the_main_one():
     from mmserve.engine import _stop_when_collected
 
