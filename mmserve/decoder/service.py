@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import threading
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -68,7 +69,8 @@ class DecoderService:
         self.loop = StepLoop(decoder.step, decoder.has_unfinished, decoder.abort_all, name="mmserve-decoder",
                              fatal=device_fatal)
         self._live: dict[str, _Live] = {}
-        self._reserved: set[str] = set()  # the ids of the requests with n > 1 being served and of their choices
+        self._reserved: set[str] = set()  # the ids of the requests being served and of their choices (n > 1)
+        self._ids = threading.Lock()  # NOTE: one id's check and reservation at once, for consumers on several loops
         self._arriving = 0  # requests hashing or waiting for embeddings, not yet handed to the decoder
         decoder.on_missing = self._on_missing
         self.shared_cores = SharedCores()  # encodes in flight on this host's CPU: the steps take fewer threads
@@ -82,19 +84,19 @@ class DecoderService:
         it and frees its KV blocks. `admit=False`: not refused past `max_waiting` (a caller bounding its own)."""
         n = pre.sampling.n
         ids = [pre.request_id, *(choice_id(pre.request_id, i) for i in range(n) if n > 1)]  # its choices' own too
-        if taken := [i for i in ids if i in self._live or i in self._reserved]:
-            raise ValueError(f"request {taken[0]} is already being served here")  # NOTE: the live one goes on
-        if admit:
-            self._admit_or_refuse(n)
-        if n > 1:
-            self._reserved.update(ids)  # NOTE: the choices become live one by one, the request never
-        outputs = self._one(pre, encode) if n == 1 else self._choices(pre, encode)
+        with self._ids:
+            if taken := [i for i in ids if i in self._live or i in self._reserved]:
+                raise ValueError(f"request {taken[0]} is already being served here")  # NOTE: the live one goes on
+            self._reserved.update(ids)  # NOTE: with n > 1 the choices become live one by one, the request never
         try:
+            if admit:
+                self._admit_or_refuse(n)
+            outputs = self._one(pre, encode) if n == 1 else self._choices(pre, encode)
             async with contextlib.aclosing(outputs):  # NOTE: closing this one closes (aborts) that one at once
                 async for out in outputs:
                     yield out
         finally:
-            if n > 1:
+            with self._ids:
                 self._reserved.difference_update(ids)
 
     async def _choices(self, pre: PreprocessedRequest, encode: EncodeFn | None) -> AsyncGenerator[RequestOutput]:
@@ -282,6 +284,8 @@ class DecoderService:
         if self._live.get(request_id) is not live:
             return
         del self._live[request_id]
+        with self._ids:  # NOTE: its `generate` will not end to let go of the id (a choice's: its request's does)
+            self._reserved.discard(request_id)
         live.ended = True
         self.decoder.abort(request_id)  # its KV back
         # NOTE: raised to be delivered to that closed loop, which drops the request's channel there

@@ -240,18 +240,20 @@ class StepLoop:
 
     def _run_action(self, request_id: str | None, action: Callable[[], Any], channel: OutputChannel | None) -> None:
         """Run one action; its exception fails `request_id` through `channel`, the consumer it was submitted
-        for, if that one still listens (an anonymous action's, or one whose consumer has gone, is logged).
+        for, if that one still listens (an anonymous action's is logged, one whose consumer has gone noted).
 
         NOTE: not through whichever consumer has the id now: one that reopened it after the old one left
         must not fail with the old request's error."""
         try:
             action()
         except Exception as exc:
-            if request_id is not None and channel is not None and self._channels.get(request_id) is channel:
+            if request_id is None:
+                log.exception("%s: action failed", self.name)
+            elif channel is not None and self._channels.get(request_id) is channel:
                 self._deliver(request_id, RequestFailed(request_id, exc))
-            else:
-                log.exception("%s: action failed%s", self.name, "" if request_id is None else
-                              f" for request {request_id}, whose consumer has gone")
+            else:  # NOTE: e.g. the end of a request whose consumer's loop closed (expected: no traceback)
+                log.info("%s: an action for request %s failed after its consumer left: %r", self.name, request_id,
+                         exc)
 
     def _one_step(self) -> None:
         if not self._has_work():
