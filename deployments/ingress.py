@@ -30,6 +30,7 @@ from deployments.app_health import AppHealth
 from deployments.args import AppArgs
 from deployments.handles import awaited, cancel, hold
 from deployments.metrics_hub import HUB_TIMEOUT_S, MetricsReporter
+from deployments.model_lookup import ModelLookup
 from deployments.replica_logs import route_logs
 from deployments.retry import Kept, attempt_id, retrying, unwrapped
 from mmserve.api import edge
@@ -40,7 +41,7 @@ from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, ch
 from mmserve.api.server_timing import ServerTiming
 from mmserve.api.stream import SSE_HEADERS, ChunkBuilder, CompletionBuilder, sse_error
 from mmserve.errors import OverloadedError
-from mmserve.messages import ChatRequest, PreprocessedRequest, ServedModel
+from mmserve.messages import ChatRequest, PreprocessedRequest
 from mmserve.runtime import affinity
 from mmserve.runtime.ingress_metrics import IngressMetrics, RequestStatus, admission_snapshot
 from mmserve.runtime.metrics import MetricsSnapshot, merge
@@ -48,7 +49,9 @@ from mmserve.runtime.prometheus import CONTENT_TYPE, render_prometheus
 
 log = logging.getLogger("ray.serve")
 
-api = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
+# NOTE: no redirect of a path with a trailing slash: Starlette's 307 names the scheme it was reached by, http
+# behind a TLS-terminating balancer, and a client following it drops its API key (or sends its prompt in clear)
+api = FastAPI(title="mmserve", docs_url=None, redoc_url=None, redirect_slashes=False)
 CHAT_ROUTE = "/v1/chat/completions"
 CHAT_BOUND = "ingress.chat"  # the name of the edge's settings (bound, CORS, API keys) the replica's Ingress sets
 edge.install(api, CHAT_BOUND, frozenset({CHAT_ROUTE}))
@@ -73,7 +76,6 @@ class Ingress:
         route_logs()
         # NOTE: asked of Preprocess on first use, not read here: reading a checkpoint's config imports torch and
         # transformers, whose start-up time and memory the edge would pay for nothing else (docs/benchmarks.md)
-        self.served: ServedModel | None = None
         self.max_body_bytes = app_args.ingress.max_body_bytes
         self.request_timeout_s = app_args.ingress.request_timeout_s
         self.stage_timing = app_args.ingress.stage_timing
@@ -81,6 +83,7 @@ class Ingress:
         self.preprocess, self.hub = hold(preprocess), hold(hub)
         # NOTE: options() builds a new handle (and its router): once here, not once per request
         self.decoder = hold(decoder).options(stream=True)
+        self.lookup = ModelLookup(self.preprocess, self.replica_loss_retries)
         self.stats = IngressMetrics()
         self.app_health = AppHealth(may_idle=app_args.may_idle())
         self.reporter = MetricsReporter(hub, "Ingress", self._metrics, app_args.metrics_push_interval_s)
@@ -114,7 +117,7 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self) -> Response:
         try:
-            served = await self._served_model()
+            served = await self.lookup.get()
         except Exception as exc:
             return failures.error_response(exc)
         return JSONResponse(ModelList(data=[ModelCard(id=served.model_id, max_model_len=served.max_model_len)])
@@ -124,25 +127,18 @@ class Ingress:
     @api.get("/v1/models/{model:path}")  # NOTE: a path: model ids hold slashes (google/gemma-3-4b-it)
     async def model(self, model: str) -> Response:
         try:
-            served = await self._served_model()
-            check_model(model, served.model_id, empty_is_any=False)  # NOTE: `/v1/models/` names no model
+            served = await self.lookup.get()
+            if not model:  # NOTE: `/v1/models/`, the list's path with a slash: the list
+                return await self.models()
+            check_model(model, served.model_id, empty_is_any=False)
         except Exception as exc:
             return failures.error_response(exc)
         return JSONResponse(ModelCard(id=served.model_id, max_model_len=served.max_model_len).model_dump())
 
-    async def _served_model(self) -> ServedModel:
-        if self.served is None:
-            served: ServedModel = await retrying(lambda _: self.preprocess.served_model.remote(),
-                                                 retries=self.replica_loss_retries, what="the served model")
-            log.info("serving %s; a request's unset sampling fields take %s",
-                     served.model_id, served.sampling_defaults.describe())
-            self.served = served
-        return self.served
-
     def _model_id(self) -> str:
         """The served name, once a request has fetched it (every answer comes after its request did)."""
-        assert self.served is not None
-        return self.served.model_id
+        assert self.lookup.served is not None
+        return self.lookup.served.model_id
 
     def _metrics(self) -> MetricsSnapshot:
         """What this replica pushes: its requests, its bound's use, and its Decoder router's decisions."""
@@ -169,9 +165,9 @@ class Ingress:
         timing = ServerTiming(self.stage_timing)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"  # the response's id: the logs name the request by it
         try:
-            raw = await deadline.wait(failures.read_body(request, self.max_body_bytes))  # a slow drip too
+            raw = await failures.read_body(request, self.max_body_bytes, deadline)  # a slow drip too
             body = await deadline.wait(validated(raw, ChatCompletionRequest))
-            served = await deadline.wait(self._served_model())
+            served = await deadline.wait(self.lookup.get())
             check_model(body.model, served.model_id)
             make = functools.partial(body.to_chat_request, request_id, served.max_model_len, served.sampling_defaults)
             # NOTE: a constraint is compiled here (seconds, for some): off the loop that serves every other request

@@ -22,9 +22,17 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from deployments.retry import unwrapped
-from mmserve.api.body import check_declared_size, drain, read_bounded
+from mmserve.api.body import check_declared_size, check_media, drain, read_bounded
+from mmserve.api.deadline import Deadline
 from mmserve.api.errors import error_body, error_headers, route_error_body
-from mmserve.errors import OverloadedError, PayloadTooLargeError, ReplicaLostError
+from mmserve.errors import (
+    BodyTimeoutError,
+    DeadlineExceededError,
+    OverloadedError,
+    PayloadTooLargeError,
+    ReplicaLostError,
+    UnsupportedMediaTypeError,
+)
 from mmserve.messages import RequestFailed
 from mmserve.runtime.ingress_metrics import RequestStatus
 
@@ -43,22 +51,31 @@ async def route_error(request: Request, exc: Exception) -> JSONResponse:
     """The framework's own answers (an unknown path, a wrong method) in OpenAI's error shape, not FastAPI's."""
     assert isinstance(exc, StarletteHTTPException)
     body = route_error_body(exc.status_code, str(exc.detail), request.method, request.url.path)
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    headers = dict(exc.headers or {})
+    allowed = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]
+    if "GET" in allowed and "HEAD" not in allowed:  # NOTE: every GET path here takes HEAD too (RFC 9110: list all)
+        headers["Allow"] = ", ".join([*allowed, "HEAD"])
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request's body, up to `max_bytes` (mmserve.api.body: PayloadTooLargeError past it, once what is left
-    of a body not far past it has been read and dropped); ClientGone if its client leaves meanwhile."""
+async def read_body(request: Request, max_bytes: int, deadline: Deadline) -> bytes:
+    """The request's JSON body, up to `max_bytes`, within `deadline` (mmserve.api.body: UnsupportedMediaTypeError
+    for a body not sent as JSON, PayloadTooLargeError past the size, each once what is left of a body not far past
+    the size has been read and dropped); ClientGone if its client leaves meanwhile, BodyTimeoutError (408) if it
+    has not sent it all by the deadline."""
     declared, chunks = request.headers.get("content-length"), request.stream()
     try:
         try:
+            check_media(request.headers.get("content-type"), request.headers.get("content-encoding"))
             check_declared_size(declared, max_bytes)
-            return await read_bounded(chunks, max_bytes)
-        except PayloadTooLargeError:
-            await drain(chunks, declared, max_bytes)
+            return await deadline.wait(read_bounded(chunks, max_bytes))
+        except (PayloadTooLargeError, UnsupportedMediaTypeError) as exc:
+            await drain(chunks, declared, max_bytes if isinstance(exc, PayloadTooLargeError) else 0)
             raise
     except CLIENT_LEFT as exc:
         raise ClientGone(f"the client left while its body was read ({type(exc).__name__})") from None
+    except DeadlineExceededError:  # NOTE: the client's slowness, not the server's: a 408, not a 504
+        raise BodyTimeoutError(f"the request body did not arrive whole within {deadline.timeout_s:g} s") from None
 
 
 def failure_status(exc: BaseException) -> RequestStatus:

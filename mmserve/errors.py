@@ -63,6 +63,25 @@ class PayloadTooLargeError(InvalidRequestError):
     status = 413
 
 
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """The body is not sent as JSON (its Content-Type), or is encoded (gzip); maps to HTTP 415. `encoding`:
+    refused for its Content-Encoding (the answer then names the one accepted, `Accept-Encoding: identity`)."""
+
+    code = "unsupported_media_type"
+    status = 415
+
+    def __init__(self, *args: object, encoding: bool = False) -> None:
+        super().__init__(*args)
+        self.encoding = encoding
+
+
+class BodyTimeoutError(InvalidRequestError):
+    """The client did not finish sending its body within the request's deadline; maps to HTTP 408."""
+
+    code = "request_timeout"
+    status = 408
+
+
 class OverloadedError(RuntimeError):
     """A stage is at its configured capacity (its queue is full); maps to HTTP 503 with `Retry-After`.
 

@@ -1,10 +1,11 @@
 """A request body as the HTTP edge reads it: bounded in size, then JSON.
 
-Owns: refusing a body over the configured size (413, before reading it when its Content-Length says
+Owns: refusing a body not sent as JSON or sent compressed (415, `check_media`), refusing a body over the
+configured size (413, before reading it when its Content-Length says
 so, else as soon as the bytes read pass the bound; the rest of a body not far past it read and dropped
 first, `drain`), decoding JSON with a 400 naming what is wrong
-(not JSON, not UTF-8, nested too deep, text that is not valid Unicode), and validating it as a model (a big
-body off the event loop, `validated`). Does not own: what the JSON must
+(not JSON, not UTF-8, nested too deep, a number too long, text that is not valid Unicode), and validating it as a
+model (a big body off the event loop, `validated`). Does not own: what the JSON must
 hold (protocol.py) nor the socket (the ingress hands in the body's chunks).
 """
 
@@ -20,13 +21,36 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from mmserve.errors import InvalidRequestError, PayloadTooLargeError
+from mmserve.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 
 M = TypeVar("M", bound=BaseModel)
 
 DRAIN_BYTES = 1 << 20  # bytes of a refused body still read before its 413 (bytes)
 DRAIN_S = 5.0  # the longest a refused body is waited for before its 413 (s)
 THREAD_BYTES = 1 << 20  # bodies past this are parsed and validated in a worker thread (bytes)
+
+
+# a JSON media type: application/json, or a structured suffix (application/problem+json); parameters after ';'
+_JSON_MEDIA = re.compile(r"application/(?:[\w.-]+\+)?json", re.IGNORECASE)
+
+
+def check_media(content_type: str | None, content_encoding: str | None) -> None:
+    """Raise UnsupportedMediaTypeError (415) unless the body is sent as JSON (its Content-Type) and as it is (no
+    Content-Encoding but `identity`).
+
+    NOTE: as FastAPI's own body parsing: a page in a browser may POST text/plain, a form or no type at all
+    to any address without asking first (no CORS preflight); read as JSON anyway, it would start a generation
+    and the image fetches it names on the server, whatever the CORS settings (which only keep the answer from
+    that page). A gzip body is refused by name rather than read as bytes that are not UTF-8.
+    """
+    encoding = (content_encoding or "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedMediaTypeError(f"the request body's Content-Encoding {content_encoding!r} is not accepted; "
+                                        "send it uncompressed", encoding=True)
+    media = (content_type or "").split(";", 1)[0].strip()
+    if not _JSON_MEDIA.fullmatch(media):
+        raise UnsupportedMediaTypeError("the request body must be JSON, sent with Content-Type: application/json; "
+                                        f"got {media or 'no Content-Type'!r}")
 
 
 def declared_size(content_length: str | None) -> int | None:
@@ -102,6 +126,8 @@ def parse_json(raw: bytes) -> Any:
                                   f"column {err.colno}") from None
     except RecursionError:  # NOTE: json's C decoder recurses per nesting level
         raise InvalidRequestError("the request body's JSON is nested too deeply") from None
+    except ValueError as err:  # NOTE: Python's cap on an integer's digits (4,300), which json.loads enforces
+        raise InvalidRequestError(f"the request body holds a number too long to read: {err}") from None
     if _LONE_SURROGATE_ESCAPE.search(text):  # NOTE: the checks below only for bodies that may hold one at all
         # NOTE: the path is found by a walk over every value, for a body small enough; a bigger one is checked
         # whole at C speed (a 64 MiB body's walk held the event loop for seconds) and named as a whole

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from mmserve.errors import DeadlineExceededError, InvalidRequestError, OverloadedError
+from mmserve.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, UnsupportedMediaTypeError
 
 # The tags of protocol.py's discriminated unions: pydantic puts them in error locations; we drop them.
 UNION_TAGS = frozenset({"text_part", "image_part", "string", "parts"})
@@ -87,6 +87,8 @@ def error_headers(exc: BaseException) -> dict[str, str]:
         return {"Retry-After": str(exc.retry_after_s)}
     if isinstance(exc, DeadlineExceededError):
         return {"x-should-retry": "false"}
+    if isinstance(exc, UnsupportedMediaTypeError) and exc.encoding:
+        return {"Accept-Encoding": "identity"}  # NOTE: RFC 7694: the encodings a 415 for one would take
     return {}
 
 

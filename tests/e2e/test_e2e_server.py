@@ -10,6 +10,8 @@ import os
 import threading
 import time
 import typing
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -333,6 +335,21 @@ def test_models_health_and_metrics(client, e2e_server):
         "param": None}
     status, _, body = http_get(e2e_server.base_url + "/v1/chat/completions")
     assert status == 405 and json.loads(body)["error"]["code"] == "method_not_allowed"
+    status, headers, _ = http_get(e2e_server.base_url + "/v1/models", method="DELETE")
+    assert status == 405 and headers["allow"] == "GET, HEAD"  # every method the path takes (RFC 9110)
+    status, _, body = http_get(e2e_server.base_url + "/v1/models/")  # the list's path with a slash: the list
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [e2e_server.model_name]
+    # no redirect for a trailing slash (its Location names the scheme it was reached by: http behind a balancer)
+    status, _ = http_post_json(e2e_server.base_url + "/v1/chat/completions/", {"messages": []}, timeout=10)
+    assert status == 404
+    # a body a web page may send without a CORS preflight (text/plain) is not read as JSON: 415, nothing runs
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    plain = urllib.request.Request(e2e_server.base_url + "/v1/chat/completions", data=chat, method="POST",
+                                   headers={"Content-Type": "text/plain"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(plain, timeout=10)
+    assert refused.value.code == 415
+    assert json.loads(refused.value.read())["error"]["code"] == "unsupported_media_type"
 
     # every stage has served at least one request (the warm-up image, and this one)
     complete(client, e2e_server, user("Describe.", png_url(601)), max_tokens=4, extra_body={"ignore_eos": True})

@@ -80,6 +80,7 @@ def test_a_refused_body_that_never_comes_is_waited_for_a_moment_only(monkeypatch
     (b'\xef\xbb\xbf{"text": "\xff\xfe"}', r"not UTF-8 \(byte 13\)"),  # counted in the body as sent, its BOM too
     (b"\xef\xbb\xbf \n", "empty"),
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"seed": ' + b"1" * 5000 + b"}", "a number too long to read"),  # Python's cap on an int's digits: a 500
 ])
 def test_a_body_that_is_not_json_is_a_400_saying_why(raw: bytes, says: str) -> None:
     with pytest.raises(InvalidRequestError, match=says) as info:

@@ -4,6 +4,7 @@ generator never runs then), and a body whose client leaves is a ClientGone, not 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from types import SimpleNamespace
@@ -13,6 +14,8 @@ import pytest
 from ray.exceptions import TaskCancelledError
 
 from deployments.ingress_failures import ClientGone, GuardedStream, read_body
+from mmserve.api.deadline import Deadline
+from mmserve.api.errors import error_body, error_headers
 
 
 def sse(events: list[str], cleaned: list[str]) -> Callable[[Callable[[], None]], AsyncIterator[str]]:
@@ -108,10 +111,72 @@ def test_a_body_whose_client_left_is_client_gone(left: Any) -> None:
         raise error  # Serve's receive proxy raises its cancel; Starlette raises on http.disconnect itself
 
     async def scenario() -> None:
-        await read_body(Request({"type": "http", "method": "POST", "headers": []}, receive), 1 << 20)
+        await read_body(Request({"type": "http", "method": "POST", "headers": JSON}, receive), 1 << 20,
+                        Deadline(60))
 
     with pytest.raises(ClientGone, match=type(error).__name__):
         asyncio.run(scenario())
+
+
+JSON = [(b"content-type", b"application/json")]
+
+
+@pytest.mark.parametrize(("headers", "says"), [
+    ([], "no Content-Type"), ([(b"content-type", b"text/plain")], "'text/plain'"),
+    ([(b"content-type", b"application/x-www-form-urlencoded")], "x-www-form-urlencoded"),
+    ([*JSON, (b"content-encoding", b"gzip")], "Content-Encoding 'gzip'"),
+])
+def test_a_body_not_sent_as_json_is_a_415_read_and_dropped_first(headers: list, says: str) -> None:
+    """What a web page may POST without a CORS preflight (text/plain, a form, no type) is not read as JSON, nor a
+    compressed body as bytes; what was sent is drained first, so the client sees the 415, not a reset."""
+    from starlette.requests import Request
+
+    from mmserve.errors import UnsupportedMediaTypeError
+
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    async def scenario() -> None:
+        await read_body(Request({"type": "http", "method": "POST", "headers": headers}, receive), 1 << 20,
+                        Deadline(60))
+
+    with pytest.raises(UnsupportedMediaTypeError, match=says) as refused:
+        asyncio.run(scenario())
+    assert sent == []  # drained
+    status, _ = error_body(refused.value)
+    assert status == 415
+    assert error_headers(refused.value) == ({"Accept-Encoding": "identity"} if "gzip" in says else {})
+
+
+@pytest.mark.parametrize("media", ["application/json", "application/json; charset=utf-8", "Application/JSON",
+                                   "application/vnd.api+json"])
+def test_json_media_types_are_read(media: str) -> None:
+    from mmserve.api.body import check_media
+
+    check_media(media, None)
+    check_media(media, "identity")
+
+
+def test_a_body_that_does_not_arrive_by_the_deadline_is_a_408() -> None:
+    """The client's slowness, not the server's: 408, not the 504 of a request that ran too long."""
+    from starlette.requests import Request
+
+    from mmserve.errors import BodyTimeoutError
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(60)  # a client that never sends the rest
+        return {"type": "http.disconnect"}
+
+    async def scenario() -> None:
+        await read_body(Request({"type": "http", "method": "POST", "headers": JSON}, receive), 1 << 20,
+                        Deadline(0.05))
+
+    with pytest.raises(BodyTimeoutError, match=r"did not arrive whole within 0\.05 s") as late:
+        asyncio.run(scenario())
+    assert error_body(late.value)[0] == 408
 
 
 def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a_server_error(
