@@ -167,7 +167,7 @@ class Ingress:
         try:
             raw = await failures.read_body(request, self.max_body_bytes, deadline)  # a slow drip too
             body = await deadline.wait(validated(raw, ChatCompletionRequest))
-            served = await deadline.wait(self.lookup.get())
+            served = await deadline.wait(self.lookup.get(timeout_s=None))
             check_model(body.model, served.model_id)
             make = functools.partial(body.to_chat_request, request_id, served.max_model_len, served.sampling_defaults)
             # NOTE: a constraint is compiled here (seconds, for some): off the loop that serves every other request

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from deployments.retry import unwrapped
@@ -53,9 +54,15 @@ async def route_error(request: Request, exc: Exception) -> JSONResponse:
     body = route_error_body(exc.status_code, str(exc.detail), request.method, request.url.path)
     headers = dict(exc.headers or {})
     allowed = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]
-    if "GET" in allowed and "HEAD" not in allowed:  # NOTE: every GET path here takes HEAD too (RFC 9110: list all)
-        headers["Allow"] = ", ".join([*allowed, "HEAD"])
+    if allowed and "HEAD" not in allowed and _takes_head(request):  # NOTE: RFC 9110: every method the path takes
+        headers["Allow"] = ", ".join([*allowed, "HEAD"])  # (the router names its first route's alone)
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+def _takes_head(request: Request) -> bool:
+    """Whether a route of the app answers HEAD at the request's path."""
+    scope = {**request.scope, "method": "HEAD"}
+    return any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes)
 
 
 async def read_body(request: Request, max_bytes: int, deadline: Deadline) -> bytes:

@@ -28,22 +28,23 @@ class ModelLookup:
         self.served: ServedModel | None = None  # once asked
         self._asking = asyncio.Lock()
 
-    async def get(self) -> ServedModel:
-        """The model's name, context and sampling defaults.
+    async def get(self, timeout_s: float | None = MODEL_LOOKUP_S) -> ServedModel:
+        """The model's name, context and sampling defaults; an OverloadedError (a 503 with `Retry-After`) for
+        Serve's BackPressureError (a full queue), or past `timeout_s` (None: no bound of its own).
 
-        NOTE: within MODEL_LOOKUP_S, else an OverloadedError (a 503 with `Retry-After`), as for Serve's
-        BackPressureError (a full queue): with no Preprocess replica running (starting, or all lost) Serve's
-        router waits for one without end, and a monitor's `HEAD /v1/models` would hang instead of being told."""
+        NOTE: `/v1/models` is bounded (MODEL_LOOKUP_S): with no Preprocess replica running (starting, or all lost)
+        Serve's router waits for one without end, and a monitor's `HEAD /v1/models` would hang instead of being
+        told. A chat request is bounded by its own deadline alone: its Preprocess call would wait the same way."""
         if self.served is not None:
             return self.served
         try:
-            async with asyncio.timeout(MODEL_LOOKUP_S), self._asking:
+            async with asyncio.timeout(timeout_s), self._asking:
                 if self.served is None:
                     self.served = await self._ask()
         except BackPressureError as exc:
             raise OverloadedError(f"a stage's queue is full ({exc}); retry later") from None
         except TimeoutError:
-            raise OverloadedError(f"the model's stages did not answer within {MODEL_LOOKUP_S:g} s (starting, or "
+            raise OverloadedError(f"the model's stages did not answer within {timeout_s:g} s (starting, or "
                                   "every replica busy or lost: GET /health says which); retry later") from None
         assert self.served is not None
         return self.served

@@ -13,7 +13,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from mmserve.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, UnsupportedMediaTypeError
+from mmserve.errors import (
+    BodyTimeoutError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    UnsupportedMediaTypeError,
+)
 
 # The tags of protocol.py's discriminated unions: pydantic puts them in error locations; we drop them.
 UNION_TAGS = frozenset({"text_part", "image_part", "string", "parts"})
@@ -85,7 +91,7 @@ def error_headers(exc: BaseException) -> dict[str, str]:
     """
     if isinstance(exc, OverloadedError):
         return {"Retry-After": str(exc.retry_after_s)}
-    if isinstance(exc, DeadlineExceededError):
+    if isinstance(exc, (DeadlineExceededError, BodyTimeoutError)):  # NOTE: the client retries a 408 too
         return {"x-should-retry": "false"}
     if isinstance(exc, UnsupportedMediaTypeError) and exc.encoding:
         return {"Accept-Encoding": "identity"}  # NOTE: RFC 7694: the encodings a 415 for one would take

@@ -284,8 +284,8 @@ class DecoderService:
         if self._live.get(request_id) is not live:
             return
         del self._live[request_id]
-        with self._ids:  # NOTE: its `generate` will not end to let go of the id (a choice's: its request's does)
-            self._reserved.discard(request_id)
+        with self._ids:  # NOTE: its `generate`, on that loop, will not end to let go of the id. NOTE: a choice's
+            self._reserved.discard(request_id)  # request (n > 1) keeps its own and its other choices' ids: not done
         live.ended = True
         self.decoder.abort(request_id)  # its KV back
         # NOTE: raised to be delivered to that closed loop, which drops the request's channel there

@@ -337,6 +337,8 @@ def test_models_health_and_metrics(client, e2e_server):
     assert status == 405 and json.loads(body)["error"]["code"] == "method_not_allowed"
     status, headers, _ = http_get(e2e_server.base_url + "/v1/models", method="DELETE")
     assert status == 405 and headers["allow"] == "GET, HEAD"  # every method the path takes (RFC 9110)
+    status, headers, _ = http_get(e2e_server.base_url + "/metrics", method="DELETE")
+    assert status == 405 and headers["allow"] == "GET"  # a path that takes no HEAD lists none
     status, _, body = http_get(e2e_server.base_url + "/v1/models/")  # the list's path with a slash: the list
     assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [e2e_server.model_name]
     # no redirect for a trailing slash (its Location names the scheme it was reached by: http behind a balancer)

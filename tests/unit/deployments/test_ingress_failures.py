@@ -177,6 +177,7 @@ def test_a_body_that_does_not_arrive_by_the_deadline_is_a_408() -> None:
     with pytest.raises(BodyTimeoutError, match=r"did not arrive whole within 0\.05 s") as late:
         asyncio.run(scenario())
     assert error_body(late.value)[0] == 408
+    assert error_headers(late.value) == {"x-should-retry": "false"}  # the openai client would send it twice more
 
 
 def test_a_stream_the_decoder_cut_short_ends_with_an_error_event_and_counts_as_a_server_error(

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from ray.serve.exceptions import BackPressureError
 
-from deployments import model_lookup
 from deployments.model_lookup import ModelLookup
 from mmserve.api.errors import error_body, error_headers
 from mmserve.errors import OverloadedError
@@ -50,11 +49,15 @@ def test_the_requests_that_come_before_the_answer_wait_for_one_ask() -> None:
 
 @pytest.mark.parametrize("preprocess", [Preprocess(delay_s=60), Preprocess(error=BackPressureError(
     num_queued_requests=3, max_queued_requests=3))], ids=["no replica answers", "its queue is full"])
-def test_a_preprocess_that_does_not_answer_or_is_full_is_a_503(preprocess: Preprocess,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_lookup, "MODEL_LOOKUP_S", 0.05)
+def test_a_preprocess_that_does_not_answer_or_is_full_is_a_503(preprocess: Preprocess) -> None:
     lookup = ModelLookup(preprocess, retries=2)
     with pytest.raises(OverloadedError) as refused:
-        asyncio.run(asyncio.wait_for(lookup.get(), 5))
+        asyncio.run(asyncio.wait_for(lookup.get(timeout_s=0.05), 5))
     assert error_body(refused.value)[0] == 503 and "Retry-After" in error_headers(refused.value)
     assert lookup.served is None  # asked again next time
+
+
+def test_without_a_bound_of_its_own_a_slow_answer_is_waited_for() -> None:
+    """A chat request's ask: bounded by the request's deadline alone, as its Preprocess call would be."""
+    lookup = ModelLookup(Preprocess(delay_s=0.2), retries=2)
+    assert asyncio.run(lookup.get(timeout_s=None)) is SERVED
