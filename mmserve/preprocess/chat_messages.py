@@ -104,7 +104,8 @@ NEUTRAL_TEXT = "x"
 
 
 def _system_text(content: str | list[dict[str, Any]], where: str) -> str:
-    """NOTE: Gemma's template reads only a system message's first part; we join all text parts."""
+    """NOTE: the text parts joined by newlines, as vLLM renders list content for a template that takes a string
+    (Gemma's reads only a system message's first part: the others would be dropped)."""
     if isinstance(content, str):
         return content
     if any(p["type"] != "text" for p in content):

@@ -169,7 +169,9 @@ class Preprocessor:
         return text
 
     def _tokenize(self, text: str) -> list[int]:
-        with self._lock:  # NOTE: the template already starts with <bos>; add no special tokens
+        # NOTE: no special tokens: a chat template writes its own (Gemma's <bos>), the rule of transformers'
+        # apply_chat_template and vLLM's chat default (add_special_tokens false)
+        with self._lock:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _check_length(self, ids: list[int], room: int, field: str | None) -> None:
