@@ -5,8 +5,11 @@ request's newly processed images to the Encoder early (`preprocess.early_encode`
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +24,7 @@ from deployments.process_setup import freeze_startup_heap
 from deployments.replica_logs import route_logs
 from mmserve.errors import InvalidRequestError, OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
+from mmserve.preprocess.image_slots import ImageSlots, host_cores
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
 from mmserve.runtime.timeline import Timeline
@@ -42,8 +46,15 @@ class Preprocess:
         # NOTE: the factory reads config files only here; no weights are loaded by a preprocess replica
         factory = StageFactory(app_args.engine_config())
         self.served = ServedModel(factory.spec.model_id, factory.spec.max_model_len, factory.spec.sampling_defaults)
+        # NOTE: a thread per request Serve lets in: its default pool here is num_cpus + 4 threads (5 at num_cpus
+        # 0), and a request holds its thread while its images are fetched (up to media.fetch_timeout_s), so five
+        # slow image URLs held up every request of the replica, text ones too. What the threads may hold in memory
+        # at once is bounded apart: images decoded and processed at once, one per core (`ImageSlots`)
+        self._workers = ThreadPoolExecutor(app_args.preprocess.max_ongoing_requests,
+                                           thread_name_prefix="mmserve-preprocess")
         self.preprocessor = factory.preprocessor(
-            self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity")  # the Decoder router's key
+            self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity",  # the Decoder router's key
+            image_slots=ImageSlots(host_cores()))
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
         self.ongoing = 0  # requests being processed here now, on worker threads
@@ -57,8 +68,10 @@ class Preprocess:
         self.cache.bind()
         timeline, left = Timeline(), threading.Event()
         try:
-            # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles.
-            pre = await asyncio.to_thread(self._process, request, left)
+            # NOTE: a worker thread: the HF processor is CPU work, and the cache client blocks on handles; the
+            # request's context (Serve's request id in the logs) goes with it, as asyncio.to_thread's would
+            work = functools.partial(contextvars.copy_context().run, self._process, request, left)
+            pre = await asyncio.get_running_loop().run_in_executor(self._workers, work)
             self._encode_early(pre)
             timeline.add(pre.timings)
             timeline.since_start("preprocess.replica")  # the whole call here: its round trip less this is the hop
@@ -105,6 +118,9 @@ class Preprocess:
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
             await reporter.close()
+        workers = getattr(self, "_workers", None)
+        if workers is not None:
+            workers.shutdown(wait=False, cancel_futures=True)  # NOTE: Serve drained the calls; none should be left
 
     async def served_model(self) -> ServedModel:
         """The model's name and context length, for the ingress (which reads no checkpoint itself)."""

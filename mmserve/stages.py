@@ -23,6 +23,7 @@ from mmserve.encoder.service import EncoderService
 from mmserve.encoder.stage import EncoderStage
 from mmserve.models.base import ModelFamily, ModelSpec
 from mmserve.models.registry import checkpoint_dir, load_family
+from mmserve.preprocess.image_slots import ImageSlots
 from mmserve.preprocess.preprocessor import Preprocessor
 from mmserve.preprocess.processor_cache import ItemCache
 from mmserve.runtime.passing_thread import in_passing_thread
@@ -42,15 +43,17 @@ class StageFactory:
     def spec(self) -> ModelSpec:
         return self.family.spec
 
-    def preprocessor(self, cache: ItemCache, *, stamp_block_hashes: bool = False) -> Preprocessor:
+    def preprocessor(self, cache: ItemCache, *, stamp_block_hashes: bool = False,
+                     image_slots: ImageSlots | None = None) -> Preprocessor:
         """`stamp_block_hashes`: put the prompt's prefix-cache block hashes in each request, for a router
-        that keys on them (the decoder computes its own, so nobody else needs them)."""
+        that keys on them (the decoder computes its own, so nobody else needs them). `image_slots`: the images
+        its callers' threads may work on at once (None: as many as there are threads)."""
         spec = self.spec
         stamp = stamp_block_hashes and self.config.decoder.enable_prefix_caching
         return Preprocessor(self.model_dir, media=self.config.media, cache=cache, rule=self.family.prompt_rule,
                             model_id=spec.model_id, max_model_len=spec.max_model_len, vocab_size=spec.vocab_size,
                             limits=self.config.limits,
-                            block_hashes=self._block_hasher().prompt if stamp else None)
+                            block_hashes=self._block_hasher().prompt if stamp else None, image_slots=image_slots)
 
     def encoder(self, resolve: Resolver = inline_pixels, alone: bool = False) -> EncoderService:
         """`alone`: no other torch stage runs in this process (a Ray replica), so the vision forwards need not

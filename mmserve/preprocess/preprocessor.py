@@ -12,6 +12,7 @@ model's own placeholder rule (its family's `PromptRule`), nor encoding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages
 from mmserve.preprocess.chat_template import ChatTemplate
 from mmserve.preprocess.hashing import hash_image, hash_source, processor_fingerprint
 from mmserve.preprocess.image_runs import image_token_runs
+from mmserve.preprocess.image_slots import ImageSlots
 from mmserve.preprocess.media import MediaLoader
 from mmserve.preprocess.processor_cache import CachedItem, ItemCache
 from mmserve.preprocess.sampling_checks import check_strings, check_token_ids
@@ -56,7 +58,8 @@ class Preprocessor:
 
     def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, rule: PromptRule,
                  model_id: str, max_model_len: int, vocab_size: int | None = None, loader: MediaLoader | None = None,
-                 limits: LimitsConfig | None = None, block_hashes: BlockHashes | None = None) -> None:
+                 limits: LimitsConfig | None = None, block_hashes: BlockHashes | None = None,
+                 image_slots: ImageSlots | None = None) -> None:
         from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes seconds
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
@@ -85,6 +88,7 @@ class Preprocessor:
         self.block_hashes = block_hashes  # the decoder's prefix-cache hashing, when it caches prefixes
         self._lock = threading.Lock()  # counters and the (Rust) tokenizer, which is not re-entrant
         self._flights: SingleFlight[str, tuple[tuple[str, CachedItem], bool]] = SingleFlight(FLIGHT_WAIT_S)
+        self._slots = image_slots  # images worked on at once in this process; None = as many as the callers
         self._image_processor_calls = 0
 
     @property
@@ -202,8 +206,9 @@ class Preprocessor:
             source = hash_source(data, model_id=self._keys_model, kwargs=kwargs, salt=salt)
             timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
             # NOTE: requests that bring the same new image at once process it once: the others wait for it
-            (local[source], hit), shared = self._flights.run(source, functools.partial(
-                self._item, data, index, source, kwargs, salt, local.get(source), timeline), cancelled)
+            with self._slots.held(cancelled) if self._slots is not None else contextlib.nullcontext():
+                (local[source], hit), shared = self._flights.run(source, functools.partial(
+                    self._item, data, index, source, kwargs, salt, local.get(source), timeline), cancelled)
             if shared:
                 timeline.mark("preprocess.image_lookup")  # the wait for another request's processing of it
             hits += hit or shared
