@@ -46,7 +46,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     hub = _deployment(MetricsHub).bind()
     store = _deployment(ProcessorCacheStore).bind(app_args.engine.processor_cache.capacity_bytes, hub,
                                                   app_args.metrics_push_interval_s)
-    encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options(), **_router(
+    encoder = _deployment(Encoder).options(**app_args.encoder.deployment_options(app_args.encoder_call_s()), **_router(
         app_args.encoder.router("deployments.routers:EncoderAffinityRouter"))).bind(app_args, store, hub)
     preprocess = _deployment(Preprocess).options(**app_args.preprocess.deployment_options(
         app_args.preprocess_call_s())).bind(app_args, store, hub, encoder)

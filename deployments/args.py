@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # lose its cache. A miss whose copy is lost waits: its own copy (cache_store.READ_TIMEOUT_S, 60 s), the store's
 # copy of it (a lookup, LOOKUP_TIMEOUT_S, 5 s, and a read, 60 s), the other requests' copies together (60 s):
 # 185 s; each further copy lost among those adds a lookup and a read (not bounded: several failures at once)
+LOST_PIXELS_STEP_S = 185.0
 HUNG_STEP_MIN_S = 300.0
 
 
@@ -95,6 +96,12 @@ class AppArgs(StrictArgs):
         fails and replaces it): longer than any request may live, so every request in it has had its deadline,
         and at least HUNG_STEP_MIN_S (a slow first step on a CPU is no hang)."""
         return max(self.ingress.request_timeout_s, HUNG_STEP_MIN_S)
+
+    def encoder_call_s(self) -> float:
+        """About how long an Encoder call may take, which a replica being removed waits out: a step that waits out
+        its lost pixels' reads (LOST_PIXELS_STEP_S), and a step's wait more. NOTE: an estimate: calls queued
+        behind several such steps take longer; most calls take milliseconds, and a drain ends when they do."""
+        return LOST_PIXELS_STEP_S + SERVE_CALL_S
 
     def preprocess_call_s(self) -> float:
         """About how long a Preprocess call may take, which a replica being removed waits out: its fetches (side

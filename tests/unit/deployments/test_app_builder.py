@@ -74,3 +74,31 @@ def test_a_model_under_the_home_folder_is_found_as_a_shell_would_and_an_empty_on
         app.build_app({"model": "~/ckpt"})
     with pytest.raises(ValueError, match="model is empty"):
         EngineConfig(model=" ")
+
+
+def test_each_stage_is_given_the_drain_budget_of_its_longest_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Encoder waits out a step with lost pixels (a downscale cut those encodes, and the Decoders' retries
+    with them), Preprocess its fetches, the Decoder and the Ingress a request's whole life."""
+    from deployments.args import LOST_PIXELS_STEP_S
+    from deployments.stage_args import SERVE_CALL_S, SHUTDOWN_HOOK_S
+
+    given: dict[str, dict] = {}
+
+    class Recorded:
+        def __init__(self, deployment: object) -> None:
+            self.name = str(getattr(deployment, "name", ""))  # a Serve Deployment's
+
+        def options(self, **options: object) -> Recorded:
+            given[self.name] = options
+            return self
+
+        def bind(self, *args: object) -> Recorded:
+            return self
+
+    monkeypatch.setattr(app, "cluster_env_started_here", lambda: None)
+    monkeypatch.setattr(app, "_deployment", Recorded)
+    app.build_app({"ingress.request_timeout_s": "120"})
+    budget = {name: options["graceful_shutdown_timeout_s"] for name, options in given.items()}
+    assert budget["Encoder"] == LOST_PIXELS_STEP_S + SERVE_CALL_S + SHUTDOWN_HOOK_S
+    assert budget["Decoder"] == budget["Ingress"] == 120 + SHUTDOWN_HOOK_S
+    assert budget["Preprocess"] == 10 + SERVE_CALL_S + SHUTDOWN_HOOK_S  # media.fetch_timeout_s 10
