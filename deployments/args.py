@@ -106,7 +106,8 @@ class AppArgs(StrictArgs):
     def preprocess_call_s(self) -> float:
         """About how long a Preprocess call may take, which a replica being removed waits out: its fetches (side
         by side, each within `media.fetch_timeout_s`), then the processor. NOTE: an estimate, not a bound: a call
-        waiting for a worker thread takes longer (the request's deadline bounds it, and a call cut is retried)."""
+        waiting for a fetch or image slot takes longer (the request's deadline bounds it, and a call cut is
+        retried)."""
         return self.engine.media.fetch_timeout_s + SERVE_CALL_S
 
     def early_encode(self) -> bool:

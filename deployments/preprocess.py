@@ -24,7 +24,7 @@ from deployments.process_setup import freeze_startup_heap
 from deployments.replica_logs import route_logs
 from mmserve.errors import InvalidRequestError, OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
-from mmserve.preprocess.image_slots import ImageSlots, host_cores
+from mmserve.preprocess.image_slots import FETCHING_PER_CORE, ImageSlots, host_cores
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
 from mmserve.runtime.timeline import Timeline
@@ -49,12 +49,13 @@ class Preprocess:
         # NOTE: a thread per request Serve lets in: its default pool here is num_cpus + 4 threads (5 at num_cpus
         # 0), and a request holds its thread while its images are fetched (up to media.fetch_timeout_s), so five
         # slow image URLs held up every request of the replica, text ones too. What the threads may hold in memory
-        # at once is bounded apart: images decoded and processed at once, one per core (`ImageSlots`)
+        # at once is bounded apart (image_slots.py): images decoded and processed at once, one per core, and
+        # requests fetching images (their bytes until processed), FETCHING_PER_CORE per core
         self._workers = ThreadPoolExecutor(app_args.preprocess.max_ongoing_requests,
                                            thread_name_prefix="mmserve-preprocess")
         self.preprocessor = factory.preprocessor(
             self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity",  # the Decoder router's key
-            image_slots=ImageSlots(host_cores()))
+            image_slots=ImageSlots(host_cores()), fetch_slots=ImageSlots(FETCHING_PER_CORE * host_cores()))
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
         self.ongoing = 0  # requests being processed here now, on worker threads

@@ -132,9 +132,10 @@ class StageArgs(StrictArgs):
     torch_threads: int | None = Field(None, ge=1)
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_STAGE_ENV))  # replica environment
     # Seconds a replica being removed (a downscale, a redeploy) goes on serving the calls it holds, then runs its
-    # shutdown hook, before Serve stops it; None: how long its calls may take (Serve's 20 s, but the Ingress and
-    # the Decoder, which hold a request to its last token, as long as a request may live, `ingress.request_timeout_s`;
-    # Preprocess, its fetches' deadline more) plus SHUTDOWN_HOOK_S (`deployment_options`' `holds_for_s`)
+    # shutdown hook, before Serve stops it; None: how long its calls may take (the Ingress and the Decoder, which
+    # hold a request to its last token, as long as a request may live, `ingress.request_timeout_s`; Preprocess, its
+    # fetches' deadline and 20 s; the Encoder, a step with lost pixels and 20 s: args.py) plus SHUTDOWN_HOOK_S
+    # (`deployment_options`' `holds_for_s`)
     graceful_shutdown_timeout_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")

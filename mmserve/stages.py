@@ -44,16 +44,17 @@ class StageFactory:
         return self.family.spec
 
     def preprocessor(self, cache: ItemCache, *, stamp_block_hashes: bool = False,
-                     image_slots: ImageSlots | None = None) -> Preprocessor:
+                     image_slots: ImageSlots | None = None, fetch_slots: ImageSlots | None = None) -> Preprocessor:
         """`stamp_block_hashes`: put the prompt's prefix-cache block hashes in each request, for a router
-        that keys on them (the decoder computes its own, so nobody else needs them). `image_slots`: the images
-        its callers' threads may work on at once (None: as many as there are threads)."""
+        that keys on them (the decoder computes its own, so nobody else needs them). `image_slots`, `fetch_slots`:
+        the images its callers' threads may work on at once, and the requests that may fetch images at once
+        (None: as many as there are threads)."""
         spec = self.spec
         stamp = stamp_block_hashes and self.config.decoder.enable_prefix_caching
         return Preprocessor(self.model_dir, media=self.config.media, cache=cache, rule=self.family.prompt_rule,
                             model_id=spec.model_id, max_model_len=spec.max_model_len, vocab_size=spec.vocab_size,
-                            limits=self.config.limits,
-                            block_hashes=self._block_hasher().prompt if stamp else None, image_slots=image_slots)
+                            limits=self.config.limits, block_hashes=self._block_hasher().prompt if stamp else None,
+                            image_slots=image_slots, fetch_slots=fetch_slots)
 
     def encoder(self, resolve: Resolver = inline_pixels, alone: bool = False) -> EncoderService:
         """`alone`: no other torch stage runs in this process (a Ray replica), so the vision forwards need not

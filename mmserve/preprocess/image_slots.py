@@ -1,10 +1,12 @@
-"""How many images one process decodes and processes at once.
+"""Bounds on a process's image work: slots, each held by one image or one request at a time.
 
-Owns: a bound on the CPU- and memory-heavy part of an image's way (its lookup, decode, hash and the HF
-processor: `Preprocessor._load_items`), so that a process serving many requests at once, most of them waiting on
-their images' fetches, does not also hold as many decoded images in memory (up to `media.max_image_pixels` RGB
-each) as it has requests; a wait for a slot ends when its caller leaves. Does not own the fetches (they wait on
-the network, unbounded here) nor the request bound (the host's: Serve's `max_ongoing_requests`).
+Owns: the bounded, cancellable slots (`ImageSlots`) that `Preprocessor._load_items` takes for the CPU- and
+memory-heavy part of an image's way (its lookup, decode, hash and the HF processor: one slot per core of the
+process), and for a request whose images are fetched from the network (its reads, in parallel, and its bytes until
+each is processed: `FETCHING_PER_CORE` requests per core), so that a process serving many requests at once holds
+neither as many decoded images nor as many fetched ones as it has requests, while requests without a fetch (text,
+data: URLs) never wait behind slow ones; a wait ends when its caller leaves. Does not own the request bound (the
+host's: Serve's `max_ongoing_requests`) nor the fetches themselves (media.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 
 POLL_S = 0.05  # how often a wait for a slot asks whether its caller has left (s)
+# requests fetching images from the network at once, per core: each holds up to 8 reads (media.MAX_PARALLEL_READS)
+# of up to media.max_image_bytes until its images are processed
+FETCHING_PER_CORE = 4
 
 
 def host_cores() -> int:
@@ -40,3 +45,8 @@ class ImageSlots:
             yield
         finally:
             self._free.release()
+
+
+def held(slots: ImageSlots | None, cancelled: Callable[[], bool]) -> contextlib.AbstractContextManager[None]:
+    """A slot of `slots` held for the `with` body (none where `slots` is None)."""
+    return slots.held(cancelled) if slots is not None else contextlib.nullcontext()

@@ -53,7 +53,7 @@ class MediaLoader:
         for the sum. NOTE: after a refusal, once the reader leaves, or once `cancelled()` (asked every
         POLL_S while a fetch is awaited), the other reads are not waited for, and their fetches are ended at
         once: a cheap 400, or a caller gone, must leave no reads running to their deadline."""
-        if not any(_fetched(url) for url in urls):  # NOTE: data: and file: reads end by themselves, at once
+        if not any(fetched(url) for url in urls):  # NOTE: data: and file: reads end by themselves, at once
             yield from (self._read(url, i) for i, url in enumerate(urls, start=1))
             return
         pool = ThreadPoolExecutor(max_workers=min(len(urls), MAX_PARALLEL_READS), thread_name_prefix="media")
@@ -95,7 +95,7 @@ class MediaLoader:
                                   "use data:, http(s): or an allowed file:")
 
 
-def _fetched(url: object) -> bool:
+def fetched(url: object) -> bool:
     """Whether `url` is read from the network (its read may last up to the fetch deadline)."""
     return isinstance(url, str) and url.split(":", 1)[0].lower() in ("http", "https")
 

@@ -12,7 +12,6 @@ model's own placeholder rule (its family's `PromptRule`), nor encoding.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -40,8 +39,8 @@ from mmserve.preprocess.chat_messages import ParsedMessages, parse_messages
 from mmserve.preprocess.chat_template import ChatTemplate
 from mmserve.preprocess.hashing import hash_image, hash_source, processor_fingerprint
 from mmserve.preprocess.image_runs import image_token_runs
-from mmserve.preprocess.image_slots import ImageSlots
-from mmserve.preprocess.media import MediaLoader
+from mmserve.preprocess.image_slots import ImageSlots, held
+from mmserve.preprocess.media import MediaLoader, fetched
 from mmserve.preprocess.processor_cache import CachedItem, ItemCache
 from mmserve.preprocess.sampling_checks import check_strings, check_token_ids
 from mmserve.preprocess.single_flight import SingleFlight
@@ -59,7 +58,7 @@ class Preprocessor:
     def __init__(self, model_dir: str | Path, *, media: MediaConfig, cache: ItemCache, rule: PromptRule,
                  model_id: str, max_model_len: int, vocab_size: int | None = None, loader: MediaLoader | None = None,
                  limits: LimitsConfig | None = None, block_hashes: BlockHashes | None = None,
-                 image_slots: ImageSlots | None = None) -> None:
+                 image_slots: ImageSlots | None = None, fetch_slots: ImageSlots | None = None) -> None:
         from transformers import AutoProcessor  # NOTE: deferred; importing transformers takes seconds
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
@@ -89,6 +88,7 @@ class Preprocessor:
         self._lock = threading.Lock()  # counters and the (Rust) tokenizer, which is not re-entrant
         self._flights: SingleFlight[str, tuple[tuple[str, CachedItem], bool]] = SingleFlight(FLIGHT_WAIT_S)
         self._slots = image_slots  # images worked on at once in this process; None = as many as the callers
+        self._fetching = fetch_slots  # requests fetching images at once in this process; None = as many
         self._image_processor_calls = 0
 
     @property
@@ -200,20 +200,28 @@ class Preprocessor:
         items: list[tuple[str, CachedItem]] = []
         local: dict[str, tuple[str, CachedItem]] = {}  # repeats inside one request, even with the cache off
         hits = 0
-        for index, data in enumerate(self.loader.read_all(urls, cancelled), start=1):
-            if cancelled():  # NOTE: asked once an image is read, before its work; leaving ends the other reads
-                raise CancelledError(f"the caller left before image {index} was processed")
-            source = hash_source(data, model_id=self._keys_model, kwargs=kwargs, salt=salt)
-            timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
-            # NOTE: requests that bring the same new image at once process it once: the others wait for it
-            with self._slots.held(cancelled) if self._slots is not None else contextlib.nullcontext():
+        fetching = self._fetching is not None and any(fetched(url) for url in urls)
+        with held(self._fetching if fetching else None, cancelled):  # NOTE: its reads and their bytes, until done
+            for index, data in enumerate(self.loader.read_all(urls, cancelled), start=1):
+                if cancelled():  # NOTE: asked once an image is read, before its work; leaving ends the other reads
+                    raise CancelledError(f"the caller left before image {index} was processed")
+                source = hash_source(data, model_id=self._keys_model, kwargs=kwargs, salt=salt)
+                timeline.mark("preprocess.image_read")  # its bytes fetched or read from the URL, and hashed
+                # NOTE: requests that bring the same new image at once process it once: the others wait for it,
+                # holding no slot (the one processing it holds one)
                 (local[source], hit), shared = self._flights.run(source, functools.partial(
-                    self._item, data, index, source, kwargs, salt, local.get(source), timeline), cancelled)
-            if shared:
-                timeline.mark("preprocess.image_lookup")  # the wait for another request's processing of it
-            hits += hit or shared
-            items.append(local[source])
+                    self._held_item, cancelled, data, index, source, kwargs, salt, local.get(source), timeline),
+                    cancelled)
+                if shared:
+                    timeline.mark("preprocess.image_lookup")  # the wait for another request's processing of it
+                hits += hit or shared
+                items.append(local[source])
         return items, hits
+
+    def _held_item(self, cancelled: Callable[[], bool], *args: Any) -> tuple[tuple[str, CachedItem], bool]:
+        """`_item(*args)` holding an image slot (a wait for one ends when `cancelled()`)."""
+        with held(self._slots, cancelled):
+            return self._item(*args)
 
     def _item(self, data: bytes, index: int, source: str, kwargs: dict[str, Any], salt: str | None,
               earlier: tuple[str, CachedItem] | None, timeline: Timeline) -> tuple[tuple[str, CachedItem], bool]:
@@ -295,3 +303,4 @@ def _check_unicode(text: str, param: str) -> None:
     except UnicodeEncodeError as err:
         raise InvalidRequestError(f"{param}: the text is not valid Unicode ({err.reason} at character "
                                   f"{err.start})", param=param) from None
+

@@ -78,3 +78,53 @@ def test_the_preprocessor_works_on_no_more_images_at_once_than_its_slots(tiny_ck
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(one, range(6)))
     assert most[0] == 1
+
+
+def test_slow_fetches_hold_up_only_other_fetching_requests_and_a_caller_gone_stops_waiting(tiny_ckpt_224) -> None:
+    """A request whose image URL is slow holds its process's one fetch slot: a text request is served meanwhile,
+    a second fetching request waits for the slot (its reads not started), and stops waiting once its caller left."""
+    import io
+
+    from mmserve.config import EngineConfig, MediaConfig
+    from mmserve.messages import ChatRequest, SamplingParams
+    from mmserve.preprocess.media import MediaLoader
+    from mmserve.preprocess.processor_cache import ProcessorCache
+    from mmserve.stages import StageFactory
+    from tests.unit.test_parity import make_image
+
+    buf = io.BytesIO()
+    make_image(64, 48, seed=9).save(buf, format="PNG")
+    png, release, reads = buf.getvalue(), threading.Event(), list[str]()
+
+    class SlowLoader(MediaLoader):
+        def read_all(self, urls, cancelled=lambda: False):  # type: ignore[no-untyped-def]
+            reads.extend(urls)
+            if urls:
+                release.wait(10)  # the network, slow
+            yield from (png for _ in urls)
+
+    factory = StageFactory(EngineConfig(model=str(tiny_ckpt_224)))
+    pre = factory.preprocessor(ProcessorCache(1 << 24), image_slots=ImageSlots(2), fetch_slots=ImageSlots(1))
+    pre.loader = SlowLoader(MediaConfig())
+
+    def ask(rid: str, url: str | None, cancelled=lambda: False):  # type: ignore[no-untyped-def]
+        parts = [{"type": "text", "text": "hi"}]
+        if url is not None:
+            parts.insert(0, {"type": "image_url", "image_url": {"url": url}})
+        return pre.process(ChatRequest(rid, [{"role": "user", "content": parts}], SamplingParams(max_tokens=2)),
+                           cancelled)
+
+    with ThreadPoolExecutor(3) as pool:
+        slow = pool.submit(ask, "slow", "http://images.example/a.png")
+        while not reads:
+            time.sleep(0.01)
+        assert ask("text", None).prompt_token_ids  # served while the fetch hangs
+        second = pool.submit(ask, "second", "http://images.example/b.png")
+        gone = pool.submit(ask, "gone", "http://images.example/c.png", lambda: True)
+        with pytest.raises(CancelledError, match="left while its image waited"):
+            gone.result(timeout=5)
+        time.sleep(0.1)
+        assert reads == ["http://images.example/a.png"]  # the second waits for the slot, its reads not begun
+        release.set()
+        assert slow.result(timeout=30).features and second.result(timeout=30).features
+    assert reads == ["http://images.example/a.png", "http://images.example/b.png"]
