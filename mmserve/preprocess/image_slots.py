@@ -2,10 +2,13 @@
 
 Owns: the bounded, cancellable slots (`ImageSlots`) that `Preprocessor._load_items` takes for the CPU- and
 memory-heavy part of an image's way (its lookup, decode, hash and the HF processor: one slot per core of the
-process), and for a request whose images are fetched from the network (its reads, in parallel, and its bytes until
-each is processed: `FETCHING_PER_CORE` requests per core), so that a process serving many requests at once holds
-neither as many decoded images nor as many fetched ones as it has requests, while requests without a fetch (text,
-data: URLs) never wait behind slow ones; a wait ends when its caller leaves. Does not own the request bound (the
+process), and for a request whose images are fetched from the network (its reads, in parallel, and its images'
+bytes until all are processed: `FETCHING_PER_CORE` requests per core), so that a process serving many requests at
+once holds neither as many decoded images nor as many fetched ones as it has requests, while requests without a
+fetch (text, data: URLs) do not wait behind slow ones until those fill every thread; a wait ends when its caller
+leaves. NOTE: both bounds scale with the process's cores (its CPU affinity: a container's CPU quota is not seen),
+and so does what they hold: up to `FETCHING_PER_CORE` x cores x `media.max_images_per_prompt` x
+`media.max_image_bytes` of fetched bytes. Does not own the request bound (the
 host's: Serve's `max_ongoing_requests`) nor the fetches themselves (media.py).
 """
 
@@ -18,8 +21,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 
 POLL_S = 0.05  # how often a wait for a slot asks whether its caller has left (s)
-# requests fetching images from the network at once, per core: each holds up to 8 reads (media.MAX_PARALLEL_READS)
-# of up to media.max_image_bytes until its images are processed
+# requests fetching images from the network at once, per core: each holds its images' bytes (up to
+# media.max_images_per_prompt of media.max_image_bytes each) until all are processed
 FETCHING_PER_CORE = 4
 
 

@@ -100,7 +100,7 @@ def test_slow_fetches_hold_up_only_other_fetching_requests_and_a_caller_gone_sto
         def read_all(self, urls, cancelled=lambda: False):  # type: ignore[no-untyped-def]
             reads.extend(urls)
             if urls:
-                release.wait(10)  # the network, slow
+                release.wait(60)  # the network, slow
             yield from (png for _ in urls)
 
     factory = StageFactory(EngineConfig(model=str(tiny_ckpt_224)))
@@ -116,8 +116,10 @@ def test_slow_fetches_hold_up_only_other_fetching_requests_and_a_caller_gone_sto
 
     with ThreadPoolExecutor(3) as pool:
         slow = pool.submit(ask, "slow", "http://images.example/a.png")
-        while not reads:
+        deadline = time.monotonic() + 30
+        while not reads and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert reads, slow.exception() if slow.done() else "the slow request's reads never began"
         assert ask("text", None).prompt_token_ids  # served while the fetch hangs
         second = pool.submit(ask, "second", "http://images.example/b.png")
         gone = pool.submit(ask, "gone", "http://images.example/c.png", lambda: True)
