@@ -14,6 +14,7 @@ import io
 import numpy as np
 from PIL import Image
 
+from mmserve.config import DTYPES
 from mmserve.engine import Engine, new_request_id
 from mmserve.messages import ChatRequest, SamplingParams
 from mmserve.models.tiny_checkpoint import default_tiny_checkpoint
@@ -48,9 +49,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m mmserve", description=__doc__)
     parser.add_argument("--model", help="local Gemma 3 checkpoint folder (default: the built-in tiny one)")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="weights' and activations' dtype; bfloat16 on a GPU (default: float32)")
     args = parser.parse_args()
     model_dir = args.model or str(default_tiny_checkpoint())
-    with Engine.from_model_dir(model_dir) as engine:
+    with Engine.from_model_dir(model_dir, device=args.device, dtype=args.dtype) as engine:
         asyncio.run(_demo(engine, args.max_tokens))
         print(engine.stats())
 
