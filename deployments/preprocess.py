@@ -138,6 +138,7 @@ class Preprocess:
         return {"replica_id": serve.get_replica_context().replica_id.unique_id,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "image_processor_calls": self.preprocessor.image_processor_calls, "ongoing": self.ongoing,
+                "slots": self.preprocessor.slots(),
                 "own_cache_hits": self.cache.own_stats().hits}
 
 

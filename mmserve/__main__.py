@@ -1,4 +1,5 @@
-"""`python -m mmserve [--model DIR]`: run the in-process engine on a sample image request.
+"""`python -m mmserve [--model DIR] [--device cuda] [--dtype bfloat16]`: run the in-process engine on a sample
+image request.
 
 Owns: the first-run demo only. Without --model it builds (once, into the user cache) the tiny
 random-weight Gemma 3 checkpoint and serves from it, so the text it prints is gibberish by design.

@@ -91,6 +91,11 @@ class Preprocessor:
         self._fetching = fetch_slots  # requests fetching images at once in this process; None = as many
         self._image_processor_calls = 0
 
+    def slots(self) -> dict[str, int | None]:
+        """How many images it works on at once, and how many requests may fetch images at once (None: no bound)."""
+        return {"image": self._slots.slots if self._slots else None,
+                "fetch": self._fetching.slots if self._fetching else None}
+
     @property
     def image_processor_calls(self) -> int:
         """HF image-processor invocations so far (one per processed image)."""
@@ -303,4 +308,3 @@ def _check_unicode(text: str, param: str) -> None:
     except UnicodeEncodeError as err:
         raise InvalidRequestError(f"{param}: the text is not valid Unicode ({err.reason} at character "
                                   f"{err.start})", param=param) from None
-
