@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -86,7 +88,7 @@ def test_slow_fetches_hold_up_only_other_fetching_requests_and_a_caller_gone_sto
     import io
 
     from mmserve.config import EngineConfig, MediaConfig
-    from mmserve.messages import ChatRequest, SamplingParams
+    from mmserve.messages import ChatRequest, PreprocessedRequest, SamplingParams
     from mmserve.preprocess.media import MediaLoader
     from mmserve.preprocess.processor_cache import ProcessorCache
     from mmserve.stages import StageFactory
@@ -97,7 +99,7 @@ def test_slow_fetches_hold_up_only_other_fetching_requests_and_a_caller_gone_sto
     png, release, reads = buf.getvalue(), threading.Event(), list[str]()
 
     class SlowLoader(MediaLoader):
-        def read_all(self, urls, cancelled=lambda: False):  # type: ignore[no-untyped-def]
+        def read_all(self, urls: list[str], cancelled: Callable[[], bool] = lambda: False) -> Iterator[bytes]:
             reads.extend(urls)
             if urls:
                 release.wait(60)  # the network, slow
@@ -107,8 +109,8 @@ def test_slow_fetches_hold_up_only_other_fetching_requests_and_a_caller_gone_sto
     pre = factory.preprocessor(ProcessorCache(1 << 24), image_slots=ImageSlots(2), fetch_slots=ImageSlots(1))
     pre.loader = SlowLoader(MediaConfig())
 
-    def ask(rid: str, url: str | None, cancelled=lambda: False):  # type: ignore[no-untyped-def]
-        parts = [{"type": "text", "text": "hi"}]
+    def ask(rid: str, url: str | None, cancelled: Callable[[], bool] = lambda: False) -> PreprocessedRequest:
+        parts: list[dict[str, Any]] = [{"type": "text", "text": "hi"}]
         if url is not None:
             parts.insert(0, {"type": "image_url", "image_url": {"url": url}})
         return pre.process(ChatRequest(rid, [{"role": "user", "content": parts}], SamplingParams(max_tokens=2)),
