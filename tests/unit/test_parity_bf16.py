@@ -5,9 +5,10 @@ inputs (test_parity.py's cases and reference), on the CPU.
 The engine must compute in bfloat16 (its KV cache's dtype), each step's logits must be within BF16_ULPS units in the
 last place of the step's largest |logit| (both sides round every op to bfloat16, where transformers does: a moved
 rounding step, a norm or a rotary product in the wrong dtype, moves them by tens of ulps), and the greedy tokens
-must be identical, except at a near-tie: where the engine's token is the best of its own logits and the
-reference's top two are no further apart than twice the two sides' largest difference at that step, the rounding
-allowed has flipped them; the comparison ends there (the two generations then go on from different tokens).
+must be identical, except at a near-tie: where the engine's token is the best of its own logits (the image token
+excluded, as both sides never pick it), every logit being within that bound of the reference's makes the two tokens'
+reference logits at most twice the bound apart, so the rounding allowed has flipped them; the comparison ends there
+(the two generations then go on from different tokens).
 Five of test_parity.py's cases on two of its checkpoints, on the CPU (a device machine runs the float32 suite).
 """
 
@@ -70,10 +71,7 @@ def test_bfloat16_matches_transformers_in_bfloat16(bf16_run, case: str) -> None:
         if out.token_ids[step] != ref_tokens[step]:
             mine = ours.clone()
             mine[never] = float("-inf")
-            top = theirs.float().topk(2).values
-            gap = float(top[0] - top[1])
-            assert int(mine.argmax()) == out.token_ids[step], f"step {step}: the engine's token is not its best"
-            assert gap <= 2 * diff, (f"step {step}: token {out.token_ids[step]} where transformers chose "
-                                     f"{ref_tokens[step]}, whose lead {gap:.4g} is past twice the logits' "
-                                     f"difference {diff:.4g}: no near-tie")
-            return  # NOTE: a near-tie flipped; from here the two sides continue different texts
+            assert int(mine.argmax()) == out.token_ids[step], (
+                f"step {step}: token {out.token_ids[step]} is not the best of the engine's own logits (transformers "
+                f"chose {ref_tokens[step]})")
+            return  # NOTE: a near-tie flipped (the logit bound above makes it one); from here the texts differ
