@@ -24,9 +24,10 @@ from deployments.process_setup import freeze_startup_heap
 from deployments.replica_logs import route_logs
 from mmserve.errors import InvalidRequestError, OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
-from mmserve.preprocess.image_slots import FETCHING_PER_CORE, ImageSlots, host_cores
+from mmserve.preprocess.image_slots import FETCHING_PER_CORE, ImageSlots
 from mmserve.runtime import affinity
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
+from mmserve.runtime.step_threads import usable_cores
 from mmserve.runtime.timeline import Timeline
 from mmserve.stages import StageFactory
 
@@ -55,7 +56,7 @@ class Preprocess:
                                            thread_name_prefix="mmserve-preprocess")
         self.preprocessor = factory.preprocessor(
             self.cache, stamp_block_hashes=app_args.decoder.routing == "affinity",  # the Decoder router's key
-            image_slots=ImageSlots(host_cores()), fetch_slots=ImageSlots(FETCHING_PER_CORE * host_cores()))
+            image_slots=ImageSlots(cores := usable_cores()), fetch_slots=ImageSlots(FETCHING_PER_CORE * cores))
         self.reporter = MetricsReporter(hub, "Preprocess", self.metrics, app_args.metrics_push_interval_s)
         self.reporter.ensure_started()
         self.ongoing = 0  # requests being processed here now, on worker threads

@@ -15,7 +15,6 @@ host's: Serve's `max_ongoing_requests`) nor the fetches themselves (media.py).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
@@ -24,11 +23,6 @@ POLL_S = 0.05  # how often a wait for a slot asks whether its caller has left (s
 # requests fetching images from the network at once, per core: each holds its images' bytes (up to
 # media.max_images_per_prompt of media.max_image_bytes each) until all are processed
 FETCHING_PER_CORE = 4
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity, e.g. a container's cpuset), at least 1."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class ImageSlots:

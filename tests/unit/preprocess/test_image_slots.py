@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mmserve.preprocess.image_slots import ImageSlots, host_cores
+from mmserve.preprocess.image_slots import ImageSlots
 
 
 def test_at_most_slots_bodies_run_at_once() -> None:
@@ -43,7 +43,6 @@ def test_a_caller_that_left_stops_waiting_and_a_failed_body_frees_its_slot() -> 
         pass
     with pytest.raises(ValueError):
         ImageSlots(0)
-    assert host_cores() >= 1
 
 
 def test_the_preprocessor_works_on_no_more_images_at_once_than_its_slots(tiny_ckpt_224, monkeypatch) -> None:
