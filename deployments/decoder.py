@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 
 from deployments.args import AppArgs
-from deployments.handles import awaited, hold
+from deployments.handles import awaited, hold, shed
 from deployments.metrics_hub import MetricsReporter
 from deployments.process_setup import configure_step_process, freeze_startup_heap
 from deployments.retry import ACTOR_LOST, attempt_id, retrying
@@ -68,7 +68,7 @@ class Decoder(StepReplica):
                     attempt_id(request.request_id, attempt, "encode-retry"), request.features)),
                 retries=self.replica_loss_retries, what=f"encode of {request.request_id}", kinds=ACTOR_LOST)
         except BackPressureError as exc:
-            raise OverloadedError(f"the encoder's queue is full ({exc}); retry later") from None
+            raise shed(exc, "the encoder") from None
         except ACTOR_LOST as exc:
             raise ReplicaLostError(f"encoder replicas lost ({type(exc).__name__}); retry") from None
         if isinstance(out, RequestFailed):

@@ -13,6 +13,8 @@ import concurrent.futures
 import contextlib
 from typing import Any
 
+from mmserve.errors import OverloadedError
+
 
 def hold(handle: Any) -> Any:
     """The handle a replica keeps: its router built now, its calls made by reference.
@@ -56,6 +58,11 @@ async def awaited(response: Any) -> Any:
     except asyncio.CancelledError:
         cancel(response)
         raise
+
+
+def shed(exc: BaseException, stage: str = "a stage") -> OverloadedError:
+    """Serve's BackPressureError (the calls waiting for `stage`'s replicas at their bound) as the 503 it answers."""
+    return OverloadedError(f"{stage}'s queue is full ({exc}); retry later")
 
 
 LOOP_GRACE_S = 5.0  # how long past its own timeout a thread waits for the loop to report a call's end (s)

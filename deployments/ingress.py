@@ -28,7 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from deployments import ingress_failures as failures
 from deployments.app_health import AppHealth
 from deployments.args import AppArgs
-from deployments.handles import awaited, cancel, hold
+from deployments.handles import awaited, cancel, hold, shed
 from deployments.metrics_hub import HUB_TIMEOUT_S, MetricsReporter
 from deployments.model_lookup import ModelLookup
 from deployments.replica_logs import route_logs
@@ -40,7 +40,6 @@ from mmserve.api.openapi import with_request_body
 from mmserve.api.protocol import ChatCompletionRequest, ModelCard, ModelList, check_model
 from mmserve.api.server_timing import ServerTiming
 from mmserve.api.stream import SSE_HEADERS, ChunkBuilder, CompletionBuilder, sse_error
-from mmserve.errors import OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest
 from mmserve.runtime import affinity
 from mmserve.runtime.ingress_metrics import IngressMetrics, RequestStatus, admission_snapshot
@@ -244,7 +243,7 @@ class Ingress:
         try:
             return await deadline.wait(awaitable)
         except BackPressureError as exc:
-            raise OverloadedError(f"a stage's queue is full ({exc}); retry later") from None
+            raise shed(exc) from None
 
     async def _next(self, outputs: Any, deadline: Deadline) -> Any | None:
         """The Decoder stream's next message, or None at its end."""

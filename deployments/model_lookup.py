@@ -13,6 +13,7 @@ from typing import Any
 
 from ray.serve.exceptions import BackPressureError
 
+from deployments.handles import shed
 from deployments.retry import retrying
 from mmserve.errors import OverloadedError
 from mmserve.messages import ServedModel
@@ -42,7 +43,7 @@ class ModelLookup:
                 if self.served is None:
                     self.served = await self._ask()
         except BackPressureError as exc:
-            raise OverloadedError(f"a stage's queue is full ({exc}); retry later") from None
+            raise shed(exc) from None
         except TimeoutError:
             raise OverloadedError(f"the model's stages did not answer within {timeout_s:g} s (starting, or "
                                   "every replica busy or lost: GET /health says which); retry later") from None
