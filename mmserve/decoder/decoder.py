@@ -33,7 +33,7 @@ from mmserve.decoder.scheduler import Scheduler
 from mmserve.decoder.sequence import PromptImages, Sequence
 from mmserve.decoder.stats import DecoderStats
 from mmserve.decoder.step_logprobs import asked_logprobs, read_tokens, shaped_logprobs
-from mmserve.decoder.thread_calibration import calibrate_threads, warm_up
+from mmserve.decoder.thread_calibration import calibrate_threads, price_layouts, warm_up
 from mmserve.decoder.token_history import TokenHistory
 from mmserve.errors import InvalidRequestError
 from mmserve.messages import DecodeRequest, RequestFailed, RequestOutput, TokenLogprob
@@ -113,7 +113,10 @@ class Decoder:
         elif device.type == "cuda":  # NOTE: its kernels loaded now, not on the first request
             warm_up(self.runner, self.scheduler, self.spec.eos_token_ids[0], self.sampler)
         if config.choose_weight_layout_while_serving:  # NOTE: after the threads' timing, whose steps serve no one
-            self.runner.layout = weight_layout(model.matmul, len(model.linear_weights()), model.relayout_weight)
+            layout = weight_layout(model.matmul, len(model.linear_weights()), model.relayout_weight)
+            if layout is not None and config.measure_matmul_forms:
+                price_layouts(self.runner, self.scheduler, self.spec.eos_token_ids[0], layout)
+            self.runner.layout = layout
 
     def add(self, request: DecodeRequest, matcher: Any = None, sibling: str | None = None) -> None:
         """Queue a request; raises CapacityError if it can never be scheduled, InvalidGrammarError if its

@@ -3,7 +3,8 @@
 Owns: the equivalent forms of the product (each one library call, same result up to float rounding),
 whether weights are stored in oneDNN's packed layout, choosing both by timing them at start-up on the
 model's own weights (a form per row count and thread count), the timings themselves (`costs`, which the
-layout while serving weighs: `weight_layout.py`), and the product itself (`forms.product(x, w)`).
+layout while serving weighs, `weight_layout.py`, until whole steps are timed, `layout_steps.py`), and the
+product itself (`forms.product(x, w)`).
 Does not own which threads a step uses (`step_threads.py`), the weights (the model module lays out its
 own with `relaid`), nor when to measure (the decoder, on a CPU).
 
@@ -100,6 +101,12 @@ class MatmulForms:
         """Pack weights (`pack`) for steps of about `rows` rows from now on; None = keep them plain."""
         self.pack_rows = rows
         self._ever_packed |= rows is not None
+        self.use(torch.get_num_threads())
+
+    def all_plain(self) -> None:
+        """Every weight is plain again (a change to plain is done): products stop checking their weight's
+        layout."""
+        self._ever_packed = False
         self.use(torch.get_num_threads())
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,8 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -163,9 +164,24 @@ class StepThreads:
         return [(kind, a, b) for kind, t in self.trials.items() for a, b in t.changes]
 
     def possible_counts(self) -> set[int]:
-        """Every thread count a step may run with: the configured ones, and 1 and all where one is open."""
-        counts = {min(c, self.available) for c in (self.small, self.big, self.beside_count) if c is not None}
-        return counts | ({1, self.available} if self.small is None or self.big is None else set())
+        """Every thread count a step may run with, now or after a trial: the configured or chosen ones, and 1
+        and all where one is open or tried while serving."""
+        counts = {min(c, self.available) for c in (self.small, self.heavy, self.big, self.beside_count)
+                  if c is not None}
+        return counts | ({1, self.available} if self.small is None or self.big is None or self.trials else set())
+
+    @contextmanager
+    def pinned(self, count: int) -> Iterator[None]:
+        """Every step at `count` threads meanwhile, whatever its kind, with no trial run or fed (start-up
+        timings of something else than the threads: `layout_steps.py`)."""
+        saved = self.small, self.heavy, self.big, self.trials
+        self.small = self.heavy = self.big = count
+        self.trials = {}
+        try:
+            yield
+        finally:
+            self.small, self.heavy, self.big, self.trials = saved
+            torch.set_num_threads(self.available)
 
     @property
     def needs_calibration(self) -> bool:

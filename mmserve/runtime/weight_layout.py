@@ -2,9 +2,9 @@
 
 Owns: the rule (`LayoutPolicy`: what the layout in place has lost to the other on the steps run, priced
 with the start-up timings of both, against what a change costs) and the change itself, one weight at a
-time (`WeightLayout`). Does not own the timings or the products (`matmul_forms.py`), the weights (the
-model module's `relayout_weight`), when a weight is re-laid (the decoder, between steps), nor which
-threads a step uses (`step_threads.py`).
+time (`WeightLayout`). Does not own the timings (whole steps, `layout_steps.py`; where none ran, the
+products alone, `matmul_forms.py`), the products, the weights (the model module's `relayout_weight`), when
+a weight is re-laid (the decoder, between steps), nor which threads a step uses (`step_threads.py`).
 
 NOTE: why: a decode step reads every weight once, and how fast oneDNN's packed product is against a
 plain one depends on the rows: on one CPU packed weights were slower than the best plain form at 1 row
@@ -32,11 +32,12 @@ from mmserve.runtime.thread_trials import CHANGES_KEPT
 
 log = logging.getLogger(__name__)
 
-Costs = dict[int, dict[int, tuple[float, float]]]  # threads -> rows -> (plain s, packed s), as timed at start-up
+# threads -> rows -> (plain s, packed s), as timed at start-up: whole steps, or a share of the products alone
+Costs = dict[int, dict[int, tuple[float, float]]]
 
 
 def step_costs(costs: Costs, threads: int, rows: int) -> tuple[float, float]:
-    """(plain, packed) seconds of a step's products at `rows` rows and `threads` threads, from the nearest
+    """(plain, packed) seconds of a step (or its products) at `rows` rows and `threads` threads, from the nearest
     timed thread count: between two timed row counts, interpolated; past the largest, scaled by rows (bound
     by arithmetic there); below the smallest, the smallest's (bound by reading the weights)."""
     table = costs[min(costs, key=lambda c: abs(c - threads))]
@@ -56,8 +57,10 @@ def step_costs(costs: Costs, threads: int, rows: int) -> tuple[float, float]:
 class LayoutPolicy:
     """The loss of the layout in place against the other, step by step, and whether it is time to change.
 
-    `costs` are the start-up timings of a share `timed_share` of the weights' bytes; `change_s[packed]` is
-    what re-laying every weight packed (True) or plain (False) costs (s)."""
+    `costs` are the start-up timings: whole steps (`timed_share` 1), or the products of a share `timed_share`
+    of the weights' bytes; `change_s[packed]` is what re-laying every weight packed (True) or plain (False)
+    costs (s). NOTE: `close` is a share of what was timed: of whole steps, it holds what the layouts share
+    (attention, the lm_head) too, a wider margin for the same products."""
 
     def __init__(self, costs: Costs, *, timed_share: float, change_s: dict[bool, float], close: float) -> None:
         if not costs or not all(costs.values()):
@@ -102,13 +105,15 @@ class WeightLayout:
     """Drives a model's weights to the layout its policy chooses, one weight per `relay_one` call.
 
     `packing(rows | None)` sets the layout new and re-laid weights take (`MatmulForms.packing`);
-    `relayout(i)` re-lays the model's i-th weight in it; `pack_rows` is the hint to pack with. Every call
-    comes from the step thread, between forwards."""
+    `relayout(i)` re-lays the model's i-th weight in it; `all_plain()` says that every weight is plain again
+    (`MatmulForms.all_plain`); `pack_rows` is the hint to pack with. Every call comes from the step thread,
+    between forwards."""
 
     def __init__(self, policy: LayoutPolicy, *, num_weights: int, packed: bool, pack_rows: int,
-                 packing: Callable[[int | None], None], relayout: Callable[[int], None]) -> None:
+                 packing: Callable[[int | None], None], relayout: Callable[[int], None],
+                 all_plain: Callable[[], None] = lambda: None) -> None:
         self.policy, self.num_weights, self.packed, self.pack_rows = policy, num_weights, packed, pack_rows
-        self._packing, self._relayout = packing, relayout
+        self._packing, self._relayout, self._all_plain = packing, relayout, all_plain
         self._next = num_weights  # the next weight to re-lay; num_weights = all in the chosen layout
         self._relaying_s = 0.0  # the re-lays of the change under way so far (s)
         self.changes: list[bool] = []  # the latest layouts taken while serving, in order (True = packed)
@@ -158,6 +163,21 @@ class WeightLayout:
         self._next += 1
         if self.settled:  # NOTE: the next change this way is priced at what this one took
             self.policy.change_s[self.packed] = self._relaying_s
+            self._all_in_place()
+
+    def relay_all(self, packed: bool) -> None:
+        """Re-lay every weight `packed` (or plain) now, whatever layout each is in, outside the policy
+        (start-up timings: no change is recorded or priced)."""
+        self.finish()
+        self.packed = packed
+        self._packing(self.pack_rows if packed else None)
+        for index in range(self.num_weights):
+            self._relayout(index)
+        self._all_in_place()
+
+    def _all_in_place(self) -> None:
+        if not self.packed:
+            self._all_plain()
 
     def finish(self) -> None:
         """Re-lay now whatever weights the change under way has not reached yet."""
@@ -172,4 +192,5 @@ def weight_layout(forms: MatmulForms, num_weights: int, relayout: Callable[[int]
         return None
     policy = LayoutPolicy(forms.costs, timed_share=forms.timed_share, change_s=forms.relayout_seconds, close=CLOSE)
     return WeightLayout(policy, num_weights=num_weights, packed=forms.pack_rows is not None,
-                        pack_rows=forms.pack_hint, packing=forms.packing, relayout=relayout)
+                        pack_rows=forms.pack_hint, packing=forms.packing, relayout=relayout,
+                        all_plain=forms.all_plain)

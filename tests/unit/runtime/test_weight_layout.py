@@ -202,3 +202,21 @@ def test_new_timings_price_the_next_steps_afresh() -> None:
     assert p.excess(1, 2, packed_now=True) > 0  # priced, and kept for the next step of this size
     p.costs = {2: {1: (7.0, 5.0)}}  # packed now the faster at 1 row
     assert p.excess(1, 2, packed_now=True) == pytest.approx(5.0 - 7.0 * 1.05)
+
+
+def test_products_stop_checking_their_weights_layout_once_every_weight_is_plain_again() -> None:
+    forms = MatmulForms()
+    assert forms.product is F.linear  # nothing measured, nothing packed
+    forms.packing(64)
+    forms.packing(None)  # going plain: until every weight is re-laid, each product checks its own
+    assert forms.product is not F.linear
+    forms.all_plain()
+    assert forms.product is F.linear
+    weights, told = Weights(2, packed=True), []
+    layout = WeightLayout(policy(), num_weights=2, packed=True, pack_rows=64, packing=weights.packing,
+                          relayout=weights.relayout, all_plain=lambda: told.append(not any(weights.packed)))
+    layout.take(False)
+    layout.relay_one()
+    assert told == []  # one weight still packed
+    layout.relay_one()
+    assert told == [True]  # settled plain: told once, with every weight plain
