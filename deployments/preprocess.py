@@ -26,8 +26,8 @@ from mmserve.errors import InvalidRequestError, OverloadedError
 from mmserve.messages import ChatRequest, PreprocessedRequest, RequestFailed, ServedModel
 from mmserve.preprocess.image_slots import FETCHING_PER_CORE, ImageSlots
 from mmserve.runtime import affinity
+from mmserve.runtime.core_company import usable_cores
 from mmserve.runtime.metrics import MetricsSnapshot, merge, preprocess_snapshot, replica_cache_snapshot
-from mmserve.runtime.step_threads import usable_cores
 from mmserve.runtime.timeline import Timeline
 from mmserve.stages import StageFactory
 

@@ -8,12 +8,12 @@ arguments into them (args.py), nor building deployments (app.py). No Ray import.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mmserve.config import LARGEST_FLOAT
+from mmserve.runtime.core_company import usable_cores
 
 
 class StrictArgs(BaseModel):
@@ -126,7 +126,8 @@ class StageArgs(StrictArgs):
     # Calls waiting for a replica of this stage when every one holds max_ongoing_requests; past it the
     # caller gets Serve's BackPressureError at once (the ingress answers 503 + Retry-After). -1 = unbounded.
     max_queued_requests: int = Field(256, ge=-1)  # NOTE: 0 is refused below, as Serve refuses it
-    # Intra-op threads of torch in each replica; None = num_cpus when >= 1, else the cores it may run on (affinity).
+    # Intra-op threads of torch in each replica; None = num_cpus when >= 1, else the cores it may compute on at once
+    # (its affinity, bounded by its cgroup's CPU quota).
     # NOTE: Ray sets OMP_NUM_THREADS to a worker's num_cpus (at least 1), so a replica asking for 0 CPUs
     # (our default) would run torch on one thread: about half the speed of encoder and prefill.
     torch_threads: int | None = Field(None, ge=1)
@@ -177,7 +178,7 @@ class StageArgs(StrictArgs):
             return self.torch_threads
         if self.num_cpus >= 1:
             return int(self.num_cpus)
-        return len(os.sched_getaffinity(0))
+        return usable_cores()
 
     def device(self) -> str:
         """Where this stage computes unless `device` is set: a GPU when the replica asks for one."""

@@ -2,8 +2,9 @@
 
 Owns: reading the busy time of the cores this process may run on (Linux's /proc/stat, steal included: time
 the hypervisor gave our vCPU to another guest), over the intervals a caller marks, less this process's own
-CPU time; and the cores this process may run on. Does not own what a caller makes of it (`step_threads.py`:
-a thread count measured while others filled the cores is not trusted).
+CPU time; the cores this process may run on, and how many of them it may compute on at once (its CPU
+quota). Does not own what a caller makes of it (`step_threads.py`: a thread count measured while others
+filled the cores is not trusted; the slots of `preprocess/image_slots.py`).
 
 NOTE: /proc/stat counts in clock ticks (10 ms on Linux), per core, read at each start and stop, so a short
 marking reads mostly where the ticks fell (docs/benchmarks.md has a probe by length). Less than MIN_WALL_S
@@ -18,6 +19,7 @@ out (cgroup `cpu.max`): there the busy time of "our" cores is mostly other tenan
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -85,6 +87,18 @@ def affinity() -> set[int]:
     if hasattr(os, "sched_getaffinity"):
         return set(os.sched_getaffinity(0))
     return set(range(os.cpu_count() or 1))
+
+
+def usable_cores(quotas: tuple[Path, ...] = CGROUP_QUOTAS) -> int:
+    """How many cores this process may compute on at once: its CPU affinity, bounded by its cgroup's CPU quota
+    where one is set (a container's CPU limit; at least 1).
+
+    NOTE: a container limited to a few CPUs on a big host sees every core of the host in its affinity. Threads
+    past its quota are throttled, all of them at once, for the rest of each period (100 ms by default): a
+    thread team sized by the affinity stalls every step."""
+    cores = len(affinity())
+    quota = cgroup_quota_cores(quotas)
+    return cores if quota is None else max(1, min(cores, math.floor(quota)))
 
 
 def cgroup_quota_cores(paths: tuple[Path, ...] = CGROUP_QUOTAS) -> float | None:

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 import torch
 
 from mmserve.config import DecoderConfig
-from mmserve.runtime.core_company import MIN_WALL_S, CoreCompany, affinity
+from mmserve.runtime.core_company import MIN_WALL_S, CoreCompany, usable_cores
 from mmserve.runtime.thread_trials import ThreadTrials
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class StepThreads:
         self.heavy_rows = 0  # decodes attending more context rows than this are heavy; 0 = none are (rows)
         if self.available == 1:  # nothing to choose between
             self.small, self.big, self.heavy = self.small or 1, self.big or 1, self.heavy or 1
-        self.cores = usable_cores()  # cores this process may run on (fixed for its life)
+        self.cores = usable_cores()  # cores this process may compute on at once (fixed for its life)
         # each kind measured at start-up -> the cores others kept busy meanwhile, None where unknown (cores)
         self.company: dict[str, float | None] = {}
         self.voided: set[str] = set()  # the kinds whose measurement that company voided
@@ -105,7 +105,7 @@ class StepThreads:
     def leaves_a_core(self, num_new_tokens: int, attended: int = 0) -> bool:
         """Whether such a step leaves the host a core for other work while it runs: always off the CPU (the
         forward runs on the accelerator), else when its threads are fewer than the cores this process may
-        run on."""
+        compute on at once (`usable_cores`)."""
         return not self.enabled or self.threads_for(num_new_tokens, attended) < self.cores
 
     def apply(self, num_new_tokens: int, attended: int = 0) -> int:
@@ -268,8 +268,3 @@ class StepThreads:
         """Whether a measurement beside `others` busy cores (of this process's) left the all-threads arm its
         cores (less BUSY_MARGIN); unknown company is taken as none."""
         return others is None or self.cores - others >= min(self.available, self.cores) - BUSY_MARGIN
-
-
-def usable_cores() -> int:
-    """How many cores this process may run on (its CPU affinity where the OS tells it)."""
-    return len(affinity())

@@ -70,7 +70,7 @@ def test_processor_runs_once_cluster_wide_and_the_other_node_hits(mm_app: AppInf
         assert mm_app.cluster.role_of(info["node_id"]) == role
     assert before[node_a]["replica_id"] != before[node_b]["replica_id"]
     from mmserve.preprocess.image_slots import FETCHING_PER_CORE
-    from mmserve.runtime.step_threads import usable_cores
+    from mmserve.runtime.core_company import usable_cores
 
     cores = usable_cores()  # NOTE: the nodes are this machine's processes: the same cores
     assert before[node_a]["slots"] == {"image": cores, "fetch": FETCHING_PER_CORE * cores}  # the replica's bounds

@@ -8,6 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from deployments import stage_args
 from deployments.args import parse_args
 from deployments.metrics_hub import HUB_TIMEOUT_S
 from deployments.preprocess import HAND_OVER_TIMEOUT_S
@@ -22,12 +23,15 @@ from mmserve.config import EngineConfig
 from mmserve.runtime.step_loop import JOIN_TIMEOUT_S
 
 
-def test_threads_follow_num_cpus_or_take_the_whole_node_when_zero() -> None:
+def test_threads_follow_num_cpus_or_take_the_whole_node_when_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     # Ray would give a 0-CPU replica OMP_NUM_THREADS=1; we run torch on every core the node has instead.
     assert StageArgs(num_cpus=0).threads() == len(os.sched_getaffinity(0))
     assert StageArgs(num_cpus=0.5).threads() == len(os.sched_getaffinity(0))
     assert StageArgs(num_cpus=3).threads() == 3
     assert StageArgs(num_cpus=3, torch_threads=5).threads() == 5
+    # in a container limited to 2 CPUs on a bigger host: its quota, not the host's cores it sees
+    monkeypatch.setattr(stage_args, "usable_cores", lambda: 2)
+    assert StageArgs(num_cpus=0).threads() == 2 and StageArgs(num_cpus=3).threads() == 3
 
 
 def test_replica_environment_reaches_ray_actor_options() -> None:

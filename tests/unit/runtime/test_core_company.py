@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmserve.runtime import core_company
-from mmserve.runtime.core_company import CoreCompany, cgroup_quota_cores
+from mmserve.runtime.core_company import CoreCompany, cgroup_quota_cores, usable_cores
 
 NO_QUOTA = (Path("/nonexistent/cpu.max"),)
 
@@ -116,6 +116,15 @@ def test_cgroup_quotas_v2_and_v1(tmp_path: Path) -> None:
     v1.write_text("-1\n")
     assert cgroup_quota_cores((v1,)) is None
     assert cgroup_quota_cores(NO_QUOTA) is None
+
+
+def test_usable_cores_are_the_affinity_bounded_by_the_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core_company, "affinity", lambda: set(range(64)))  # a big host's cores, all in view
+    quota = tmp_path / "cpu.max"
+    assert usable_cores(NO_QUOTA) == 64
+    for limit, cores in (("250000 100000", 2), ("50000 100000", 1), ("max 100000", 64), ("9600000 100000", 64)):
+        quota.write_text(limit + "\n")  # 2.5 CPUs: 2 threads never throttled; half a CPU: still one thread
+        assert usable_cores((quota,)) == cores, limit
 
 
 def test_a_process_spinning_beside_us_is_seen() -> None:

@@ -159,7 +159,7 @@ def test_encoder_runner_keeps_its_count_in_a_thread_started_after_a_decode_step_
 
 
 def test_a_step_leaves_a_core_when_its_threads_are_fewer_than_the_cores() -> None:
-    from mmserve.runtime.step_threads import usable_cores
+    from mmserve.runtime.core_company import usable_cores
 
     threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1, big_step_threads=4))
     assert threads.cores == usable_cores() >= 1  # this process's affinity, read once
