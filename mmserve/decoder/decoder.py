@@ -114,7 +114,7 @@ class Decoder:
             warm_up(self.runner, self.scheduler, self.spec.eos_token_ids[0], self.sampler)
         if config.choose_weight_layout_while_serving:  # NOTE: after the threads' timing, whose steps serve no one
             layout = weight_layout(model.matmul, len(model.linear_weights()), model.relayout_weight)
-            if layout is not None and config.measure_matmul_forms:
+            if layout is not None:  # NOTE: only where the products were timed (measure_matmul_forms)
                 price_layouts(self.runner, self.scheduler, self.spec.eos_token_ids[0], layout)
             self.runner.layout = layout
 

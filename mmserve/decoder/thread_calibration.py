@@ -1,17 +1,20 @@
 """The decoder's start-up steps on scratch sequences: timed on a CPU to choose its step threads and to price
 its weights' layouts, untimed on an accelerator to load its kernels before the first request.
 
-Owns: the scratch steps (`scratch_steps`): a prefill chunk and a light decode of one short scratch sequence,
-and a heavy decode of a batch of longer ones where the pool has room; timing them to choose the threads of
-each kind of step (`runtime.step_threads`) and to price the layouts (`runtime.layout_steps`); and the
-accelerator's warm-up, a prefill chunk and a decode of one scratch sequence, each sampled. The scratch
-sequences hold KV pages only while they run, and their KV is never computed: a step's time does not depend
-on the values it reads. Does not own the choices (StepThreads, the layout policy) nor the trials while
-serving (`runtime.thread_trials`)"""
+Owns: the scratch steps (`scratch_steps`): a prefill chunk of one short scratch sequence and decodes of 1, 2,
+4, ... short ones (as many as asked and the pool has room for), and a heavy decode of a batch of longer ones
+where the pool has room; timing them to choose the threads of each kind of step (`runtime.step_threads`:
+the lone decode, the chunk, the heavy decode) and to price the layouts (`runtime.layout_steps`: the short
+decodes and the chunk); and the accelerator's warm-up, a prefill chunk and a decode of one scratch sequence,
+each sampled. The scratch sequences hold KV pages only while they run, and their KV is never computed: a
+step's time does not depend on the values it reads. Does not own the choices (StepThreads, the layout
+policy) nor the trials while serving (`runtime.thread_trials`).
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from mmserve.messages import SamplingParams
 from mmserve.runtime.layout_steps import price_by_steps
 from mmserve.runtime.weight_layout import WeightLayout
 
+log = logging.getLogger(__name__)
 PROMPT_TOKENS = 128  # the light decode's context and the prefill chunk (tokens)
 HEAVY_CONTEXT = 1024  # each of the heavy decode's sequences (tokens)
 _WARM_ROWS = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9))  # the warm-up's draws
@@ -31,6 +35,8 @@ _WARM_ROWS = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, t
 
 @dataclass(frozen=True)
 class ScratchSteps:
+    """Steps of the scratch sequences `scratch_steps` holds, each a call that runs one."""
+
     big: Callable[[], object]  # a prefill chunk: the first short sequence's `prompt` tokens at once
     decodes: dict[int, Callable[[], object]]  # k -> a decode of the first k short sequences (1 new token each)
     heavy: Callable[[], object] | None  # a decode of `batch` sequences of `long` tokens each; None: no room
@@ -59,7 +65,8 @@ def scratch_steps(runner: ModelRunner, scheduler: Scheduler, token_id: int, *, s
         return
     held = list(first)
     try:
-        seqs = [*first, *(_scratch(scheduler, short - 1, n, token_id) if short > 1 else [])]
+        seqs = [*first, *(_scratch(scheduler, short - 1, n, token_id, first=1, all_or_none=False)
+                          if short > 1 else [])]
         held = list(seqs)
         long = min(HEAVY_CONTEXT, scheduler.max_seq_len - 1)
         most = min(config.max_num_seqs, config.small_step_tokens)
@@ -110,8 +117,12 @@ def price_layouts(runner: ModelRunner, scheduler: Scheduler, token_id: int, layo
     config = scheduler.config
     most = min(config.max_num_seqs, config.small_step_tokens)
     with scratch_steps(runner, scheduler, token_id, short=most, heavy=False) as steps:
-        if steps is not None:
-            price_by_steps(layout, runner.threads, steps.by_rows())
+        if steps is None:
+            return
+        if max(steps.decodes) < most:
+            log.info("decoder weights: the KV pool had room for %d of %d scratch sequences; steps of more rows are "
+                     "priced from theirs", max(steps.decodes), most)
+        price_by_steps(layout, runner.threads, steps.by_rows())
 
 
 def warm_up(runner: ModelRunner, scheduler: Scheduler, token_id: int, sampler: Sampler) -> None:
@@ -132,11 +143,13 @@ def warm_up(runner: ModelRunner, scheduler: Scheduler, token_id: int, sampler: S
         _release(scheduler, scratch)
 
 
-def _scratch(scheduler: Scheduler, count: int, tokens: int, token_id: int) -> list[Sequence]:
-    """`count` scratch sequences of `tokens` tokens holding their KV pages, or [] if the pool lacks room."""
+def _scratch(scheduler: Scheduler, count: int, tokens: int, token_id: int, *, first: int = 0,
+             all_or_none: bool = True) -> list[Sequence]:
+    """`count` scratch sequences of `tokens` tokens holding their KV pages (numbered from `first`); where the
+    pool lacks room for all of them, [] (`all_or_none`) or as many as it has room for."""
     seqs: list[Sequence] = []
     try:
-        for i in range(count):
+        for i in range(first, first + count):
             seq = Sequence(f"thread-calibration-{tokens}-{i}", [token_id] * tokens, SamplingParams())
             seq.blocks = scheduler.kv.new_blocks()
             seqs.append(seq)  # NOTE: before it grows: released below whatever it got to hold
@@ -148,8 +161,11 @@ def _scratch(scheduler: Scheduler, count: int, tokens: int, token_id: int) -> li
     except BaseException:
         _release(scheduler, seqs)
         raise
-    _release(scheduler, seqs)  # no room for all of them
-    return []
+    if all_or_none:
+        _release(scheduler, seqs)  # no room for all of them
+        return []
+    _release(scheduler, seqs[-1:])  # the one without room
+    return seqs[:-1]
 
 
 def _release(scheduler: Scheduler, seqs: list[Sequence]) -> None:

@@ -13,8 +13,13 @@ its products, and what they leave in the caches, is only in a step, so the polic
 NOTE: the blocks of steps go A B B A (the layout in place first): a drift of the machine falls on both
 layouts alike, and the weights end in the layout they started in, re-laid twice a round.
 NOTE: a step's time scatters by tens of percent on a busy or virtual CPU, so each cell is the median of
-2 * ROUNDS * PER_BLOCK steps; its cost: that many steps and one more of every shape in each layout at
-each thread count, and 2 * ROUNDS re-lays of every weight, about as much again as the threads' timing.
+2 * ROUNDS * PER_BLOCK steps. Its cost: 2 * (2 * ROUNDS * PER_BLOCK + 1) steps of every shape (6 by
+default) at every thread count a step may run with (1 and all where the threads are measured), and
+2 * ROUNDS re-lays of every weight: several times the threads' own timing, ~3 s on the benchmark
+checkpoint on 2 cores (docs/benchmarks.md). Within a block the shape changes every PER_BLOCK steps, so a
+decode group's kept gathers (`kept_gather.py`) are copied whole on its first step, in both layouts alike.
+What other processes took of the cores meanwhile is logged beside the prices; it falls on both layouts
+alike, A B B A.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from mmserve.runtime.core_company import CoreCompany
 from mmserve.runtime.step_threads import StepThreads
 from mmserve.runtime.weight_layout import Costs, WeightLayout
 
@@ -44,6 +50,9 @@ def price_by_steps(layout: WeightLayout, threads: StepThreads, steps: dict[int, 
     start = layout.packed
     timed: dict[tuple[int, int, bool], list[float]] = {}
     change_s = dict(layout.policy.change_s)
+    layout.policy.freeze()  # NOTE: no change of its own meanwhile, were these steps priced (a layout already in use)
+    company = CoreCompany()  # NOTE: logged: both layouts' steps share what others took (A B B A)
+    company.start()
     try:
         for packed in [start, not start, not start, start] * rounds:
             if packed != layout.packed:
@@ -65,15 +74,19 @@ def price_by_steps(layout: WeightLayout, threads: StepThreads, steps: dict[int, 
                       "as they were" if _back(layout, start) else "as they are")
         layout.policy.freeze()
         return
+    finally:
+        company.stop()
     costs: Costs = {count: {rows: (statistics.median(timed[(count, rows, False)]),
                                    statistics.median(timed[(count, rows, True)])) for rows in steps}
                     for count in counts}
     layout.policy.costs, layout.policy.timed_share, layout.policy.change_s = costs, 1.0, change_s
+    layout.policy.loss = 0.0
+    others = company.others()
     log.info("decoder weights priced by whole steps (ms plain / packed; rows at threads): %s; a change takes "
-             "%.1f ms to packed, %.1f ms to plain", "; ".join(
+             "%.1f ms to packed, %.1f ms to plain; other processes kept %s cores busy meanwhile", "; ".join(
                  f"{rows} at {count}: {plain * 1e3:.2f} / {packed * 1e3:.2f}"
                  for count, table in costs.items() for rows, (plain, packed) in table.items()),
-             change_s[True] * 1e3, change_s[False] * 1e3)
+             change_s[True] * 1e3, change_s[False] * 1e3, "?" if others is None else f"{others:.2f}")
 
 
 def _back(layout: WeightLayout, packed: bool) -> bool:

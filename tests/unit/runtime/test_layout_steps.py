@@ -64,7 +64,8 @@ class Model:
 
 
 def priced(packed: bool = False, rounds: int = 2, per_block: int = 1, fail_step: int | None = None,
-           fail_relay: int | None = None) -> tuple[WeightLayout, Model, StepThreads]:
+           fail_relay: int | None = None, observed: bool = False) -> tuple[WeightLayout, Model, StepThreads]:
+    """`observed`: each step priced by the layout too, as the decoder does with a layout in use."""
     model = Model(3, packed, fail_step, fail_relay)
     policy = LayoutPolicy(ALONE, timed_share=0.5, change_s={True: 1.0, False: 1.0}, close=0.05)
     layout = WeightLayout(policy, num_weights=3, packed=packed, pack_rows=64, packing=model.packing,
@@ -74,7 +75,10 @@ def priced(packed: bool = False, rounds: int = 2, per_block: int = 1, fail_step:
     before = torch.get_num_threads()
 
     def run(rows: int) -> None:
-        model.step(rows, threads.apply(rows))
+        count = threads.apply(rows)
+        model.step(rows, count)
+        if observed:
+            layout.observe(rows, count)
 
     try:
         steps: dict[int, Callable[[], object]] = {rows: functools.partial(run, rows) for rows in (1, 8)}
@@ -106,8 +110,12 @@ def test_every_shape_is_timed_at_every_thread_count_in_both_layouts_a_b_b_a(star
     assert threads.small == 1 and threads.big == 2 and threads.trials == {}  # counts as configured again
 
 
-def test_the_policy_weighs_the_steps_medians_as_whole_steps_and_a_change_at_what_it_took() -> None:
-    layout, _, _ = priced(rounds=1)  # NOTE: 2 timed steps a cell: a timed set-up step would move the median
+@pytest.mark.parametrize("observed", [False, True])
+def test_the_policy_weighs_the_steps_medians_as_whole_steps_and_a_change_at_what_it_took(observed: bool) -> None:
+    # NOTE: 2 timed steps a cell: a timed set-up step would move the median. Observed: the policy, which would
+    # take packed weights after some 8-row steps, changes nothing while they are timed
+    layout, _, _ = priced(rounds=1, observed=observed)
+    assert layout.changes == [] and layout.policy.loss == 0.0
     policy = layout.policy
     assert policy.costs == {count: {rows: STEPS[(rows, count)] for rows in (1, 8)} for count in (1, 2)}
     assert policy.timed_share == 1.0
@@ -127,10 +135,22 @@ def test_a_failure_leaves_the_policy_frozen_with_the_weights_back_where_they_beg
     assert threads.small == 1 and threads.big == 2 and threads.trials == {}
 
 
+def open_counts(available: int) -> StepThreads:
+    """Step threads whose counts are all open, built where the stage runs `available` threads (NOTE: CI also runs
+    the tests under OMP_NUM_THREADS=1, where a count has nothing to choose between and no trial is made)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(available)
+    try:
+        return StepThreads(torch.device("cpu"), DecoderConfig())
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_pinned_threads_run_every_kind_at_the_count_and_set_the_trials_aside() -> None:
-    threads = StepThreads(torch.device("cpu"), DecoderConfig())
-    threads.available, threads.small, threads.heavy, threads.big = 2, 1, 2, 2
+    threads = open_counts(2)
+    threads.small, threads.heavy, threads.big = 1, 2, 2
     trials, before = threads.trials, torch.get_num_threads()
+    assert trials
     try:
         with threads.pinned(1):
             assert threads.trials == {}
@@ -141,9 +161,11 @@ def test_pinned_threads_run_every_kind_at_the_count_and_set_the_trials_aside() -
 
 
 def test_every_count_a_step_may_run_with_is_priced_trials_and_heavy_decodes_included() -> None:
-    threads = StepThreads(torch.device("cpu"), DecoderConfig())  # counts open: measured, then tried
-    threads.available, threads.small, threads.heavy, threads.big = 4, 4, 4, 4  # as measured at start-up
+    threads = open_counts(4)  # counts open: measured, then tried
+    threads.small, threads.heavy, threads.big = 4, 4, 4  # as measured at start-up
     assert threads.trials and threads.possible_counts() == {1, 4}  # a trial may move any kind to 1
+    threads.trials, threads.heavy, threads.beside_count = {}, 2, None
+    assert threads.possible_counts() == {2, 4}  # the heavy decodes' own count
     fixed = StepThreads(torch.device("cpu"), DecoderConfig(small_step_threads=2, big_step_threads=3))
     fixed.available, fixed.beside_count = 4, None
     assert fixed.possible_counts() == {2, 3}  # configured: no trial
