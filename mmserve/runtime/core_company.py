@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 import os
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 PROC_STAT = Path("/proc/stat")
-CGROUP_QUOTAS = (Path("/sys/fs/cgroup/cpu.max"), Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"))  # v2, v1
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 _BUSY_FIELDS = (0, 2, 5, 6, 7)  # user, system, irq, softirq, steal (nice left out; guest is inside user)
 MIN_WALL_S = 0.25  # marked work shorter than this measures the ticks, not the company (s)
 
@@ -35,7 +36,7 @@ class CoreCompany:
     busy on average while it ran."""
 
     def __init__(self, cores: set[int] | None = None, stat: Path = PROC_STAT,
-                 quotas: tuple[Path, ...] = CGROUP_QUOTAS) -> None:
+                 quotas: tuple[Path, ...] | None = None) -> None:
         self.cores = cores if cores is not None else affinity()  # the cores this process may run on
         quota = cgroup_quota_cores(quotas)
         self._unknown = quota is not None and quota < len(self.cores)  # NOTE: a host shared out by quota
@@ -89,7 +90,7 @@ def affinity() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def usable_cores(quotas: tuple[Path, ...] = CGROUP_QUOTAS) -> int:
+def usable_cores(quotas: tuple[Path, ...] | None = None) -> int:
     """How many cores this process may compute on at once: its CPU affinity, bounded by its cgroup's CPU quota
     where one is set (a container's CPU limit; at least 1).
 
@@ -101,18 +102,44 @@ def usable_cores(quotas: tuple[Path, ...] = CGROUP_QUOTAS) -> int:
     return cores if quota is None else max(1, min(cores, math.floor(quota)))
 
 
-def cgroup_quota_cores(paths: tuple[Path, ...] = CGROUP_QUOTAS) -> float | None:
-    """The cores this process's cgroup CPU quota allows (v2 `cpu.max`, v1 `cpu.cfs_quota_us`); None: no quota."""
-    for path in paths:
+def cgroup_quota_cores(paths: tuple[Path, ...] | None = None) -> float | None:
+    """The cores the tightest CPU quota over this process allows: of its cgroup and every cgroup above it (v2
+    `cpu.max`, v1 `cpu.cfs_quota_us`; `paths`: those files, by default `cgroup_quota_files()`); None: no quota."""
+    quotas: list[float] = []
+    for path in cgroup_quota_files() if paths is None else paths:
         try:
             text = path.read_text().split()
             period = int(text[1]) if len(text) > 1 else int((path.parent / "cpu.cfs_period_us").read_text())
-        except (OSError, ValueError, IndexError):
+            if text[0] not in ("max", "-1"):
+                quotas.append(int(text[0]) / period)
+        except (OSError, ValueError, IndexError, ZeroDivisionError):
             continue
-        if text[0] in ("max", "-1"):
-            return None
-        return int(text[0]) / period
-    return None
+    return min(quotas, default=None)
+
+
+def cgroup_quota_files(proc: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> tuple[Path, ...]:
+    """The CPU quota files of this process's cgroup and of each one above it, by /proc/self/cgroup, and the
+    mount's own (a container's, where it sees its cgroup as the root).
+
+    NOTE: a container with a cgroup namespace sees its own cgroup at the mount's root; a quota set on a
+    process's own cgroup outside one (systemd's CPUQuota, Slurm, a container sharing the host's namespace)
+    is found under its path."""
+    files = [root / "cpu.max", root / "cpu" / "cpu.cfs_quota_us"]  # v2, v1: the mount's own
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return tuple(files)
+    for line in lines:
+        _, controllers, where = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
+        if controllers == "":  # v2's unified hierarchy
+            base, name = root, "cpu.max"
+        elif "cpu" in controllers.split(","):
+            base, name = root / controllers, "cpu.cfs_quota_us"
+        else:
+            continue
+        parts = PurePosixPath(where).parts[1:]
+        files += [base.joinpath(*parts[:depth]) / name for depth in range(len(parts), 0, -1)]
+    return tuple(dict.fromkeys(files))
 
 
 def _ticks_per_second() -> int:

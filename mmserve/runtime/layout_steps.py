@@ -25,6 +25,7 @@ alike, A B B A.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -49,10 +50,12 @@ def price_by_steps(layout: WeightLayout, threads: StepThreads, steps: dict[int, 
     counts = sorted(threads.possible_counts())
     start = layout.packed
     timed: dict[tuple[int, int, bool], list[float]] = {}
-    change_s = dict(layout.policy.change_s)
-    layout.policy.freeze()  # NOTE: no change of its own meanwhile, were these steps priced (a layout already in use)
     company = CoreCompany()  # NOTE: logged: both layouts' steps share what others took (A B B A)
     company.start()
+    layout.finish()  # NOTE: a change under way would time its re-lays into the policy
+    change_s = dict(layout.policy.change_s)
+    frozen = all(math.isinf(s) for s in change_s.values())  # NOTE: a policy frozen before stays so
+    layout.policy.freeze()  # NOTE: no change of its own meanwhile, were these steps priced (a layout already in use)
     try:
         for packed in [start, not start, not start, start] * rounds:
             if packed != layout.packed:
@@ -79,8 +82,9 @@ def price_by_steps(layout: WeightLayout, threads: StepThreads, steps: dict[int, 
     costs: Costs = {count: {rows: (statistics.median(timed[(count, rows, False)]),
                                    statistics.median(timed[(count, rows, True)])) for rows in steps}
                     for count in counts}
-    layout.policy.costs, layout.policy.timed_share, layout.policy.change_s = costs, 1.0, change_s
-    layout.policy.loss = 0.0
+    layout.policy.costs, layout.policy.timed_share, layout.policy.loss = costs, 1.0, 0.0
+    if not frozen:
+        layout.policy.change_s = change_s
     others = company.others()
     log.info("decoder weights priced by whole steps (ms plain / packed; rows at threads): %s; a change takes "
              "%.1f ms to packed, %.1f ms to plain; other processes kept %s cores busy meanwhile", "; ".join(

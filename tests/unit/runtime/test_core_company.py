@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmserve.runtime import core_company
-from mmserve.runtime.core_company import CoreCompany, cgroup_quota_cores, usable_cores
+from mmserve.runtime.core_company import CoreCompany, cgroup_quota_cores, cgroup_quota_files, usable_cores
 
 NO_QUOTA = (Path("/nonexistent/cpu.max"),)
 
@@ -116,6 +116,28 @@ def test_cgroup_quotas_v2_and_v1(tmp_path: Path) -> None:
     v1.write_text("-1\n")
     assert cgroup_quota_cores((v1,)) is None
     assert cgroup_quota_cores(NO_QUOTA) is None
+
+
+def test_the_tightest_quota_over_the_process_counts_its_own_cgroup_and_those_above(tmp_path: Path) -> None:
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/system.slice/job.scope\n")  # v2: systemd's CPUQuota on the job's own scope
+    scope = tmp_path / "system.slice" / "job.scope"
+    scope.mkdir(parents=True)
+    files = cgroup_quota_files(proc, tmp_path)
+    assert files == (tmp_path / "cpu.max", tmp_path / "cpu" / "cpu.cfs_quota_us", scope / "cpu.max",
+                     tmp_path / "system.slice" / "cpu.max")
+    assert cgroup_quota_cores(files) is None
+    (scope / "cpu.max").write_text("300000 100000\n")
+    (tmp_path / "system.slice" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_quota_cores(cgroup_quota_files(proc, tmp_path)) == 3.0
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # a tighter one at the mount's root: the container's
+    assert cgroup_quota_cores(cgroup_quota_files(proc, tmp_path)) == 1.5
+    proc.write_text("12:cpu,cpuacct:/slurm/job_7\n5:memory:/slurm/job_7\n")  # v1: only the cpu controller's
+    v1 = tmp_path / "cpu,cpuacct" / "slurm" / "job_7"
+    assert cgroup_quota_files(proc, tmp_path)[2:] == (v1 / "cpu.cfs_quota_us",
+                                                     tmp_path / "cpu,cpuacct" / "slurm" / "cpu.cfs_quota_us")
+    assert cgroup_quota_files(tmp_path / "missing", tmp_path) == (tmp_path / "cpu.max",
+                                                                tmp_path / "cpu" / "cpu.cfs_quota_us")
 
 
 def test_usable_cores_are_the_affinity_bounded_by_the_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

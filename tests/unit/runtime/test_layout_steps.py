@@ -113,7 +113,7 @@ def test_every_shape_is_timed_at_every_thread_count_in_both_layouts_a_b_b_a(star
 @pytest.mark.parametrize("observed", [False, True])
 def test_the_policy_weighs_the_steps_medians_as_whole_steps_and_a_change_at_what_it_took(observed: bool) -> None:
     # NOTE: 2 timed steps a cell: a timed set-up step would move the median. Observed: the policy, which would
-    # take packed weights after some 8-row steps, changes nothing while they are timed
+    # take plain weights again after a few 1-row steps on packed ones, changes nothing while they are timed
     layout, _, _ = priced(rounds=1, observed=observed)
     assert layout.changes == [] and layout.policy.loss == 0.0
     policy = layout.policy
@@ -169,3 +169,14 @@ def test_every_count_a_step_may_run_with_is_priced_trials_and_heavy_decodes_incl
     fixed = StepThreads(torch.device("cpu"), DecoderConfig(small_step_threads=2, big_step_threads=3))
     fixed.available, fixed.beside_count = 4, None
     assert fixed.possible_counts() == {2, 3}  # configured: no trial
+
+
+def test_a_policy_frozen_before_stays_frozen_with_the_new_prices() -> None:
+    model = Model(3, packed=False)
+    policy = LayoutPolicy(ALONE, timed_share=0.5, change_s={True: 1.0, False: 1.0}, close=0.05)
+    policy.freeze()  # e.g. a re-lay failed while serving
+    layout = WeightLayout(policy, num_weights=3, packed=False, pack_rows=64, packing=model.packing,
+                          relayout=model.relayout)
+    threads = StepThreads(torch.device("cpu"), DecoderConfig(small_step_threads=1, big_step_threads=1))
+    price_by_steps(layout, threads, {1: lambda: model.step(1, threads.apply(1))}, rounds=1, clock=model.clock)
+    assert policy.costs == {1: {1: STEPS[(1, 1)]}} and math.isinf(policy.change_s[True])

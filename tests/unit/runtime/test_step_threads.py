@@ -162,7 +162,7 @@ def test_a_step_leaves_a_core_when_its_threads_are_fewer_than_the_cores() -> Non
     from mmserve.runtime.core_company import usable_cores
 
     threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1, big_step_threads=4))
-    assert threads.cores == usable_cores() >= 1  # this process's affinity, read once
+    assert threads.cores == usable_cores() >= 1  # this process's affinity within its CPU quota, read once
     threads.available, threads.cores = 4, 4
     assert threads.leaves_a_core(8) and not threads.leaves_a_core(300)  # 1 of 4 cores; all 4 of them
     threads.cores = 1
