@@ -14,7 +14,8 @@ process yields its core to ours.
 
 NOTE: nothing is known (`others()` answers None) where /proc/stat is missing (not Linux), names other cores
 than this process's affinity (a container's view of it), or counts a whole host that a CPU quota shares
-out (cgroup `cpu.max`): there the busy time of "our" cores is mostly other tenants', on other cores.
+out (cgroup `cpu.max`, on this process's cgroup or one above it, a systemd slice's included): there the
+busy time of "our" cores may be other tenants', on other cores.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def affinity() -> set[int]:
 
 
 def usable_cores(quotas: tuple[Path, ...] | None = None) -> int:
-    """How many cores this process may compute on at once: its CPU affinity, bounded by its cgroup's CPU quota
-    where one is set (a container's CPU limit; at least 1).
+    """How many cores this process may compute on at once: its CPU affinity, bounded by the tightest CPU quota of
+    its cgroup and those above it where one is set (a container's CPU limit; at least 1).
 
     NOTE: a container limited to a few CPUs on a big host sees every core of the host in its affinity. Threads
     past its quota are throttled, all of them at once, for the rest of each period (100 ms by default): a
@@ -122,23 +123,29 @@ def cgroup_quota_files(proc: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> tu
     mount's own (a container's, where it sees its cgroup as the root).
 
     NOTE: a container with a cgroup namespace sees its own cgroup at the mount's root; a quota set on a
-    process's own cgroup outside one (systemd's CPUQuota, Slurm, a container sharing the host's namespace)
-    is found under its path."""
+    process's own cgroup outside one (systemd's CPUQuota, a container sharing the host's cgroup namespace)
+    is found under its path. (A cpuset, as Slurm's, narrows the affinity itself.)"""
     files = [root / "cpu.max", root / "cpu" / "cpu.cfs_quota_us"]  # v2, v1: the mount's own
     try:
         lines = proc.read_text().splitlines()
-    except OSError:
+    except (OSError, ValueError):  # NOTE: ValueError: a cgroup named in bytes that are not UTF-8
         return tuple(files)
     for line in lines:
-        _, controllers, where = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
+        if line.count(":") < 2:
+            continue
+        _, controllers, where = line.split(":", 2)  # hierarchy, its controllers, this process's cgroup
+        bases: tuple[Path, ...]
         if controllers == "":  # v2's unified hierarchy
-            base, name = root, "cpu.max"
+            bases, name = (root,), "cpu.max"
         elif "cpu" in controllers.split(","):
-            base, name = root / controllers, "cpu.cfs_quota_us"
+            # NOTE: the mount's name may list the controllers in another order than this line (`cpuacct,cpu`
+            # here, `cpu,cpuacct` there): its `cpu` link first
+            bases, name = (root / "cpu", root / controllers), "cpu.cfs_quota_us"
         else:
             continue
         parts = PurePosixPath(where).parts[1:]
-        files += [base.joinpath(*parts[:depth]) / name for depth in range(len(parts), 0, -1)]
+        for base in bases:
+            files += [base.joinpath(*parts[:depth]) / name for depth in range(len(parts), 0, -1)]
     return tuple(dict.fromkeys(files))
 
 

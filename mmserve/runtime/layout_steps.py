@@ -87,10 +87,11 @@ def price_by_steps(layout: WeightLayout, threads: StepThreads, steps: dict[int, 
         layout.policy.change_s = change_s
     others = company.others()
     log.info("decoder weights priced by whole steps (ms plain / packed; rows at threads): %s; a change takes "
-             "%.1f ms to packed, %.1f ms to plain; other processes kept %s cores busy meanwhile", "; ".join(
+             "%.1f ms to packed, %.1f ms to plain%s; other processes kept %s cores busy meanwhile", "; ".join(
                  f"{rows} at {count}: {plain * 1e3:.2f} / {packed * 1e3:.2f}"
                  for count, table in costs.items() for rows, (plain, packed) in table.items()),
-             change_s[True] * 1e3, change_s[False] * 1e3, "?" if others is None else f"{others:.2f}")
+             change_s[True] * 1e3, change_s[False] * 1e3, " (frozen before: no change)" if frozen else "",
+             "?" if others is None else f"{others:.2f}")
 
 
 def _back(layout: WeightLayout, packed: bool) -> bool:

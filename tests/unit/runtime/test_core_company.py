@@ -132,10 +132,13 @@ def test_the_tightest_quota_over_the_process_counts_its_own_cgroup_and_those_abo
     assert cgroup_quota_cores(cgroup_quota_files(proc, tmp_path)) == 3.0
     (tmp_path / "cpu.max").write_text("150000 100000\n")  # a tighter one at the mount's root: the container's
     assert cgroup_quota_cores(cgroup_quota_files(proc, tmp_path)) == 1.5
-    proc.write_text("12:cpu,cpuacct:/slurm/job_7\n5:memory:/slurm/job_7\n")  # v1: only the cpu controller's
-    v1 = tmp_path / "cpu,cpuacct" / "slurm" / "job_7"
-    assert cgroup_quota_files(proc, tmp_path)[2:] == (v1 / "cpu.cfs_quota_us",
-                                                     tmp_path / "cpu,cpuacct" / "slurm" / "cpu.cfs_quota_us")
+    # v1: only the cpu controller's line; its `cpu` link first, as the line may order the controllers otherwise
+    proc.write_text("12:cpuacct,cpu:/system.slice/mm.service\n5:memory:/system.slice/mm.service\n")
+    assert cgroup_quota_files(proc, tmp_path)[2:] == tuple(
+        tmp_path / mount / "system.slice" / leaf / "cpu.cfs_quota_us" for mount in ("cpu", "cpuacct,cpu")
+        for leaf in ("mm.service", ""))
+    (tmp_path / "bad").write_bytes(b"0::/\xff\n")  # a cgroup named in bytes that are not UTF-8
+    assert len(cgroup_quota_files(tmp_path / "bad", tmp_path)) == 2
     assert cgroup_quota_files(tmp_path / "missing", tmp_path) == (tmp_path / "cpu.max",
                                                                 tmp_path / "cpu" / "cpu.cfs_quota_us")
 
