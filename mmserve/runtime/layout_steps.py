@@ -65,13 +65,7 @@ def price_by_steps(layout: WeightLayout, threads: StepThreads, steps: dict[int, 
             for count in counts:
                 with threads.pinned(count):
                     for rows, step in steps.items():
-                        times = timed.setdefault((count, rows, packed), [])
-                        if not times:
-                            step()  # NOTE: untimed: the layout's first step of this shape (oneDNN's set-up)
-                        for _ in range(per_block):
-                            began = clock()
-                            step()
-                            times.append(clock() - began)
+                        _time(step, timed.setdefault((count, rows, packed), []), per_block, clock)
     except Exception:
         log.exception("decoder weights: timing the layouts by whole steps failed; they stay %s for good",
                       "as they were" if _back(layout, start) else "as they are")
@@ -92,6 +86,17 @@ def price_by_steps(layout: WeightLayout, threads: StepThreads, steps: dict[int, 
                  for count, table in costs.items() for rows, (plain, packed) in table.items()),
              change_s[True] * 1e3, change_s[False] * 1e3, " (frozen before: no change)" if frozen else "",
              "?" if others is None else f"{others:.2f}")
+
+
+def _time(step: Callable[[], object], times: list[float], n: int, clock: Callable[[], float]) -> None:
+    """Run `step` `n` times in a row, each one's time onto `times`; an untimed one first where `times` has none
+    yet (NOTE: the layout's first step of this shape: oneDNN's set-up)."""
+    if not times:
+        step()
+    for _ in range(n):
+        began = clock()
+        step()
+        times.append(clock() - began)
 
 
 def _back(layout: WeightLayout, packed: bool) -> bool:
