@@ -127,7 +127,7 @@ class StageArgs(StrictArgs):
     # caller gets Serve's BackPressureError at once (the ingress answers 503 + Retry-After). -1 = unbounded.
     max_queued_requests: int = Field(256, ge=-1)  # NOTE: 0 is refused below, as Serve refuses it
     # Intra-op threads of torch in each replica; None = num_cpus when >= 1, else the cores it may compute on at once
-    # (its affinity, bounded by its cgroup's CPU quota).
+    # (its affinity, bounded by the tightest CPU quota of its cgroup and those above it).
     # NOTE: Ray sets OMP_NUM_THREADS to a worker's num_cpus (at least 1), so a replica asking for 0 CPUs
     # (our default) would run torch on one thread: about half the speed of encoder and prefill.
     torch_threads: int | None = Field(None, ge=1)
