@@ -6,9 +6,9 @@ process), and for a request whose images are fetched from the network (its reads
 bytes until all are processed: `FETCHING_PER_CORE` requests per core), so that a process serving many requests at
 once holds neither as many decoded images nor as many fetched ones as it has requests, while requests without a
 fetch (text, data: URLs) do not wait behind slow ones until those fill every thread; a wait ends when its caller
-leaves. NOTE: both bounds scale with the process's cores (its CPU affinity: a container's CPU quota is not seen),
-and so does what they hold: up to `FETCHING_PER_CORE` x cores x `media.max_images_per_prompt` x
-`media.max_image_bytes` of fetched bytes. Does not own the request bound (the
+leaves. NOTE: both bounds scale with the cores the process may compute on at once (`core_company.usable_cores`:
+its CPU affinity within its CPU quota), and so does what they hold: up to `FETCHING_PER_CORE` x cores x
+`media.max_images_per_prompt` x `media.max_image_bytes` of fetched bytes. Does not own the request bound (the
 host's: Serve's `max_ongoing_requests`) nor the fetches themselves (media.py).
 """
 

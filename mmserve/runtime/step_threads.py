@@ -62,7 +62,8 @@ UNTRUSTED_FIRST_PERIOD = 16  # steps of a kind whose start-up measurement was no
 class StepThreads:
     def __init__(self, device: torch.device, config: DecoderConfig | None = None):
         self.enabled = device.type == "cpu"
-        self.available = torch.get_num_threads()  # the stage's count: the process setting when it was built
+        self.cores = usable_cores()  # cores this process may compute on at once (fixed for its life)
+        self.available = self._stage_count()  # the stage's count
         self.small_step_tokens = config.small_step_tokens if config is not None else 0
         self.small = config.small_step_threads if config is not None else self.available
         self.big = config.big_step_threads if config is not None else self.available
@@ -71,7 +72,6 @@ class StepThreads:
         self.heavy_rows = 0  # decodes attending more context rows than this are heavy; 0 = none are (rows)
         if self.available == 1:  # nothing to choose between
             self.small, self.big, self.heavy = self.small or 1, self.big or 1, self.heavy or 1
-        self.cores = usable_cores()  # cores this process may compute on at once (fixed for its life)
         # each kind measured at start-up -> the cores others kept busy meanwhile, None where unknown (cores)
         self.company: dict[str, float | None] = {}
         self.voided: set[str] = set()  # the kinds whose measurement that company voided
@@ -82,6 +82,17 @@ class StepThreads:
         self.beside_count = config.threads_beside_encodes if config is not None else None
         self.beside: Callable[[], bool] = lambda: False  # set by the owner (decoder/service.py: encodes here)
         self._yielded = False  # whether the step `apply` set up yields to that work (no trial sees it)
+
+    def _stage_count(self) -> int:
+        """torch's threads when the stage was built; on a CPU, at most the cores this process may compute on at
+        once. NOTE: threads past a CPU quota (a container's limit) gain nothing and are throttled all at once;
+        the in-process Engine runs at torch's default, one thread per core the affinity shows."""
+        count = torch.get_num_threads()
+        if self.enabled and count > self.cores:
+            log.info("step threads: torch's %d capped at the %d cores this process may compute on at once (its "
+                     "CPU quota)", count, self.cores)
+            return self.cores
+        return count
 
     def _open_trials(self) -> dict[str, ThreadTrials]:
         counts = (1, self.available)

@@ -4,13 +4,13 @@ type its custom resource names, in the count its own arguments set."""
 from __future__ import annotations
 
 import functools
-import os
 from collections import Counter
 from typing import Any
 
 from deployments.process_setup import SWITCH_INTERVAL_S
 from deployments.stage_args import DEFAULT_STAGE_ENV
 from mmserve.config import DecoderConfig
+from mmserve.runtime.core_company import usable_cores
 from mmserve.runtime.matmul_forms import FORMS
 from tests.integration.conftest import PREPROCESS_NODES, AppInfo
 from tests.integration.helpers import info_of_every_replica, replica_actors, replica_states
@@ -52,7 +52,7 @@ def test_encoder_replicas_run_torch_on_every_core_with_the_stage_environment(mm_
     short GIL switch interval and the frozen start-up heap."""
     handle = mm_app.handle("Encoder")
     infos = info_of_every_replica(lambda: handle.replica_info.remote(), 2)
-    cores = len(os.sched_getaffinity(0))  # the nodes of a local Cluster share this machine's cores
+    cores = usable_cores()  # the nodes of a local Cluster share this machine's cores (within its CPU quota)
     assert all(i["stage_env"] == DEFAULT_STAGE_ENV for i in infos.values())
     assert {(i["torch_threads"], i["switch_interval_s"]) for i in infos.values()} == {(cores, SWITCH_INTERVAL_S)}
     # what the replica built at start-up is out of the garbage collector's sight (process_setup.freeze_startup_heap)

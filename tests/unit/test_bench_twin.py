@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mmserve.models.tiny_checkpoint import default_tiny_checkpoint
+from mmserve.runtime.core_company import usable_cores
 
 SPEC = importlib.util.spec_from_file_location(
     "bench_step_lib", Path(__file__).resolve().parents[2] / "scripts" / "bench_lib" / "step.py")
@@ -31,7 +32,7 @@ def test_a_twin_takes_the_threads_of_the_decoder_it_copies_not_torch_s_count_of_
         assert torch.get_num_threads() == 1  # left as found
     finally:
         torch.set_num_threads(before)
-    assert twin.runner.threads.available == ours.runner.threads.available == before
+    assert twin.runner.threads.available == ours.runner.threads.available == min(before, usable_cores())
     for new_tokens, attended in ((1, 10), (2, 5000), (512, 512)):  # a light decode, a heavy one, a prefill
         assert twin.runner.threads.threads_for(new_tokens, attended) == \
             ours.runner.threads.threads_for(new_tokens, attended)

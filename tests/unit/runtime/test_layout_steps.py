@@ -6,11 +6,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
 
 from mmserve.config import DecoderConfig
+from mmserve.runtime import step_threads
 from mmserve.runtime.layout_steps import price_by_steps
 from mmserve.runtime.step_threads import StepThreads
 from mmserve.runtime.weight_layout import LayoutPolicy, WeightLayout
@@ -141,7 +143,8 @@ def open_counts(available: int) -> StepThreads:
     before = torch.get_num_threads()
     torch.set_num_threads(available)
     try:
-        return StepThreads(torch.device("cpu"), DecoderConfig())
+        with mock.patch.object(step_threads, "usable_cores", lambda: available):  # NOTE: whatever this machine has
+            return StepThreads(torch.device("cpu"), DecoderConfig())
     finally:
         torch.set_num_threads(before)
 

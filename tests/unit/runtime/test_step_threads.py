@@ -59,7 +59,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     return fake
 
 
-def test_small_steps_and_big_steps_take_their_own_counts() -> None:
+def test_small_steps_and_big_steps_take_their_own_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_threads, "usable_cores", lambda: 2)  # NOTE: whatever this machine has
     threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1, big_step_threads=4))
     threads.available = 4  # as if the stage had been configured with 4
     assert [threads.threads_for(n) for n in (1, 8, 16, 17, 300)] == [1, 1, 1, 4, 4]
@@ -297,5 +298,17 @@ def test_steps_take_fewer_threads_while_work_computes_beside_them_and_no_trial_c
                                                    threads_beside_encodes=None))
         unlimited.beside = lambda: True
         assert unlimited.apply(1) == 2 and unlimited.possible_counts() == {2}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_stage_runs_no_more_threads_than_the_cores_it_may_compute_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_threads, "usable_cores", lambda: 2)  # e.g. a container limited to 2 CPUs
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)  # e.g. torch's default: one per core the affinity shows
+    try:
+        threads = StepThreads(torch.device("cpu"), DecoderConfig(small_step_threads=4, big_step_threads=4))
+        assert threads.available == 2 and threads.threads_for(1) == threads.threads_for(512) == 2
+        assert StepThreads(torch.device("meta")).available == 4  # off the CPU nothing is capped
     finally:
         torch.set_num_threads(before)
