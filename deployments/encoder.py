@@ -14,7 +14,6 @@ import sys
 from typing import Any
 
 import ray
-import torch
 from ray import serve
 
 from deployments.args import AppArgs
@@ -115,7 +114,7 @@ class Encoder(StepReplica):
                 "early_encode_calls": self.early_encode_calls, "early_encodes": self.early_encodes,
                 "forward_passes": self.stage.runner.forward_passes,
                 "cache_queries": stats.queries, "cache_hits": stats.hits, "early_found": stats.early_found,
-                "torch_threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
+                "torch_threads": self.stage.runner.threads.available, "switch_interval_s": sys.getswitchinterval(),
                 "frozen_objects": gc.get_freeze_count(),
                 "stage_env": {k: os.environ.get(k) for k in DEFAULT_STAGE_ENV}}
 

@@ -89,8 +89,9 @@ class StepThreads:
         the in-process Engine runs at torch's default, one thread per core the affinity shows."""
         count = torch.get_num_threads()
         if self.enabled and count > self.cores:
-            log.info("step threads: torch's %d capped at the %d cores this process may compute on at once (its "
-                     "CPU quota)", count, self.cores)
+            log.warning("step threads: torch's %d (the stage's torch_threads, or torch's default) capped at the %d "
+                        "cores this process may compute on at once (its CPU affinity within its CPU quota)",
+                        count, self.cores)
             return self.cores
         return count
 

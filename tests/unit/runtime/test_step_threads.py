@@ -49,6 +49,13 @@ class FakeCompany:
         return FakeCompany.others_cores
 
 
+@pytest.fixture(autouse=True)
+def many_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cores enough for every count the tests set (NOTE: a StepThreads caps torch's count at `usable_cores`, which
+    on a machine or container with one core would leave every count at 1)."""
+    monkeypatch.setattr(step_threads, "usable_cores", lambda: 64)
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     """Fake time, on a node where nothing else runs (unless a test sets `FakeCompany.others_cores`)."""
@@ -59,8 +66,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     return fake
 
 
-def test_small_steps_and_big_steps_take_their_own_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(step_threads, "usable_cores", lambda: 2)  # NOTE: whatever this machine has
+def test_small_steps_and_big_steps_take_their_own_counts() -> None:
     threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1, big_step_threads=4))
     threads.available = 4  # as if the stage had been configured with 4
     assert [threads.threads_for(n) for n in (1, 8, 16, 17, 300)] == [1, 1, 1, 4, 4]
@@ -159,9 +165,10 @@ def test_encoder_runner_keeps_its_count_in_a_thread_started_after_a_decode_step_
         torch.set_num_threads(before)
 
 
-def test_a_step_leaves_a_core_when_its_threads_are_fewer_than_the_cores() -> None:
+def test_a_step_leaves_a_core_when_its_threads_are_fewer_than_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     from mmserve.runtime.core_company import usable_cores
 
+    monkeypatch.setattr(step_threads, "usable_cores", usable_cores)  # this machine's own
     threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16, small_step_threads=1, big_step_threads=4))
     assert threads.cores == usable_cores() >= 1  # this process's affinity within its CPU quota, read once
     threads.available, threads.cores = 4, 4
@@ -274,6 +281,7 @@ def test_steps_take_fewer_threads_while_work_computes_beside_them_and_no_trial_c
     try:
         threads = StepThreads(CPU, DecoderConfig(small_step_tokens=16))  # counts open: trials run
         threads.small = threads.heavy = threads.big = 2  # as if measured
+        threads.cores = 2  # a 2-core machine's
         busy = [False]
         threads.beside = lambda: busy[0]
         assert (threads.apply(1), threads.apply(300)) == (2, 2)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mmserve.config import DecoderConfig
+from mmserve.runtime import step_threads
 from mmserve.runtime.step_threads import BIG, BIG_FIRST_PERIOD, HEAVY, SMALL, StepThreads
 from mmserve.runtime.thread_trials import (
     FIRST_PERIOD,
@@ -22,8 +23,10 @@ TRIAL_STEPS = TIMED_STEPS * RUN_LENGTH  # a decode trial's steps, timed or not
 
 
 @pytest.fixture
-def two_threads():
-    """torch at 2 threads while the test builds its StepThreads (their `available`), restored after."""
+def two_threads(monkeypatch: pytest.MonkeyPatch):
+    """torch at 2 threads while the test builds its StepThreads (their `available`), restored after; the process's
+    cores taken as 2 (NOTE: a StepThreads caps torch's count at them, 1 on a one-core machine or container)."""
+    monkeypatch.setattr(step_threads, "usable_cores", lambda: 2)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
